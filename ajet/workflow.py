@@ -1,0 +1,87 @@
+"""The user-facing workflow API: `Workflow`, `WorkflowOutput` and the per-episode `Tuner`.
+
+A workflow is the user's own agent code. ajet hands it a `Tuner` whose `base_url`/`api_key` point at
+this episode's proxy endpoint; every chat-completion call made there is recorded for training.
+
+    class MyWorkflow(Workflow):
+        async def execute(self, task, tuner):
+            r = await tuner.client.chat.completions.create(model=tuner.model, messages=[...])
+            return WorkflowOutput(reward=1.0 if ok(r) else 0.0)
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # keep `import ajet` light: openai is imported only when a client is built
+    from openai import AsyncOpenAI
+
+    from ajet.task import Task
+
+
+@dataclass
+class WorkflowOutput:
+    """What a workflow returns for one episode.
+
+    Attributes:
+        reward: scalar episode reward; None lets the configured judge score the episode.
+        final_answer: the agent's final answer text (what a judge reads), if any.
+        metadata: free-form JSON-serialisable data stored with the trajectory.
+        metrics: numeric values averaged per step into metrics.jsonl (e.g. {"turns": 3}).
+    """
+
+    reward: float | None = None
+    final_answer: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Tuner:
+    """Per-episode handle given to `Workflow.execute`.
+
+    Attributes:
+        base_url: OpenAI-compatible base URL for this episode (ends in `/v1`).
+        api_key: this episode's secret token (also embedded in `base_url`).
+        model: the model name to pass as `model=` (any string is accepted by the proxy).
+        episode_id: id of this episode (for the workflow's own logging).
+    """
+
+    base_url: str
+    api_key: str
+    model: str
+    episode_id: str
+    _client: AsyncOpenAI | None = field(default=None, repr=False)
+
+    @property
+    def client(self) -> AsyncOpenAI:
+        """A ready `openai.AsyncOpenAI` client bound to this episode (created on first use)."""
+        if self._client is None:
+            from openai import AsyncOpenAI
+
+            self._client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2, timeout=600)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+class Workflow(abc.ABC):
+    """Base class of a user's agent workflow. One instance serves many episodes concurrently.
+
+    Subclasses implement `execute`; it must use `tuner.client` (or `tuner.base_url`/`tuner.api_key`
+    with any OpenAI-compatible client) for every model call that should be trained on.
+    """
+
+    @abc.abstractmethod
+    async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
+        """Run one episode of the agent on `task`.
+
+        Returns:
+            WorkflowOutput; its `reward` may be None when a judge is configured.
+        Raises:
+            Anything: an exception marks the episode failed (recorded with its traceback, not trained on).
+        """
