@@ -64,7 +64,9 @@ class LLMCall:
         response_message: the assistant message returned to the client (content, tool_calls).
         sampling: the sampling parameters used.
         policy_version: optimizer step of the weights that sampled the completion.
-        timings: seconds, e.g. {"queue_s": .., "generate_s": .., "total_s": ..}.
+        timings: seconds, e.g. {"prepare_s": .., "generate_s": .., "total_s": ..}.
+        prompt_parent: the call whose exact tokens this prompt extends (token-in-token-out), or None.
+        prompt_render_reason: why the prompt was rendered in full instead ("first_call", "history_differs", ...).
     """
 
     call_id: str
@@ -81,6 +83,8 @@ class LLMCall:
     sampling: SamplingParams
     policy_version: int
     timings: dict[str, float] = field(default_factory=dict)
+    prompt_parent: str | None = None
+    prompt_render_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (used for trajectories.jsonl)."""

@@ -25,6 +25,7 @@ class Sample:
         loss_mask: `[response_len]` 1 where the engine sampled the token, else 0.
         old_logprobs: `[response_len]` engine logprobs where loss_mask is 1, else 0.0.
         policy_versions: `[response_len]` policy version that sampled each token (-1 where not sampled).
+        temperature: sampling temperature of its calls (the trainer scales logits by it, as the engine did).
         reward: the episode reward (shared by all samples of an episode).
         advantage: the episode advantage (filled in by the algorithm; shared by all its samples).
         num_episode_samples: how many samples the episode produced (for per-episode loss weighting).
@@ -40,6 +41,7 @@ class Sample:
     loss_mask: list[int]
     old_logprobs: list[float]
     policy_versions: list[int]
+    temperature: float = 1.0
     reward: float = 0.0
     advantage: float = 0.0
     num_episode_samples: int = 1

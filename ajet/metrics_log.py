@@ -1,0 +1,51 @@
+"""Per-step outputs: `metrics.jsonl`, TensorBoard scalars, `trajectories.jsonl` and the console line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to `exp_dir/metrics.jsonl` and mirrors scalars to TensorBoard.
+
+    Args:
+        exp_dir: the experiment folder (created if missing).
+        tensorboard: also write TensorBoard event files under `exp_dir/tensorboard`.
+    """
+
+    def __init__(self, exp_dir: Path, tensorboard: bool = True):
+        self.exp_dir = exp_dir
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(exp_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._trajectories = open(exp_dir / "trajectories.jsonl", "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(exp_dir / "tensorboard"))
+        self.console = Console(stderr=False, highlight=False)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._metrics.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def write_episode(self, step: int, record: dict[str, Any]) -> None:
+        self._trajectories.write(json.dumps({"step": step, **record}) + "\n")
+
+    def flush(self) -> None:
+        self._trajectories.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._trajectories.close()
+        if self._tb is not None:
+            self._tb.close()

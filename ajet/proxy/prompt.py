@@ -1,0 +1,134 @@
+"""Token-in-token-out prompt building: a call that continues an earlier call reuses its exact tokens.
+
+When a call's messages are an earlier call's messages, plus that call's assistant reply, plus new
+messages (tool results, a user turn), the prompt ids are
+
+    earlier prompt ids + earlier sampled ids (+ end-of-turn if it was not sampled) + rendered new turns
+
+so the model is conditioned on exactly the tokens it sampled (no BPE re-split, no re-serialised tool-call
+JSON), and the context tracker can merge the two calls into one sample. Anything else (the first call,
+an edited history, a template that rewrites earlier turns) is rendered in full, and the reason is kept.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ajet.llm_call import LLMCall
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A built prompt.
+
+    Attributes:
+        ids: `[prompt_len]` token ids for the engine.
+        parent_call_id: the call it extends token-for-token, or None when rendered in full.
+        render_reason: why it was rendered in full ("first_call", "history_differs", "template_not_append_only",
+            "tools_changed", "no_end_of_turn"), or None when it extends a parent.
+    """
+
+    ids: list[int]
+    parent_call_id: str | None
+    render_reason: str | None
+
+
+class PromptBuilder:
+    """Renders OpenAI-format messages into prompt ids with the model's chat template.
+
+    Args:
+        tokenizer: a `transformers` tokenizer whose `chat_template` accepts `tools=` and whose
+            `eos_token` is the end-of-turn token (e.g. `<|im_end|>`).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.end_of_turn = tokenizer.eos_token
+        self.end_of_turn_id = tokenizer.eos_token_id
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages` (text, not ids)."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids; special tokens written in the text (`<|im_start|>`) map to their ids."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def build(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              history: list[LLMCall]) -> Prompt:
+        """Prompt ids for `messages`, extending the latest call in `history` that they continue."""
+        parent, reason = find_parent(messages, tools, history)
+        if parent is None:
+            return Prompt(self.encode(self.render(messages, tools)), None, reason)
+        prev_text = self.render(parent.messages, tools)
+        full_text = self.render(messages, tools)
+        if not full_text.startswith(prev_text):
+            return Prompt(self.encode(full_text), None, "template_not_append_only")
+        rest = full_text[len(prev_text):]          # the parent's reply as re-rendered + the new turns
+        cut = rest.find(self.end_of_turn)
+        if cut < 0:
+            return Prompt(self.encode(full_text), None, "no_end_of_turn")
+        bridge = rest[cut + len(self.end_of_turn):]  # e.g. "\n<|im_start|>user\n<tool_response>..."
+        sampled = list(parent.completion_ids)
+        if not sampled or sampled[-1] != self.end_of_turn_id:
+            sampled.append(self.end_of_turn_id)    # cut by max_tokens or a stop string: close the turn
+        return Prompt(list(parent.prompt_ids) + sampled + self.encode(bridge), parent.call_id, None)
+
+
+def find_parent(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                history: list[LLMCall]) -> tuple[LLMCall | None, str | None]:
+    """The latest call whose messages + reply are a prefix of `messages`, else (None, reason)."""
+    if not history:
+        return None, "first_call"
+    reason = "history_differs"
+    for call in reversed(history):
+        k = len(call.messages)
+        if len(messages) <= k + 1 or messages[k].get("role") != "assistant":
+            continue
+        if not all(_same(a, b) for a, b in zip(messages[:k], call.messages)):
+            continue
+        if not _same(messages[k], call.response_message, ignore_ids=True):
+            continue
+        if _canon(tools) != _canon(call.tools):
+            reason = "tools_changed"
+            continue
+        return call, None
+    return None, reason
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _tool_calls(msg: dict[str, Any], ignore_ids: bool) -> list[tuple]:
+    out = []
+    for tc in msg.get("tool_calls") or []:
+        fn = tc.get("function", {})
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append((None if ignore_ids else tc.get("id"), fn.get("name"), _canon(args)))
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any], ignore_ids: bool = False) -> bool:
+    """Two wire messages say the same thing (None-valued keys, part lists and JSON spacing aside)."""
+    return (a.get("role") == b.get("role")
+            and _text(a.get("content")).strip() == _text(b.get("content")).strip()
+            and _tool_calls(a, ignore_ids) == _tool_calls(b, ignore_ids)
+            and (ignore_ids or a.get("tool_call_id") == b.get("tool_call_id")))
+
+
+def _canon(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False)

@@ -1,0 +1,122 @@
+"""The OpenAI Chat Completions request, as pydantic models (the wire schema the proxy accepts).
+
+Responses reuse the `openai` package's own types (`ChatCompletion`, `ChatCompletionChunk`). Requests
+get our own models because the `openai` request types are TypedDicts with lazy `Iterable` fields that
+validate poorly; these mirror them field for field, discriminated on `role`, so a malformed request
+gets one precise error (e.g. `messages.2.tool.tool_call_id: Field required`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Wire(BaseModel):
+    # unknown message fields are kept (clients add vendor keys) and ignored by the template
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Wire):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+Content = Union[str, list[TextPart], None]
+
+
+class SystemMessage(_Wire):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Wire):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Wire):
+    role: Literal["assistant"]
+    content: Content = None  # null or missing when the turn only calls tools
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Wire):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+
+
+class FunctionDef(_Wire):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Wire):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """`POST /v1/chat/completions` body. Unknown top-level fields are rejected with a 400 naming them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    def wire_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts, None-valued keys dropped (the form the chat template and records use)."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def wire_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]

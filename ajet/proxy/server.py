@@ -1,0 +1,318 @@
+"""The recording proxy: an OpenAI-compatible `/v1/chat/completions` endpoint per episode.
+
+Each episode gets `http://127.0.0.1:PORT/ep/<token>/v1` as its base_url, `<token>` (unguessable,
+also accepted as `Authorization: Bearer <token>` on `/v1/...`) as its api_key. A request's path is a
+straight line: find the episode -> validate the body -> choose sampling params -> build the prompt ids
+(token-in-token-out) -> generate -> parse tool calls -> record an `LLMCall` -> answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ajet.chat_template import parse_tool_calls
+from ajet.engine import Engine
+from ajet.llm_call import LLMCall, SamplingParams
+from ajet.proxy.prompt import PromptBuilder
+from ajet.proxy.schema import ChatCompletionRequest
+
+
+@dataclass
+class EpisodeEndpoint:
+    """What a workflow needs to reach the proxy for one episode."""
+
+    episode_id: str
+    base_url: str
+    api_key: str
+
+
+@dataclass
+class _Episode:
+    episode_id: str
+    token: str
+    calls: list[LLMCall] = field(default_factory=list)
+    open: bool = True
+
+
+class ProxyError(Exception):
+    """An OpenAI-style error answer: HTTP status, message, type, offending param, code."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class ProxyServer:
+    """Serves the proxy with uvicorn in a background thread (its own event loop) on `host`.
+
+    Args:
+        engine: generates completions (see `ajet.engine.Engine`).
+        tokenizer: the policy's tokenizer with a tool-capable chat template.
+        defaults: sampling parameters from the config.
+        sampling_policy: "config" (config temperature/top_p win; client max_tokens capped by config) or
+            "client" (client values win where given).
+        max_model_len: prompt + completion limit, tokens; longer prompts get a 400.
+        model_name: the name `/v1/models` lists (any `model` string is accepted).
+        host: bind address; 127.0.0.1 unless you need the proxy reachable from elsewhere.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, defaults: SamplingParams, sampling_policy: str = "config",
+                 max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1"):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer)
+        self.defaults = defaults
+        self.sampling_policy = sampling_policy
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.host = host
+        self.port: int | None = None
+        self._episodes: dict[str, _Episode] = {}   # token -> episode
+        self._lock = threading.Lock()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 30.0) -> ProxyServer:
+        """Bind a free port on `host` and serve in a daemon thread. Raises RuntimeError if it won't start."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", loop="asyncio", access_log=False,
+                                timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="ajet-proxy", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"proxy did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # ---- episodes ---------------------------------------------------------------------------------
+    def open_episode(self, episode_id: str) -> EpisodeEndpoint:
+        """Register an episode; its calls are recorded until `close_episode`."""
+        token = "ajet-" + secrets.token_urlsafe(24)
+        with self._lock:
+            self._episodes[token] = _Episode(episode_id, token)
+        return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token)
+
+    def close_episode(self, endpoint: EpisodeEndpoint) -> list[LLMCall]:
+        """Stop accepting calls for the episode (later ones get 404) and return its calls in order."""
+        with self._lock:
+            ep = self._episodes.pop(endpoint.api_key)
+        ep.open = False
+        return ep.calls
+
+    def _episode(self, token: str | None) -> _Episode:
+        with self._lock:
+            ep = self._episodes.get(token or "")
+        if ep is None:
+            raise ProxyError(404 if token else 401,
+                             "unknown or finished episode: use the base_url and api_key ajet gave this episode"
+                             if token else "missing episode token: pass the episode's api_key as the Bearer token",
+                             "invalid_request_error" if token else "authentication_error",
+                             code="episode_not_found" if token else "invalid_api_key")
+        return ep
+
+    # ---- HTTP -------------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="ajet proxy", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(ProxyError)
+        async def _proxy_error(_req: Request, exc: ProxyError):
+            return exc.response()
+
+        @app.post("/ep/{token}/v1/chat/completions")
+        async def chat_by_path(token: str, request: Request):
+            return await self.chat_completions(self._episode(token), request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_by_key(request: Request):
+            return await self.chat_completions(self._episode(_bearer(request)), request)
+
+        @app.get("/ep/{token}/v1/models")
+        async def models_by_path(token: str):
+            self._episode(token)
+            return self._models()
+
+        @app.get("/v1/models")
+        async def models_by_key(request: Request):
+            self._episode(_bearer(request))
+            return self._models()
+
+        @app.post("/ep/{token}/v1/responses")
+        @app.post("/v1/responses")
+        async def responses(token: str | None = None):
+            raise ProxyError(404, "ajet's proxy serves the Chat Completions API, not the Responses API: "
+                                  "use client.chat.completions.create(...) (LangChain: use_responses_api=False)",
+                             code="unsupported_endpoint")
+
+        return app
+
+    def _models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ajet"}]}
+
+    async def chat_completions(self, ep: _Episode, request: Request):
+        """Handle one chat completion for episode `ep` (see the module docstring for the steps)."""
+        t0 = time.perf_counter()
+        req = await _parse(request)
+        _reject_unsupported(req)
+        sampling = self._sampling(req)
+        messages, tools = req.wire_messages(), req.wire_tools()
+        prompt = self.prompts.build(messages, tools, ep.calls)
+        if len(prompt.ids) + 1 > self.max_model_len:
+            raise ProxyError(400, f"the prompt is {len(prompt.ids)} tokens; this model's context holds "
+                                  f"{self.max_model_len}: shorten the conversation", param="messages",
+                             code="context_length_exceeded")
+        t1 = time.perf_counter()
+        try:
+            completion = await self.engine.generate(prompt.ids, sampling)
+        except ValueError as exc:
+            raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+        except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
+            raise ProxyError(503, f"the inference engine failed: {exc}", "server_error", code="engine_error") from exc
+        t2 = time.perf_counter()
+
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        content, tool_calls = parse_tool_calls(text) if tools and req.tool_choice != "none" else (text, [])
+        finish = "tool_calls" if tool_calls else completion.finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        if not ep.open:
+            raise ProxyError(404, "the episode finished while this call was running", code="episode_not_found")
+        call = LLMCall(
+            call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag="default",
+            index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt.ids,
+            completion_ids=completion.token_ids, completion_logprobs=completion.logprobs, finish_reason=finish,
+            response_message=message, sampling=sampling, policy_version=completion.policy_version,
+            timings={"prepare_s": t1 - t0, "generate_s": t2 - t1, "total_s": time.perf_counter() - t0},
+            prompt_parent=prompt.parent_call_id, prompt_render_reason=prompt.render_reason,
+        )
+        ep.calls.append(call)
+        body = self._completion_body(call, req, text_logprobs=bool(req.logprobs))
+        if req.stream:
+            return StreamingResponse(_sse(body, req), media_type="text/event-stream")
+        return JSONResponse(body)
+
+    def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
+        d = self.defaults
+        asked_max = req.max_completion_tokens or req.max_tokens
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if self.sampling_policy == "client":
+            return SamplingParams(
+                temperature=d.temperature if req.temperature is None else max(req.temperature, 1e-3),
+                top_p=d.top_p if req.top_p is None else req.top_p,
+                max_tokens=asked_max or d.max_tokens, seed=req.seed, stop=stop)
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p,
+                              max_tokens=min(asked_max or d.max_tokens, d.max_tokens), seed=req.seed, stop=stop)
+
+    def _completion_body(self, call: LLMCall, req: ChatCompletionRequest, text_logprobs: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "message": call.response_message, "finish_reason": call.finish_reason,
+                                  "logprobs": None}
+        if text_logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(call.completion_ids, call.completion_logprobs)]}
+        n_prompt, n_completion = len(call.prompt_ids), len(call.completion_ids)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": req.model, "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                          "total_tokens": n_prompt + n_completion}}
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+async def _parse(request: Request) -> ChatCompletionRequest:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProxyError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ProxyError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        msg = ("unsupported parameter" if err["type"] == "extra_forbidden" else err["msg"])
+        raise ProxyError(400, f"{param}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "missing"
+                                                  and err["type"] != "extra_forbidden" else ""),
+                         param=param, code="invalid_value" if err["type"] != "extra_forbidden" else "unsupported_parameter") from exc
+
+
+def _reject_unsupported(req: ChatCompletionRequest) -> None:
+    """A field ajet cannot honour is a 400 naming it, never silently dropped."""
+    if req.n not in (None, 1):
+        raise ProxyError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported_value")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise ProxyError(400, "tool_choice 'required' or a named function is not supported yet: use 'auto'",
+                         param="tool_choice", code="unsupported_value")
+    if req.frequency_penalty or req.presence_penalty:
+        raise ProxyError(400, "frequency/presence penalties would change the sampling distribution the policy is "
+                              "trained on: remove them", param="frequency_penalty", code="unsupported_value")
+    if req.top_logprobs:
+        raise ProxyError(400, "top_logprobs is not supported yet: use logprobs=true", param="top_logprobs",
+                         code="unsupported_value")
+    if req.response_format and req.response_format.get("type") not in ("text", "json_object"):
+        raise ProxyError(400, "response_format: only 'text' and 'json_object' are accepted",
+                         param="response_format", code="unsupported_value")
+
+
+async def _sse(body: dict[str, Any], req: ChatCompletionRequest):
+    """OpenAI SSE chunks for a finished completion: role, content, tool_calls, finish, usage, [DONE]."""
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+    choice = body["choices"][0]
+    msg = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, usage=None) -> str:
+        choices = [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        return "data: " + json.dumps({**base, "choices": choices, **({"usage": usage} if usage else {})}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    if msg.get("content"):
+        yield chunk({"content": msg["content"]})
+    for i, tc in enumerate(msg.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
+                                     "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}}]})
+    yield chunk({}, choice["finish_reason"])
+    if req.stream_options and req.stream_options.include_usage:
+        yield chunk({}, usage=body["usage"])
+    yield "data: [DONE]\n\n"
+    await asyncio.sleep(0)

@@ -1,0 +1,142 @@
+"""The training loop: roll out -> merge into samples -> GRPO advantages -> backbone update -> log.
+
+    for step in 1..total_steps:
+        tasks    = sampler.next_batch(tasks_per_step)
+        episodes = rollout(workflow, tasks x num_repeat)         # through the proxy, recorded
+        samples  = merge_calls(episode.calls) for each episode   # context tracker
+        advantage per episode = GRPO over its task group          # shared by the episode's samples
+        backbone.update(samples)                                  # the engine serves the new weights
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from ajet.config import AjetConfig, resolve_path
+from ajet.episode import Episode
+from ajet.importing import load_object
+from ajet.llm_call import SamplingParams
+from ajet.task_reader import read_jsonl_tasks
+from ajet.task_sampler import TaskSampler
+
+
+def run(cfg: AjetConfig) -> Path:
+    """Train as `cfg` says; returns the experiment folder (metrics.jsonl, trajectories.jsonl, checkpoints/).
+
+    Raises:
+        AjetError subclasses for config, workflow-loading or backbone problems (before any training).
+    """
+    import torch
+
+    from ajet.backbones import load_backbone
+    from ajet.grpo import grpo_advantages
+    from ajet.metrics_log import MetricsLogger
+    from ajet.proxy.server import ProxyServer
+    from ajet.rollout import rollout
+    from ajet.tracker import merge_calls
+
+    exp_dir = cfg.exp_path()
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+
+    tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
+    workflow = load_object(cfg.workflow, cfg.config_dir)()
+    judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+    backbone_cls = load_backbone(cfg.backbone)
+
+    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard)
+    log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
+                      f"tasks={len(tasks)} -> {exp_dir}")
+    t_load = time.perf_counter()
+    backbone = backbone_cls(cfg)
+    r = cfg.rollout
+    proxy = ProxyServer(backbone.engine, backbone.tokenizer,
+                        SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
+                        sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len).start()
+    log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
+    total = cfg.trainer.total_steps
+    try:
+        for step in range(1, total + 1):
+            t0 = time.perf_counter()
+            gen0 = getattr(backbone.engine, "generated_tokens", 0)
+            episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
+                                           proxy, judge, step, r.max_concurrency, r.episode_timeout_s))
+            rollout_s = time.perf_counter() - t0
+            ok = [e for e in episodes if e.ok]
+            for e in ok:
+                e.samples = merge_calls(e.calls, e.group_id)
+            if ok:
+                adv = grpo_advantages(torch.tensor([e.reward for e in ok]), [e.group_id for e in ok],
+                                      cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
+                for e, a in zip(ok, adv.tolist()):
+                    for s in e.samples:
+                        s.reward, s.advantage = e.reward, a
+            train = backbone.update([s for e in ok for s in e.samples])
+            metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
+            metrics.update({f"train/{k}": v for k, v in train.items()})
+            metrics["time/step_s"] = time.perf_counter() - t0
+            metrics["policy_version"] = backbone.engine.policy_version
+            log.log(step, metrics)
+            if cfg.trainer.save_trajectories:
+                for e in episodes:
+                    log.write_episode(step, e.to_dict())
+                log.flush()
+            log.console.print(_console_line(step, total, metrics))
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
+                backbone.save_checkpoint(exp_dir / "checkpoints" / f"step_{step}")
+    finally:
+        proxy.stop()
+        backbone.close()
+        log.close()
+    return exp_dir
+
+
+def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: int) -> dict[str, Any]:
+    """Rollout and context-tracker figures of one step."""
+    ok = [e for e in episodes if e.ok]
+    rewards = [e.reward for e in ok]
+    samples = [s for e in ok for s in e.samples]
+    calls = [c for e in ok for c in e.calls]
+    naive_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)   # one sample per call
+    merged_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    m: dict[str, Any] = {
+        "rollout/episodes": len(episodes),
+        "rollout/failed": len(episodes) - len(ok),
+        "reward/mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "reward/max": max(rewards) if rewards else float("nan"),
+        "rollout/calls": len(calls),
+        "rollout/calls_per_episode": len(calls) / len(ok) if ok else 0.0,
+        "rollout/generated_tokens": generated_tokens,
+        "rollout/tokens_per_s": generated_tokens / rollout_s if rollout_s > 0 else 0.0,
+        "time/rollout_s": rollout_s,
+        "tracker/samples": len(samples),
+        "tracker/merge_ratio": len(calls) / len(samples) if samples else 0.0,
+        "tracker/tokens_naive": naive_tokens,
+        "tracker/tokens_merged": merged_tokens,
+        "tracker/loss_tokens": sum(s.num_loss_tokens for s in samples),
+        "tracker/forks": sum(1 for s in samples if s.flags.get("forked")),
+    }
+    keys = sorted({k for e in ok if e.output for k in e.output.metrics})
+    for k in keys:
+        vals = [float(e.output.metrics[k]) for e in ok if e.output and k in e.output.metrics]
+        m[f"workflow/{k}"] = statistics.fmean(vals)
+    if len(ok) < len(episodes):
+        m["rollout/first_error"] = next(e.error for e in episodes if not e.ok).strip().splitlines()[-1][:300]
+    return m
+
+
+def _console_line(step: int, total: int, m: dict[str, Any]) -> str:
+    return (f"step {step}/{total} | episodes {m['rollout/episodes']} ({m['rollout/failed']} failed) | "
+            f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f} | calls {m['rollout/calls']} -> samples "
+            f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x) | gen {m['rollout/tokens_per_s']:.0f} tok/s | "
+            f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s")
+

@@ -1,0 +1,196 @@
+"""In-process batched generation with a transformers causal LM (the debug backbone's engine).
+
+Concurrent `generate` calls (from the proxy's event loop) are queued; one worker thread takes every
+request waiting (up to `max_batch_size`), left-pads them into one batch and decodes them together with a
+KV cache. Each sampled token's logprob is log_softmax(logits / temperature)[token], the same quantity
+the trainer recomputes, so the PPO ratio is exactly 1 before the first update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ajet.llm_call import Completion, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+class HFEngine:
+    """Batched sampler over a `transformers` causal LM that lives in this process.
+
+    Args:
+        model: a `PreTrainedModel` (its weights are shared with the trainer: updates are served at once).
+        eos_token_ids: ids that end a completion (end-of-turn and end-of-text).
+        pad_token_id: id used for left padding (never attended to).
+        max_batch_size: most prompts decoded together.
+        max_model_len: prompt + completion limit, tokens.
+        decode_fn: ids -> text, used only to check `stop` strings.
+    """
+
+    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch_size: int = 32,
+                 max_model_len: int = 4096, decode_fn=None):
+        self.model = model
+        self.eos_token_ids = set(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.decode_fn = decode_fn
+        self.policy_version = 0
+        self.weights_lock = threading.Lock()  # held while generating; the trainer takes it to update
+        self.generated_tokens = 0
+        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._generator = torch.Generator(device="cpu").manual_seed(0)
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="ajet-engine", daemon=True)
+        self._worker.start()
+
+    # ---- public API -------------------------------------------------------------------------------
+    def seed(self, seed: int) -> None:
+        """Reseed the running sampler (calls that pass their own `seed` are unaffected)."""
+        self._generator.manual_seed(seed)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Queue one prompt and await its completion. See `ajet.engine.Engine.generate`."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
+        loop = asyncio.get_running_loop()
+        req = _Request(list(prompt_ids), params, loop, loop.create_future())
+        self._queue.put(req)
+        return await req.future
+
+    def close(self) -> None:
+        """Stop the worker thread; queued requests fail with RuntimeError."""
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join(timeout=30)
+
+    # ---- worker -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < self.max_batch_size:  # take everything already waiting
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)
+                    break
+                batch.append(nxt)
+            try:
+                with self.weights_lock:
+                    results = self._generate_batch(batch)
+                for req, res in zip(batch, results):
+                    req.loop.call_soon_threadsafe(_resolve, req.future, res, None)
+            except Exception as exc:  # noqa: BLE001 - every waiting request must hear about it
+                for req in batch:
+                    req.loop.call_soon_threadsafe(_resolve, req.future, None, exc)
+        while not self._queue.empty():
+            req = self._queue.get_nowait()
+            if req is not None:
+                req.loop.call_soon_threadsafe(_resolve, req.future, None, RuntimeError("engine is shut down"))
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[_Request]) -> list[Completion]:
+        device = next(self.model.parameters()).device
+        B = len(batch)
+        lens = [len(r.prompt_ids) for r in batch]
+        L = max(lens)
+        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every row's last prompt token sits at column L-1
+            input_ids[i, L - lens[i]:] = torch.tensor(r.prompt_ids)
+            attn[i, L - lens[i]:] = 1
+        input_ids, attn = input_ids.to(device), attn.to(device)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+
+        temps = torch.tensor([r.params.temperature for r in batch], device=device).unsqueeze(1)  # [B, 1]
+        top_ps = torch.tensor([r.params.top_p for r in batch], device=device).unsqueeze(1)      # [B, 1]
+        budgets = [max(1, min(r.params.max_tokens, self.max_model_len - n)) for r, n in zip(batch, lens)]
+        gens = [torch.Generator(device="cpu").manual_seed(r.params.seed) if r.params.seed is not None else None
+                for r in batch]
+
+        out_ids: list[list[int]] = [[] for _ in range(B)]
+        out_lp: list[list[float]] = [[] for _ in range(B)]
+        finish: list[str | None] = [None] * B
+        was_training = self.model.training
+        self.model.eval()
+        past = None
+        cur_ids, cur_pos = input_ids, position_ids
+        for _t in range(max(budgets)):
+            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
+                             past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float() / temps                     # [B, vocab]
+            logprobs = torch.log_softmax(logits, dim=-1)                      # [B, vocab]
+            tokens = _sample_top_p(logprobs, top_ps, self._generator, gens).to(device)  # [B]
+            token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)        # [B]
+            for i in range(B):
+                if finish[i] is not None:
+                    continue
+                tok = int(tokens[i])
+                out_ids[i].append(tok)
+                out_lp[i].append(float(token_lp[i]))
+                if tok in self.eos_token_ids or self._hit_stop(out_ids[i], batch[i].params.stop):
+                    finish[i] = "stop"
+                elif len(out_ids[i]) >= budgets[i]:
+                    finish[i] = "length"
+            if all(f is not None for f in finish):
+                break
+            cur_ids = tokens[:, None]
+            cur_pos = cur_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
+        if was_training:
+            self.model.train()
+        self.generated_tokens += sum(len(x) for x in out_ids)
+        return [Completion(out_ids[i], out_lp[i], finish[i] or "length", self.policy_version) for i in range(B)]
+
+    def _hit_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
+        if not stop or self.decode_fn is None:
+            return False
+        tail = self.decode_fn(ids[-16:])
+        return any(s in tail for s in stop)
+
+
+def _sample_top_p(logprobs: torch.Tensor, top_p: torch.Tensor, generator: torch.Generator,
+                  row_generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Nucleus sampling (Holtzman et al. 2020) per row. logprobs `[B, vocab]`, top_p `[B, 1]` -> ids `[B]`."""
+    probs = logprobs.exp().cpu()
+    if bool((top_p < 1.0).any()):
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = (cum - sorted_p) > top_p.cpu()          # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    for i, g in enumerate(row_generators):  # seeded requests draw from their own stream
+        if g is not None:
+            tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return tokens
+
+
+def _resolve(future: asyncio.Future, result, exc) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
