@@ -6,10 +6,13 @@ keys (with a "did you mean"), never a silently ignored setting.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ajet.errors import ConfigError
 
 
 class _Section(BaseModel):
@@ -102,3 +105,83 @@ class AjetConfig(_Section):
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)
+
+    def exp_path(self) -> Path:
+        """The experiment folder: `trainer.exp_dir` with `{experiment_name}` filled in (relative to the cwd)."""
+        return Path(self.trainer.exp_dir.format(experiment_name=self.experiment_name))
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> AjetConfig:
+    """Read a YAML experiment file into an `AjetConfig`.
+
+    Args:
+        path: the YAML file.
+        overrides: dotted keys applied before validation, e.g. {"trainer.exp_dir": "/tmp/x"}.
+    Raises:
+        ConfigError: missing/unreadable file, bad YAML, unknown key (with a "did you mean"), wrong type or
+            value, missing required key. The message names the file and every offending key.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    errors = _unknown_keys(data, AjetConfig, "")
+    if errors:
+        raise ConfigError(f"{path}: " + "\n".join(errors))
+    try:
+        cfg = AjetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}:\n" + "\n".join(_describe(e) for e in exc.errors())) from exc
+    cfg.config_dir = path.resolve().parent
+    return cfg
+
+
+def resolve_path(cfg: AjetConfig, p: str | Path) -> Path:
+    """An absolute path for `p`: as is if absolute, else the config file's folder first, then the cwd."""
+    p = Path(p).expanduser()
+    if p.is_absolute():
+        return p
+    if cfg.config_dir is not None and (cfg.config_dir / p).exists():
+        return cfg.config_dir / p
+    return Path.cwd() / p
+
+
+def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
+    errors = []
+    fields = {k: f for k, f in model.model_fields.items() if not (f.exclude is True)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f" did you mean `{prefix}{close[0]}`?" if close else ""
+            errors.append(f"unknown key `{dotted}`.{hint} Allowed keys{' in ' + prefix[:-1] if prefix else ''}: "
+                          f"{', '.join(sorted(fields))}")
+            continue
+        ann = fields[key].annotation
+        if isinstance(value, dict) and isinstance(ann, type) and issubclass(ann, BaseModel):
+            errors += _unknown_keys(value, ann, dotted + ".")
+    return errors
+
+
+def _describe(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "missing":
+        return f"missing required key `{key}`"
+    return f"`{key}`: {err['msg']} (got {err.get('input')!r})"
+

@@ -1,0 +1,5 @@
+import sys
+
+from ajet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,43 @@
+"""`ajet` command line. Only argparse is imported until a command runs, so `ajet --help` is instant.
+
+    ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug [--exp-dir DIR] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
+        epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug")
+    p.add_argument("--conf", required=True, metavar="YAML", help="experiment config file")
+    p.add_argument("--backbone", choices=["debug", "verl", "trinity"],
+                   help="RL backend: debug (one process, CPU or one GPU), verl (Ray+FSDP+vLLM), trinity")
+    p.add_argument("--exp-dir", metavar="DIR", help="where metrics, trajectories and checkpoints go")
+    p.add_argument("--steps", type=int, metavar="N", help="override trainer.total_steps")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv`, load the config, train. Returns the exit status (2 for user errors)."""
+    args = build_parser().parse_args(argv)
+    from ajet.errors import AjetError
+
+    overrides = {k: v for k, v in (("backbone", args.backbone), ("trainer.exp_dir", args.exp_dir),
+                                   ("trainer.total_steps", args.steps)) if v is not None}
+    try:
+        from ajet.config import load_config
+        from ajet.trainer import run
+
+        run(load_config(args.conf, overrides))
+    except AjetError as exc:
+        print(f"ajet: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _entry() -> None:  # console-script entry point
+    sys.exit(main())

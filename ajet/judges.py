@@ -1,0 +1,44 @@
+"""Built-in judges: `(task, output) -> reward`. Name one in the config as `judge: ajet.judges:NAME`."""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from ajet.task import Task
+from ajet.workflow import WorkflowOutput
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_final_number(text: str | None) -> str | None:
+    """The answer number of a model's text: the first number after the last `####`, `\\boxed{` or
+    "answer is", else the last number in the text.
+
+    Commas, `$` and trailing zeros are normalised away ("1,234.50" -> "1234.5", "7.0" -> "7").
+    """
+    if not text:
+        return None
+    for pattern in (r"####\s*(.+)", r"\\boxed\{([^}]*)\}", r"answer is\s*:?\s*([^\n]*)"):
+        m = re.findall(pattern, text, flags=re.IGNORECASE)
+        if m and _NUMBER.search(m[-1]):
+            return _normalise(_NUMBER.search(m[-1]).group())
+    nums = _NUMBER.findall(text)
+    return _normalise(nums[-1]) if nums else None
+
+
+def _normalise(num: str) -> str | None:
+    try:
+        d = Decimal(num.replace(",", "").replace("$", ""))
+    except InvalidOperation:
+        return None
+    d = d.normalize()
+    return format(d.quantize(Decimal(1)) if d == d.to_integral() else d, "f")
+
+
+def math_answer_judge(task: Task, output: WorkflowOutput) -> float:
+    """1.0 when the final number in `output.final_answer` equals `task.answer` numerically, else 0.0."""
+    if task.answer is None:
+        return 0.0
+    got, want = extract_final_number(output.final_answer), _normalise(task.answer.strip())
+    return 1.0 if got is not None and got == want else 0.0

@@ -1,0 +1,54 @@
+"""Reading tasks from JSONL: GSM8K rows (`question`, `answer` ending in `#### N`) or ajet rows
+(`query`, optional `answer`, optional `task_id`; other fields go to metadata)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ajet.errors import ConfigError
+from ajet.task import Task
+
+
+def read_jsonl_tasks(path: str | Path, max_tasks: int | None = None) -> list[Task]:
+    """All tasks in a JSONL file (blank lines skipped), at most `max_tasks`.
+
+    Raises:
+        ConfigError: missing file, a line that is not a JSON object (names file:line), a row with neither
+            `query` nor `question`, or no tasks at all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"task file not found: {path}")
+    tasks: list[Task] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object")
+            tasks.append(_row_to_task(row, f"{path.stem}-{lineno - 1}", f"{path}:{lineno}"))
+            if max_tasks is not None and len(tasks) >= max_tasks:
+                break
+    if not tasks:
+        raise ConfigError(f"{path}: no tasks in the file")
+    return tasks
+
+
+def _row_to_task(row: dict, default_id: str, where: str) -> Task:
+    row = dict(row)
+    task_id = str(row.pop("task_id", default_id))
+    if "query" in row:
+        query = row.pop("query")
+        answer = row.pop("answer", None)
+        return Task(task_id, str(query), None if answer is None else str(answer), row)
+    if "question" in row:  # GSM8K: the final answer follows '#### '
+        question, solution = row.pop("question"), str(row.pop("answer", ""))
+        final = solution.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution else None
+        return Task(task_id, str(question), final, {"solution": solution, **row})
+    raise ConfigError(f"{where}: a task row needs `query` (ajet format) or `question` (GSM8K format); "
+                      f"got keys {sorted(row)}")

@@ -1,0 +1,58 @@
+"""Deterministic generator of short arithmetic word problems for the math-agent tutorial.
+
+Sized for a 135M model: mostly one-step additions and subtractions of numbers up to 20, some
+multiplications of small numbers and some two-step problems, so SmolLM2-135M-Instruct solves a few at
+step 0 (GRPO needs reward variance within a group) and has room to improve.
+
+    python tutorial/example_math_agent/make_tasks.py     # rewrites tasks/train.jsonl and tasks/val.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+NAMES = ["Tom", "Sara", "Ali", "Mia", "Ben", "Lina", "Omar", "Emma", "Kai", "Zoe"]
+ITEMS = ["apples", "pencils", "marbles", "stickers", "cookies", "books", "coins", "shells"]
+
+
+def make_problem(rng: random.Random) -> tuple[str, int]:
+    """One (question, integer answer) pair."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.choices(["add", "sub", "mul", "two_step"], weights=[4, 3, 2, 1])[0]
+    if kind == "add":
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
+    if kind == "sub":
+        a = rng.randint(5, 20)
+        b = rng.randint(1, a - 1)
+        return f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?", a - b
+    if kind == "mul":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        return f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have?", a * b
+    a, b, c = rng.randint(2, 15), rng.randint(2, 15), rng.randint(1, 10)
+    return (f"{name} has {a} {item}, buys {b} more and then gives away {c}. "
+            f"How many {item} does {name} have now?", a + b - c)
+
+
+def make_tasks(n: int, seed: int, prefix: str) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        question, answer = make_problem(rng)
+        rows.append({"task_id": f"{prefix}-{i}", "query": question, "answer": str(answer)})
+    return rows
+
+
+def main() -> None:
+    out = Path(__file__).resolve().parent / "tasks"
+    out.mkdir(exist_ok=True)
+    for name, n, seed in (("train", 512, 0), ("val", 64, 1)):
+        with open(out / f"{name}.jsonl", "w") as f:
+            for row in make_tasks(n, seed, name):
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

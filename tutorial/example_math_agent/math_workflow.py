@@ -1,0 +1,85 @@
+"""The math agent: a plain OpenAI SDK tool loop. It knows nothing about ajet beyond `tuner.client`.
+
+The model may call `calculate(expression)`; each call is answered with a `tool` message; the loop ends
+when the model answers without a tool call (or after MAX_TURNS). The judge in math_agent.yaml scores
+the last answer against the reference.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+
+from ajet import Task, Tuner, Workflow, WorkflowOutput
+
+MAX_TURNS = 3
+SYSTEM_PROMPT = ("You are a careful math assistant. You may call the calculate tool to do arithmetic. "
+                 "When you know the result, reply with one short sentence ending with: The answer is N.")
+CALCULATE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression with + - * / and parentheses, e.g. '3 + 4 * 2'.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]},
+    },
+}
+
+
+class MathAgentWorkflow(Workflow):
+    async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
+        answer, tool_calls = "", 0
+        for turn in range(1, MAX_TURNS + 1):
+            response = await tuner.client.chat.completions.create(
+                model=tuner.model, messages=messages, tools=[CALCULATE_TOOL])
+            message = response.choices[0].message
+            answer = message.content or ""
+            if not message.tool_calls:
+                break
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                tool_calls += 1
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": calculate_tool(call.function.arguments)})
+        return WorkflowOutput(final_answer=answer, metrics={"turns": turn, "tool_calls": tool_calls})
+
+
+def calculate_tool(arguments: str) -> str:
+    """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises)."""
+    try:
+        expression = json.loads(arguments)["expression"]
+        value = safe_eval(str(expression))
+    except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
+        return f"error: {exc}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def safe_eval(expression: str) -> float:
+    """Evaluate arithmetic only (numbers, + - * / // % **, unary minus, parentheses) via `ast`.
+
+    Raises:
+        ValueError: anything else (names, calls, attributes), or an exponent above 100.
+        ZeroDivisionError: division by zero.
+    """
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 100:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](left, right)
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
+
+    return ev(ast.parse(expression.strip(), mode="eval"))
