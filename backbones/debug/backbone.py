@@ -89,7 +89,10 @@ class DebugBackbone:
                                    "entropy": 0.0}
         diff_sum, diff_n = 0.0, 0
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in _micro_batches(list(zip(samples, weights)), alg.micro_batch_tokens):
+        # a token with advantage 0 adds exactly 0 to the PPO loss (and its gradient); without a KL term
+        # it is skipped here, after the weights were computed over all episodes, so the loss is unchanged
+        items = [(s, w) for s, w in zip(samples, weights) if s.advantage != 0.0 or self.ref_model is not None]
+        for micro in _micro_batches(items, alg.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                batch["temperature"], with_entropy=True)
@@ -110,6 +113,8 @@ class DebugBackbone:
                     m = batch["loss_mask"].bool()
                     diff_sum += float((logprobs.detach() - batch["old_logprobs"]).abs()[m].sum())
                     diff_n += int(m.sum())
+        if not items:  # every advantage is 0: nothing to learn from this mini-batch
+            return {**stats, "grad_norm": 0.0}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

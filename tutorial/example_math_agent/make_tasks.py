@@ -1,7 +1,7 @@
 """Deterministic generator of short arithmetic word problems for the math-agent tutorial.
 
-Sized for a 135M model: mostly one-step additions and subtractions of numbers up to 20, some
-multiplications of small numbers and some two-step problems, so SmolLM2-135M-Instruct solves a few at
+Sized for a 135M model: mostly one-step additions and subtractions of numbers up to 10, some
+multiplications of small numbers and a few two-step problems, so SmolLM2-135M-Instruct solves a few at
 step 0 (GRPO needs reward variance within a group) and has room to improve.
 
     python tutorial/example_math_agent/make_tasks.py     # rewrites tasks/train.jsonl and tasks/val.jsonl
@@ -20,16 +20,16 @@ ITEMS = ["apples", "pencils", "marbles", "stickers", "cookies", "books", "coins"
 def make_problem(rng: random.Random) -> tuple[str, int]:
     """One (question, integer answer) pair."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    kind = rng.choices(["add", "sub", "mul", "two_step"], weights=[4, 3, 2, 1])[0]
+    kind = rng.choices(["add", "sub", "mul", "two_step"], weights=[5, 3, 1, 1])[0]
     if kind == "add":
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        a, b = rng.randint(1, 10), rng.randint(1, 10)
         return f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b
     if kind == "sub":
-        a = rng.randint(5, 20)
+        a = rng.randint(3, 10)
         b = rng.randint(1, a - 1)
         return f"{name} has {a} {item} and gives away {b}. How many {item} does {name} have left?", a - b
     if kind == "mul":
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        a, b = rng.randint(2, 5), rng.randint(2, 5)
         return f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have?", a * b
     a, b, c = rng.randint(2, 15), rng.randint(2, 15), rng.randint(1, 10)
     return (f"{name} has {a} {item}, buys {b} more and then gives away {c}. "
