@@ -83,12 +83,27 @@ class DebugBackbone:
         return out
 
     def _optimizer_step(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self.accumulate_gradients(samples, first_pass)
+        if stats.pop("_tokens") == 0:  # every advantage is 0: nothing to learn from this mini-batch
+            return {**stats, "grad_norm": 0.0}
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {**stats, "grad_norm": float(grad_norm)}
+
+    def accumulate_gradients(self, samples: list[Sample], first_pass: bool = True) -> dict[str, float]:
+        """Backward the GRPO loss of `samples` (one mini-batch) into `.grad`, micro-batch by micro-batch.
+
+        Per-token weights come from `episode_token_weights` over all of `samples`, so the summed gradient
+        is the mean over episodes of each episode's token-mean loss, however the episodes were split into
+        samples and micro-batches.
+        """
         alg = self.cfg.algorithm
         weights = episode_token_weights([s.episode_id for s in samples], [s.num_loss_tokens for s in samples])
         stats: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
                                    "entropy": 0.0}
         diff_sum, diff_n = 0.0, 0
-        self.optimizer.zero_grad(set_to_none=True)
         # a token with advantage 0 adds exactly 0 to the PPO loss (and its gradient); without a KL term
         # it is skipped here, after the weights were computed over all episodes, so the loss is unchanged
         items = [(s, w) for s, w in zip(samples, weights) if s.advantage != 0.0 or self.ref_model is not None]
@@ -106,21 +121,16 @@ class DebugBackbone:
             loss.backward()
             for k in ("pg_loss", "kl", "clip_frac", "ratio_mean"):
                 stats[k] += s[k]
-            stats["loss"] += float(loss)
+            stats["loss"] += float(loss.detach())
             with torch.no_grad():
                 stats["entropy"] += float((batch["weights"] * entropy).sum())
                 if first_pass:
                     m = batch["loss_mask"].bool()
                     diff_sum += float((logprobs.detach() - batch["old_logprobs"]).abs()[m].sum())
                     diff_n += int(m.sum())
-        if not items:  # every advantage is 0: nothing to learn from this mini-batch
-            return {**stats, "grad_norm": 0.0}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats["grad_norm"] = float(grad_norm)
         if first_pass and diff_n:
             stats["logprob_diff"] = diff_sum / diff_n
+        stats["_tokens"] = sum(s.num_loss_tokens for s, _ in items)
         return stats
 
     # ---- checkpoints ------------------------------------------------------------------------------
