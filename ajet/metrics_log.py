@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 class MetricsLogger:
@@ -37,6 +39,15 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+
+    @contextlib.contextmanager
+    def progress(self, label: str, total: int) -> Iterator[Callable[..., None]]:
+        """A transient rich progress bar of `total` episodes; yields `advance(*_)` to call per episode."""
+        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("episodes"),
+                       TimeElapsedColumn(), console=self.console, transient=True)
+        task = bar.add_task(label, total=total)
+        with bar:
+            yield lambda *_: bar.advance(task)
 
     def write_episode(self, step: int, record: dict[str, Any]) -> None:
         self._trajectories.write(json.dumps({"step": step, **record}) + "\n")

@@ -56,8 +56,11 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
 
 
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
-                  judge: Judge | None, step: int, max_concurrency: int, timeout_s: float) -> list[Episode]:
+                  judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
+                  on_episode_done: Callable[[Episode], None] | None = None) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
+
+    `on_episode_done` is called with each finished episode (e.g. to advance a progress bar).
 
     Returns:
         `[len(tasks) * num_repeat]` episodes, grouped by task; group_id is "<step>:<task_id>".
@@ -68,6 +71,9 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
 
     async def _one(ep: Episode) -> Episode:
         async with sem:
-            return await run_episode(workflow, ep, proxy, judge, timeout_s)
+            await run_episode(workflow, ep, proxy, judge, timeout_s)
+        if on_episode_done is not None:
+            on_episode_done(ep)
+        return ep
 
     return list(await asyncio.gather(*(_one(ep) for ep in episodes)))

@@ -67,8 +67,10 @@ def run(cfg: AjetConfig) -> Path:
         for step in range(1, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
-            episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
-                                           proxy, judge, step, r.max_concurrency, r.episode_timeout_s))
+            with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
+                episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
+                                               proxy, judge, step, r.max_concurrency, r.episode_timeout_s,
+                                               on_episode_done=advance))
             rollout_s = time.perf_counter() - t0
             ok = [e for e in episodes if e.ok]
             for e in ok:
