@@ -39,11 +39,12 @@ TOOL_CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' -}}"
     "{%- for m in rest -%}"
     "{%- if m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant' -}}"
-    "{%- set c = text(m.content) -%}{%- if c -%}{{- '\\n' + c -}}{%- endif -%}"
+    "{%- set c = text(m.content) -%}"
+    "{{- '<|im_start|>assistant\\n' + c -}}"
     "{%- for tc in (m.tool_calls or []) -%}"
     "{%- set f = tc.function if tc.function is defined else tc -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' -}}"
+    "{%- if c or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + f.name + '\", \"arguments\": ' -}}"
     "{{- (f.arguments if f.arguments is string else (f.arguments | tojson)) + '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
@@ -93,8 +94,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 
 def _to_call(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
+    try:  # the first JSON value; text the model wrote after it (before </tool_call>) is ignored
+        obj, _ = json.JSONDecoder().raw_decode(body)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

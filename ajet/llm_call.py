@@ -67,6 +67,8 @@ class LLMCall:
         timings: seconds, e.g. {"prepare_s": .., "generate_s": .., "total_s": ..}.
         prompt_parent: the call whose exact tokens this prompt extends (token-in-token-out), or None.
         prompt_render_reason: why the prompt was rendered in full instead ("first_call", "history_differs", ...).
+        forced_text: text appended to the prompt because `tool_choice` fixed the opening of a tool call
+            (its tokens are the last ones of `prompt_ids`; never trained on).
     """
 
     call_id: str
@@ -85,6 +87,7 @@ class LLMCall:
     timings: dict[str, float] = field(default_factory=dict)
     prompt_parent: str | None = None
     prompt_render_reason: str | None = None
+    forced_text: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (used for trajectories.jsonl)."""

@@ -15,12 +15,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ajet.chat_template import TOOL_CHAT_TEMPLATE, supports_tools
+from ajet.chat_template import TOOL_CHAT_TEMPLATE, supports_tools  # SmolLM2's own template has no tools
 from ajet.errors import ConfigError
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DONE = ".ajet-converted"
+_DONE = ".ajet-converted-v2"
 
 
 def cache_dir(override: str | None = None) -> Path:
@@ -63,7 +63,6 @@ def _convert_smollm2(target: Path) -> Path:
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
-        tok.chat_template = TOOL_CHAT_TEMPLATE       # SmolLM2's own template cannot render tools
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)

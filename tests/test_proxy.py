@@ -139,3 +139,49 @@ def test_streaming_returns_chunks_and_records_the_call(tokenizer):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens == len(engine.sampled[0])
     assert calls[0].completion_ids == engine.sampled[0]
+
+
+def test_tool_choice_named_forces_the_call_opening_as_prompt_tokens(tokenizer):
+    # the engine only writes the expression's end: the proxy fixed `<tool_call>... "expression": "`
+    proxy, engine = _proxy(tokenizer, ['2*3"}}\n</tool_call>', "The answer is 6."])
+    try:
+        ep = proxy.open_episode("ep-5")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "2*3?"}]
+        r = client.chat.completions.create(model="m", messages=messages, tools=[CALC_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "calculate"}})
+        (tc,) = r.choices[0].message.tool_calls
+        assert json.loads(tc.function.arguments) == {"expression": "2*3"}
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tc.id, "content": "6"}]
+        client.chat.completions.create(model="m", messages=messages, tools=[CALC_TOOL])
+        with pytest.raises(openai.BadRequestError, match="not in `tools`"):
+            client.chat.completions.create(model="m", messages=messages, tools=[CALC_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "nope"}})
+        with pytest.raises(openai.BadRequestError, match="no `tools`"):
+            client.chat.completions.create(model="m", messages=messages, tool_choice="required")
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    first, second = calls
+    forced = tokenizer.encode(first.forced_text, add_special_tokens=False)
+    assert first.forced_text.endswith('"arguments": {"expression": "')
+    assert first.prompt_ids[-len(forced):] == forced and engine.prompts[0] == first.prompt_ids
+    assert second.prompt_parent == first.call_id
+    (sample,) = merge_calls(calls, "g")
+    # forced tokens sit in the prompt (never trained); both sampled replies are trained
+    assert sample.prompt_ids == first.prompt_ids
+    assert sample.num_loss_tokens == len(engine.sampled[0]) + len(engine.sampled[1])
+
+
+def test_tool_choice_required_forces_only_the_tag(tokenizer):
+    proxy, _ = _proxy(tokenizer, ['calculate", "arguments": {"expression": "1+1"}}\n</tool_call>'])
+    try:
+        ep = proxy.open_episode("ep-6")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1"}], tools=[CALC_TOOL],
+                                           tool_choice="required")
+        proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert r.choices[0].message.tool_calls[0].function.name == "calculate"

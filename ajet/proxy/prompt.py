@@ -27,7 +27,7 @@ class Prompt:
         ids: `[prompt_len]` token ids for the engine.
         parent_call_id: the call it extends token-for-token, or None when rendered in full.
         render_reason: why it was rendered in full ("first_call", "history_differs", "template_not_append_only",
-            "tools_changed", "no_end_of_turn"), or None when it extends a parent.
+            "tools_changed"), or None when it extends a parent.
     """
 
     ids: list[int]
@@ -64,17 +64,19 @@ class PromptBuilder:
         parent, reason = find_parent(messages, tools, history)
         if parent is None:
             return Prompt(self.encode(self.render(messages, tools)), None, reason)
-        prev_text = self.render(parent.messages, tools)
-        full_text = self.render(messages, tools)
-        if not full_text.startswith(prev_text):
+        k = len(parent.messages)
+        prev_text = self.render(parent.messages, tools)                          # the parent's prompt
+        turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
+        full_text = self.render(messages, tools)                                 # + the new turns
+        if not (turn_text.startswith(prev_text) and full_text.startswith(turn_text)):
             return Prompt(self.encode(full_text), None, "template_not_append_only")
-        rest = full_text[len(prev_text):]          # the parent's reply as re-rendered + the new turns
-        cut = rest.find(self.end_of_turn)
-        if cut < 0:
-            return Prompt(self.encode(full_text), None, "no_end_of_turn")
-        bridge = rest[cut + len(self.end_of_turn):]  # e.g. "\n<|im_start|>user\n<tool_response>..."
+        reply = turn_text[len(prev_text):]   # the reply as the template renders it, e.g. "text<|im_end|>\n"
+        cut = reply.rfind(self.end_of_turn)  # the last one: the reply's text may spell the token out
+        # what follows the sampled end-of-turn: separators ("\n"), then the new turns; a template that
+        # drops the end-of-turn token gives no cut, and everything after the reply is new
+        bridge = full_text[len(prev_text) + cut + len(self.end_of_turn):] if cut >= 0 else full_text[len(turn_text):]
         sampled = list(parent.completion_ids)
-        if not sampled or sampled[-1] != self.end_of_turn_id:
+        if cut >= 0 and (not sampled or sampled[-1] != self.end_of_turn_id):
             sampled.append(self.end_of_turn_id)    # cut by max_tokens or a stop string: close the turn
         return Prompt(list(parent.prompt_ids) + sampled + self.encode(bridge), parent.call_id, None)
 

@@ -27,7 +27,7 @@ from ajet.chat_template import parse_tool_calls
 from ajet.engine import Engine
 from ajet.llm_call import LLMCall, SamplingParams
 from ajet.proxy.prompt import PromptBuilder
-from ajet.proxy.schema import ChatCompletionRequest
+from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice
 
 
 @dataclass
@@ -192,20 +192,22 @@ class ProxyServer:
         sampling = self._sampling(req)
         messages, tools = req.wire_messages(), req.wire_tools()
         prompt = self.prompts.build(messages, tools, ep.calls)
-        if len(prompt.ids) + 1 > self.max_model_len:
-            raise ProxyError(400, f"the prompt is {len(prompt.ids)} tokens; this model's context holds "
+        forced = _forced_tool_call(req)          # tool_choice required/named: the call's opening is given
+        prompt_ids = prompt.ids + self.prompts.encode(forced) if forced else prompt.ids
+        if len(prompt_ids) + 1 > self.max_model_len:
+            raise ProxyError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
                                   f"{self.max_model_len}: shorten the conversation", param="messages",
                              code="context_length_exceeded")
         t1 = time.perf_counter()
         try:
-            completion = await self.engine.generate(prompt.ids, sampling)
+            completion = await self.engine.generate(prompt_ids, sampling)
         except ValueError as exc:
             raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
         except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
             raise ProxyError(503, f"the inference engine failed: {exc}", "server_error", code="engine_error") from exc
         t2 = time.perf_counter()
 
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        text = forced + self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         content, tool_calls = parse_tool_calls(text) if tools and req.tool_choice != "none" else (text, [])
         finish = "tool_calls" if tool_calls else completion.finish_reason
         message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -215,11 +217,11 @@ class ProxyServer:
             raise ProxyError(404, "the episode finished while this call was running", code="episode_not_found")
         call = LLMCall(
             call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag="default",
-            index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt.ids,
+            index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt_ids,
             completion_ids=completion.token_ids, completion_logprobs=completion.logprobs, finish_reason=finish,
             response_message=message, sampling=sampling, policy_version=completion.policy_version,
             timings={"prepare_s": t1 - t0, "generate_s": t2 - t1, "total_s": time.perf_counter() - t0},
-            prompt_parent=prompt.parent_call_id, prompt_render_reason=prompt.render_reason,
+            prompt_parent=prompt.parent_call_id, prompt_render_reason=prompt.render_reason, forced_text=forced,
         )
         ep.calls.append(call)
         body = self._completion_body(call, req, text_logprobs=bool(req.logprobs))
@@ -281,9 +283,14 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
     """A field ajet cannot honour is a 400 naming it, never silently dropped."""
     if req.n not in (None, 1):
         raise ProxyError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported_value")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise ProxyError(400, "tool_choice 'required' or a named function is not supported yet: use 'auto'",
-                         param="tool_choice", code="unsupported_value")
+    if req.tool_choice not in (None, "auto", "none") and not req.tools:
+        raise ProxyError(400, "tool_choice asks for a tool call but the request has no `tools`", param="tool_choice",
+                         code="invalid_value")
+    if isinstance(req.tool_choice, NamedToolChoice):
+        name = req.tool_choice.function.get("name")
+        if name not in {t.function.name for t in req.tools}:
+            raise ProxyError(400, f"tool_choice names function {name!r}, which is not in `tools`",
+                             param="tool_choice", code="invalid_value")
     if req.frequency_penalty or req.presence_penalty:
         raise ProxyError(400, "frequency/presence penalties would change the sampling distribution the policy is "
                               "trained on: remove them", param="frequency_penalty", code="unsupported_value")
@@ -293,6 +300,26 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
     if req.response_format and req.response_format.get("type") not in ("text", "json_object"):
         raise ProxyError(400, "response_format: only 'text' and 'json_object' are accepted",
                          param="response_format", code="unsupported_value")
+
+
+def _forced_tool_call(req: ChatCompletionRequest) -> str:
+    """The opening of a tool call that `tool_choice` makes certain, as a grammar-constrained decoder would
+    force it: "required" fixes `<tool_call>` and the name key; a named function also fixes its name and
+    the arguments' opening brace, and, when its schema has exactly one property, which is required, that
+    key (plus the opening quote for a string). These tokens end the prompt (loss mask 0); the model
+    samples the rest."""
+    if req.tool_choice == "required":
+        return '<tool_call>\n{"name": "'
+    if not isinstance(req.tool_choice, NamedToolChoice):
+        return ""
+    name = req.tool_choice.function["name"]
+    text = '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": {'
+    params = next(t.function.parameters for t in req.tools if t.function.name == name) or {}
+    props, required = params.get("properties") or {}, params.get("required") or []
+    if len(props) == 1 and list(props) == list(required):
+        key = required[0]
+        text += json.dumps(key) + ": " + ('"' if props[key].get("type") == "string" else "")
+    return text
 
 
 async def _sse(body: dict[str, Any], req: ChatCompletionRequest):

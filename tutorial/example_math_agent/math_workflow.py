@@ -1,8 +1,9 @@
 """The math agent: a plain OpenAI SDK tool loop. It knows nothing about ajet beyond `tuner.client`.
 
-The model may call `calculate(expression)`; each call is answered with a `tool` message; the loop ends
-when the model answers without a tool call (or after MAX_TURNS). The judge in math_agent.yaml scores
-the last answer against the reference.
+The first turn asks for a `calculate(expression)` call (`tool_choice` names the function: a 135M model
+rarely starts a tool call on its own); each call is answered with a `tool` message; later turns are free
+(`tool_choice="auto"`) and the loop ends when the model answers without a tool call (or after MAX_TURNS). The judge in math_agent.yaml scores
+the last answer against the reference (`math_agent_reward`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import json
 import operator
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
+from ajet.judges import math_answer_judge
 
 MAX_TURNS = 3
-SYSTEM_PROMPT = ("You are a careful math assistant. You may call the calculate tool to do arithmetic. "
-                 "When you know the result, reply with one short sentence ending with: The answer is N.")
+SYSTEM_PROMPT = ("You are a math assistant. First call the calculate tool with the arithmetic expression that "
+                 "answers the question. Then use its result and reply: The answer is N.")
 CALCULATE_TOOL = {
     "type": "function",
     "function": {
@@ -30,20 +32,33 @@ CALCULATE_TOOL = {
 class MathAgentWorkflow(Workflow):
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
-        answer, tool_calls = "", 0
+        answer, tool_calls, valid_calls = "", 0, 0
         for turn in range(1, MAX_TURNS + 1):
             response = await tuner.client.chat.completions.create(
-                model=tuner.model, messages=messages, tools=[CALCULATE_TOOL])
+                model=tuner.model, messages=messages, tools=[CALCULATE_TOOL],
+                tool_choice={"type": "function", "function": {"name": "calculate"}} if turn == 1 else "auto")
             message = response.choices[0].message
             answer = message.content or ""
             if not message.tool_calls:
                 break
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
+                result = calculate_tool(call.function.arguments) if call.function.name == "calculate" \
+                    else f"error: unknown tool {call.function.name!r}"
                 tool_calls += 1
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": calculate_tool(call.function.arguments)})
-        return WorkflowOutput(final_answer=answer, metrics={"turns": turn, "tool_calls": tool_calls})
+                valid_calls += not result.startswith("error:")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return WorkflowOutput(final_answer=answer,
+                              metrics={"turns": turn, "tool_calls": tool_calls, "valid_tool_calls": valid_calls})
+
+
+def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
+    """1.0 for the right final number, plus 0.2 when the agent made at least one valid calculate call.
+
+    The small format term (as in DeepSeek-R1's format reward) gives GRPO a signal while a 135M model
+    still gets most answers wrong; the correctness term dominates.
+    """
+    return math_answer_judge(task, output) + (0.2 if output.metrics.get("valid_tool_calls", 0) > 0 else 0.0)
 
 
 def calculate_tool(arguments: str) -> str:
