@@ -67,6 +67,7 @@ class AlgorithmConfig(_Section):
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model")
     adv_eps: float = Field(1e-6, gt=0)
     norm_adv_by_std: bool = True  # False = Dr. GRPO (no std division)
+    group_by_agent_tag: bool = False  # multi-agent: each agent tag forms its own GRPO groups
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1, description="optimizer steps per ppo epoch")
     micro_batch_tokens: int = Field(4096, gt=0, description="tokens per forward/backward chunk")

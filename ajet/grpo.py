@@ -51,6 +51,24 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e
     return adv
 
 
+def assign_advantages(samples: list, rewards: dict[str, float], eps: float = 1e-6, norm_by_std: bool = True) -> None:
+    """Set `reward` and `advantage` on every sample: one GRPO advantage per (episode, group).
+
+    The unit of the group statistics is the episode (or, with per-agent-tag groups, the episode's part
+    for that tag), never the sample: an episode that forked into 3 samples counts once in its group's
+    mean and std, and all 3 samples carry its advantage.
+
+    Args:
+        samples: `Sample`s of the step's successful episodes.
+        rewards: episode_id -> scalar reward.
+    """
+    units = list(dict.fromkeys((s.episode_id, s.group_id) for s in samples))    # first-seen order
+    adv = grpo_advantages(torch.tensor([float(rewards[e]) for e, _ in units]), [g for _, g in units], eps, norm_by_std)
+    by_unit = dict(zip(units, adv.tolist()))
+    for s in samples:
+        s.reward, s.advantage = float(rewards[s.episode_id]), by_unit[(s.episode_id, s.group_id)]
+
+
 def episode_token_weights(episode_ids: list[str], loss_tokens: list[int]) -> list[float]:
     """Per-token loss weight of each sample: 1 / (num_episodes * loss tokens of the sample's episode).
 

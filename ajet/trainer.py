@@ -23,6 +23,7 @@ from ajet.importing import load_object
 from ajet.llm_call import SamplingParams
 from ajet.task_reader import read_jsonl_tasks
 from ajet.task_sampler import TaskSampler
+from ajet.tracker.context_tracker import fork_reasons
 
 
 def run(cfg: AjetConfig) -> Path:
@@ -34,7 +35,7 @@ def run(cfg: AjetConfig) -> Path:
     import torch
 
     from ajet.backbones import load_backbone
-    from ajet.grpo import grpo_advantages
+    from ajet.grpo import assign_advantages
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import rollout
@@ -74,13 +75,9 @@ def run(cfg: AjetConfig) -> Path:
             rollout_s = time.perf_counter() - t0
             ok = [e for e in episodes if e.ok]
             for e in ok:
-                e.samples = merge_calls(e.calls, e.group_id)
-            if ok:
-                adv = grpo_advantages(torch.tensor([e.reward for e in ok]), [e.group_id for e in ok],
-                                      cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
-                for e, a in zip(ok, adv.tolist()):
-                    for s in e.samples:
-                        s.reward, s.advantage = e.reward, a
+                e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag)
+            assign_advantages([s for e in ok for s in e.samples], {e.episode_id: e.reward for e in ok},
+                              cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
             train = backbone.update([s for e in ok for s in e.samples])
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics.update({f"train/{k}": v for k, v in train.items()})
@@ -109,6 +106,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
     calls = [c for e in ok for c in e.calls]
     naive_tokens = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)   # one sample per call
     merged_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    forks = fork_reasons(samples)
     m: dict[str, Any] = {
         "rollout/episodes": len(episodes),
         "rollout/failed": len(episodes) - len(ok),
@@ -125,8 +123,13 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         "tracker/tokens_naive": naive_tokens,
         "tracker/tokens_merged": merged_tokens,
         "tracker/loss_tokens": sum(s.num_loss_tokens for s in samples),
-        "tracker/forks": sum(1 for s in samples if s.flags.get("forked")),
+        "tracker/token_ratio": naive_tokens / merged_tokens if merged_tokens else 0.0,
+        "tracker/forks": sum(forks.values()),
+        "tracker/masked_unsampled_tokens": sum(s.flags["masked_unsampled_tokens"] for s in samples),
+        "tracker/shared_prefix_tokens": sum(s.flags["shared_prefix_tokens"] for s in samples),
+        "tracker/prompts_rendered_in_full": sum(1 for c in calls if c.prompt_parent is None and c.index > 0),
     }
+    m.update({f"tracker/forks/{reason}": n for reason, n in sorted(forks.items())})
     keys = sorted({k for e in ok if e.output for k in e.output.metrics})
     for k in keys:
         vals = [float(e.output.metrics[k]) for e in ok if e.output and k in e.output.metrics]
@@ -139,6 +142,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
 def _console_line(step: int, total: int, m: dict[str, Any]) -> str:
     return (f"step {step}/{total} | episodes {m['rollout/episodes']} ({m['rollout/failed']} failed) | "
             f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f} | calls {m['rollout/calls']} -> samples "
-            f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x) | gen {m['rollout/tokens_per_s']:.0f} tok/s | "
+            f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x, {m['tracker/forks']} forks, tokens "
+            f"{m['tracker/token_ratio']:.2f}x fewer) | gen {m['rollout/tokens_per_s']:.0f} tok/s | "
             f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s")
 

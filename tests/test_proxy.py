@@ -85,7 +85,7 @@ def test_edited_history_forks_with_reason(tokenizer):
         proxy.stop()
     assert calls[1].prompt_parent is None and calls[1].prompt_render_reason == "history_differs"
     samples = merge_calls(calls, "g")
-    assert len(samples) == 2 and samples[1].flags == {"forked": "history_differs"}
+    assert len(samples) == 2 and samples[1].flags["fork_reason"] == "history_differs"
 
 
 def test_errors_are_openai_style(tokenizer):

@@ -21,7 +21,8 @@ def test_extending_calls_merge_into_one_sample():
     assert s.loss_mask == [1, 1, 1, 0, 0, 1, 1, 0, 1, 1]
     assert s.old_logprobs[3:5] == [0.0, 0.0] and s.old_logprobs[0] == c0.completion_logprobs[0]
     assert s.policy_versions == [3, 3, 3, -1, -1, 3, 3, -1, 3, 3]
-    assert s.call_ids == ["c0", "c1", "c2"] and s.num_episode_samples == 1 and s.flags == {}
+    assert s.call_ids == ["c0", "c1", "c2"] and s.num_episode_samples == 1
+    assert s.flags == {"masked_unsampled_tokens": 3, "shared_prefix_tokens": 0}
     # every sampled token appears exactly once
     assert s.num_loss_tokens == sum(len(c.completion_ids) for c in (c0, c1, c2))
 
@@ -33,7 +34,7 @@ def test_non_extending_call_forks_with_reason():
     s0, s1 = merge_calls([c0, c1, c2], group_id="g")
     assert s0.call_ids == ["c0", "c2"] and s0.response_ids == [10, 2, 50, 13, 2]
     assert s1.call_ids == ["c1"] and s1.prompt_ids == [1, 2, 3, 99, 2, 50] and s1.loss_mask == [1, 1]
-    assert s1.flags == {"forked": "history_differs"}
+    assert s1.flags == {"fork_reason": "history_differs", "masked_unsampled_tokens": 0, "shared_prefix_tokens": 0}
     assert s0.num_episode_samples == s1.num_episode_samples == 2
 
 
@@ -44,5 +45,5 @@ def test_longest_prefix_wins_and_short_prompt_does_not_extend():
     c3 = _call(3, [1], [6, 2])                                              # shorter than any sample: fork
     s0, s1 = merge_calls([c0, c1, c2, c3], group_id="g")
     assert s0.call_ids == ["c0", "c1", "c2"]
-    assert s1.call_ids == ["c3"] and s1.flags == {"forked": "prefix_mismatch"}
+    assert s1.call_ids == ["c3"] and s1.flags["fork_reason"] == "resampled"
     assert s0.temperature == 1.0

@@ -1,55 +1,60 @@
-"""The context tracker: merges an episode's calls into training samples by token prefix.
+"""The context tracker: an episode's calls -> training samples, through one token trie per agent tag.
 
-A call whose prompt ids start with everything an existing sample already holds (its prompt, the
-tokens sampled since, the tokens appended between calls) extends that sample: the new tokens between
-the sample's end and the call's completion get loss_mask 0, the call's sampled tokens get loss_mask 1.
-A call that extends no sample (first call, edited history, a template that rewrote earlier turns)
-starts a new sample, a fork. With token-in-token-out prompts (`ajet.proxy.prompt`), a multi-turn tool
+Calls whose token sequences extend one another merge into one sample: the tokens between calls (tool
+results, user turns, template tokens) get loss_mask 0, the engine's sampled tokens loss_mask 1 with
+their logprobs and policy version. A call that does not extend the others forks into its own sample
+(see `TokenTrie`). With token-in-token-out prompts (`ajet.proxy.prompt`), a multi-turn tool
 conversation becomes one sample whose response holds every sampled token exactly once.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ajet.llm_call import LLMCall
 from ajet.tracker.sample import Sample
+from ajet.tracker.token_trie import TokenTrie
 
 
-def merge_calls(calls: list[LLMCall], group_id: str) -> list[Sample]:
+def merge_calls(calls: list[LLMCall], group_id: str, group_by_agent_tag: bool = False) -> list[Sample]:
     """Merge one episode's calls (in arrival order) into samples.
 
     Args:
-        calls: recorded calls of one episode, all with the same `episode_id`.
-        group_id: GRPO group key stamped on every sample.
+        calls: recorded calls of one episode.
+        group_id: GRPO group key stamped on every sample (suffixed with ":<tag>" when group_by_agent_tag).
     Returns:
-        Samples in creation order; `num_episode_samples` is set on each.
+        Samples, agent tags in first-call order, paths in insertion order. Each sample's flags hold
+        `fork_reason` (why its first call left the other paths; absent for the first sample of a tag),
+        `masked_unsampled_tokens` (response tokens the engine did not sample there: tool results,
+        template tokens, re-rendered history) and `shared_prefix_tokens` (sampled tokens trained in an
+        earlier sample of the same trie).
     """
-    samples: list[Sample] = []
+    tries: dict[str, TokenTrie] = {}
+    temperature: dict[str, float] = {}
     for call in calls:
-        parent = _longest_prefix_sample(samples, call.prompt_ids)
-        if parent is None:
-            flags = {} if not samples else {"forked": call.prompt_render_reason or "prefix_mismatch"}
+        tries.setdefault(call.agent_tag, TokenTrie()).insert(call)
+        temperature.setdefault(call.call_id, call.sampling.temperature)
+    samples: list[Sample] = []
+    for tag, trie in tries.items():
+        branch_reason = dict(trie.branches)
+        for path in trie.paths():
+            start = path.sampled.index(1) if 1 in path.sampled else len(path.ids)
+            flags = {"masked_unsampled_tokens": (len(path.ids) - start) - sum(path.sampled[start:]),
+                     "shared_prefix_tokens": path.shared_prefix_tokens}
+            reason = next((branch_reason[c] for c in path.call_ids if c in branch_reason), None)
+            if reason is not None:
+                flags["fork_reason"] = reason
             samples.append(Sample(
-                episode_id=call.episode_id, group_id=group_id, agent_tag=call.agent_tag, call_ids=[call.call_id],
-                prompt_ids=list(call.prompt_ids), response_ids=list(call.completion_ids),
-                loss_mask=[1] * len(call.completion_ids), old_logprobs=list(call.completion_logprobs),
-                policy_versions=[call.policy_version] * len(call.completion_ids),
-                temperature=call.sampling.temperature, flags=flags))
-            continue
-        gap = call.prompt_ids[len(parent.prompt_ids) + len(parent.response_ids):]  # tool results, template tokens
-        parent.call_ids.append(call.call_id)
-        parent.response_ids += gap + call.completion_ids
-        parent.loss_mask += [0] * len(gap) + [1] * len(call.completion_ids)
-        parent.old_logprobs += [0.0] * len(gap) + list(call.completion_logprobs)
-        parent.policy_versions += [-1] * len(gap) + [call.policy_version] * len(call.completion_ids)
+                episode_id=calls[0].episode_id, group_id=f"{group_id}:{tag}" if group_by_agent_tag else group_id,
+                agent_tag=tag, call_ids=path.call_ids, prompt_ids=path.ids[:start], response_ids=path.ids[start:],
+                loss_mask=path.sampled[start:], old_logprobs=path.logprobs[start:],
+                policy_versions=path.policy_versions[start:],
+                temperature=temperature[path.call_ids[0]] if path.call_ids else 1.0, flags=flags))
     for s in samples:
         s.num_episode_samples = len(samples)
     return samples
 
 
-def _longest_prefix_sample(samples: list[Sample], prompt_ids: list[int]) -> Sample | None:
-    best, best_len = None, -1
-    for s in samples:
-        n = len(s.prompt_ids) + len(s.response_ids)
-        if n > best_len and n <= len(prompt_ids) and prompt_ids[:n] == s.input_ids:
-            best, best_len = s, n
-    return best
+def fork_reasons(samples: list[Sample]) -> Counter:
+    """How many samples forked, by reason (for the per-step diagnostics)."""
+    return Counter(s.flags["fork_reason"] for s in samples if "fork_reason" in s.flags)
