@@ -64,6 +64,14 @@ class Tuner:
             self._client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2, timeout=600)
         return self._client
 
+    def agent(self, tag: str) -> Tuner:
+        """A tuner for one agent of a multi-agent workflow: its calls are recorded under `tag`, merged
+        apart from the other agents' calls, and (with `algorithm.group_by_agent_tag`) grouped per tag."""
+        if not tag or "/" in tag:
+            raise ValueError(f"agent tag must be a non-empty name without '/': {tag!r}")
+        return Tuner(base_url=self.base_url[: -len("/v1")] + f"/agent/{tag}/v1", api_key=self.api_key,
+                     model=self.model, episode_id=self.episode_id)
+
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.close()

@@ -10,7 +10,8 @@ from ajet.llm_call import Completion, SamplingParams
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, replies: list[str]):
+    def __init__(self, tokenizer, replies: list[str | list[int]]):
+        """replies: texts (tokenized, then end-of-turn appended) or exact id lists (returned as given)."""
         self.tokenizer = tokenizer
         self.replies = list(replies)
         self.policy_version = 0
@@ -18,9 +19,12 @@ class ScriptedEngine:
         self.sampled: list[list[int]] = []
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        text = self.replies[len(self.prompts) % len(self.replies)]
+        reply = self.replies[len(self.prompts) % len(self.replies)]
         self.prompts.append(list(prompt_ids))
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[: params.max_tokens - 1]
-        ids.append(self.tokenizer.eos_token_id)
+        if isinstance(reply, list):
+            ids = list(reply)
+        else:
+            ids = self.tokenizer.encode(reply, add_special_tokens=False)[: params.max_tokens - 1]
+            ids.append(self.tokenizer.eos_token_id)
         self.sampled.append(ids)
         return Completion(ids, [-0.5] * len(ids), "stop", self.policy_version)

@@ -158,6 +158,10 @@ class ProxyServer:
         async def chat_by_path(token: str, request: Request):
             return await self.chat_completions(self._episode(token), request)
 
+        @app.post("/ep/{token}/agent/{tag}/v1/chat/completions")
+        async def chat_by_agent(token: str, tag: str, request: Request):
+            return await self.chat_completions(self._episode(token), request, agent_tag=tag)
+
         @app.post("/v1/chat/completions")
         async def chat_by_key(request: Request):
             return await self.chat_completions(self._episode(_bearer(request)), request)
@@ -184,14 +188,18 @@ class ProxyServer:
     def _models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ajet"}]}
 
-    async def chat_completions(self, ep: _Episode, request: Request):
-        """Handle one chat completion for episode `ep` (see the module docstring for the steps)."""
+    async def chat_completions(self, ep: _Episode, request: Request, agent_tag: str = "default"):
+        """Handle one chat completion for episode `ep` (see the module docstring for the steps).
+
+        `agent_tag` names which agent of a multi-agent workflow called; token-in-token-out looks for the
+        call's parent among that agent's calls only, and the tracker merges each agent's calls apart.
+        """
         t0 = time.perf_counter()
         req = await _parse(request)
         _reject_unsupported(req)
         sampling = self._sampling(req)
         messages, tools = req.wire_messages(), req.wire_tools()
-        prompt = self.prompts.build(messages, tools, ep.calls)
+        prompt = self.prompts.build(messages, tools, [c for c in ep.calls if c.agent_tag == agent_tag])
         forced = _forced_tool_call(req)          # tool_choice required/named: the call's opening is given
         prompt_ids = prompt.ids + self.prompts.encode(forced) if forced else prompt.ids
         if len(prompt_ids) + 1 > self.max_model_len:
@@ -216,7 +224,7 @@ class ProxyServer:
         if not ep.open:
             raise ProxyError(404, "the episode finished while this call was running", code="episode_not_found")
         call = LLMCall(
-            call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag="default",
+            call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag=agent_tag,
             index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt_ids,
             completion_ids=completion.token_ids, completion_logprobs=completion.logprobs, finish_reason=finish,
             response_message=message, sampling=sampling, policy_version=completion.policy_version,
