@@ -59,12 +59,15 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# A block ends at its closing tag; one left unclosed ends where the next block opens or at the end of the text.
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
+_TOOL_ROLE = re.compile(r"""['"]tool['"]""")
 
 
 def supports_tools(template: str | None) -> bool:
-    """Whether a chat template renders `tools` and assistant `tool_calls` (a textual heuristic)."""
-    return bool(template) and "tools" in template and ("tool_calls" in template or "tool_call" in template)
+    """Whether a chat template renders `tools` and tool turns (a textual heuristic: it mentions `tools`
+    and either `tool_call(s)` or the role string `'tool'`)."""
+    return bool(template) and "tools" in template and ("tool_call" in template or bool(_TOOL_ROLE.search(template)))
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -75,8 +78,13 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     a block at the very end may lack its closing tag (generation hit end-of-turn). Blocks that do not
     parse stay in the content, so nothing the model wrote is lost.
 
+    Args:
+        text: the decoded completion (special tokens already removed).
+
     Returns:
-        (content, tool_calls): content is the remaining text, stripped, or None when empty.
+        (content, tool_calls): content is the remaining text, stripped, or None when empty; the calls in
+        order of appearance. `arguments` given as a JSON string is passed through; an object is dumped.
+        Text the model wrote after the JSON object inside a block is dropped.
     """
     calls: list[dict[str, Any]] = []
     kept: list[str] = []

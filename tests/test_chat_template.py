@@ -41,19 +41,35 @@ def test_renders_tools_calls_and_grouped_responses(tok):
 
 
 def test_template_is_append_only(tok):
-    """Prompt for turn k + the reply + end-of-turn is a prefix of every later rendering."""
+    """Prompt for turn k + the reply the model wrote + end-of-turn is a prefix of every later rendering.
+
+    The assistant messages are rebuilt from generated text with `parse_tool_calls`, as the proxy does,
+    so this is the property token-in-token-out prompt building needs.
+    """
+    generated = {2: '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2*3"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "calculate", "arguments": {"expression": "1"}}\n</tool_call>',
+                 5: "The answer is 7."}
+    messages = []
     for k, msg in enumerate(CONVERSATION):
-        if msg["role"] != "assistant":
-            continue
-        prompt = tok.apply_chat_template(CONVERSATION[:k], tools=[TOOL], tokenize=False, add_generation_prompt=True)
-        later = tok.apply_chat_template(CONVERSATION, tools=[TOOL], tokenize=False, add_generation_prompt=True)
-        assert later.startswith(prompt)
-        turn = tok.apply_chat_template(CONVERSATION[: k + 1], tools=[TOOL], tokenize=False)
-        assert later.startswith(turn) and turn.endswith("<|im_end|>\n")
+        if k in generated:
+            prompt = tok.apply_chat_template(messages, tools=[TOOL], tokenize=False, add_generation_prompt=True)
+            content, calls = parse_tool_calls(generated[k])
+            messages.append({"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})})
+            later = tok.apply_chat_template(messages + CONVERSATION[k + 1:], tools=[TOOL], tokenize=False,
+                                            add_generation_prompt=True)
+            assert later.startswith(prompt + generated[k] + "<|im_end|>\n")
+            ids = tok.apply_chat_template(messages, tools=[TOOL], tokenize=True, return_dict=True)["input_ids"]
+            assert tok.decode(ids) == prompt + generated[k] + "<|im_end|>\n"
+        else:
+            messages.append(msg)
+    # the original messages (arguments given as a string and as a dict) render the same text
+    assert (tok.apply_chat_template(messages, tools=[TOOL], tokenize=False)
+            == tok.apply_chat_template(CONVERSATION, tools=[TOOL], tokenize=False))
 
 
 def test_supports_tools():
     assert supports_tools(TOOL_CHAT_TEMPLATE)
+    assert supports_tools("{% if tools %}{{ tools }}{% endif %}{% if m.role == 'tool' %}{% endif %}")
     assert not supports_tools("{% for m in messages %}{{ m.content }}{% endfor %}") and not supports_tools(None)
 
 
@@ -63,6 +79,8 @@ def test_supports_tools():
     ('Let me see.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": "{\\"x\\": 1}"}</tool_call>',
      "Let me see.", [("a", {}), ("b", {"x": 1})]),
     ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "1"}}', None, [("calculate", {"expression": "1"})]),
+    ('<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {"y": [1]}}</tool_call>',
+     None, [("a", {}), ("b", {"y": [1]})]),
     ("<tool_call>{not json}</tool_call> then text", "<tool_call>{not json}</tool_call> then text", []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ("The answer is 7.", "The answer is 7.", []),
