@@ -77,3 +77,24 @@ def test_update_changes_weights_and_bumps_policy_version(backbone):
     assert backbone.engine.policy_version == v0 + 1 and stats["optimizer_steps"] == 1.0
     assert any(not torch.equal(before[k], v) for k, v in backbone.model.state_dict().items())
     assert backbone.update([flat])["grad_norm"] == 0.0
+
+
+def test_per_token_logprobs_of_merged_and_per_call_samples_agree(backbone):
+    from ajet.backbones.debug.backbone import token_logprobs
+
+    torch.manual_seed(2)
+    prompt, c1, tool, c2 = (torch.randint(3, 200, (n,)).tolist() for n in (10, 6, 5, 4))
+    temp = torch.tensor([[0.7]])
+
+    def lp(ids):
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            return token_logprobs(backbone.model, t, torch.ones_like(t), temp)[0][0]
+
+    merged = lp(prompt + c1 + tool + c2)
+    call1 = lp(prompt + c1)
+    call2 = lp(prompt + c1 + tool + c2)
+    n1 = len(prompt)
+    n2 = len(prompt + c1 + tool)
+    torch.testing.assert_close(merged[n1:n1 + 6], call1[n1:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged[n2:], call2[n2:], rtol=0, atol=1e-5)

@@ -103,7 +103,7 @@ class DebugBackbone:
         weights = episode_token_weights([s.episode_id for s in samples], [s.num_loss_tokens for s in samples])
         stats: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
                                    "entropy": 0.0}
-        diff_sum, diff_n = 0.0, 0
+        diff_sum, diff_n, mass = 0.0, 0, 0.0
         # a token with advantage 0 adds exactly 0 to the PPO loss (and its gradient); without a KL term
         # it is skipped here, after the weights were computed over all episodes, so the loss is unchanged
         items = [(s, w) for s, w in zip(samples, weights) if s.advantage != 0.0 or self.ref_model is not None]
@@ -124,10 +124,13 @@ class DebugBackbone:
             stats["loss"] += float(loss.detach())
             with torch.no_grad():
                 stats["entropy"] += float((batch["weights"] * entropy).sum())
+                mass += float(batch["weights"].sum())
                 if first_pass:
                     m = batch["loss_mask"].bool()
                     diff_sum += float((logprobs.detach() - batch["old_logprobs"]).abs()[m].sum())
                     diff_n += int(m.sum())
+        for k in ("clip_frac", "ratio_mean", "entropy"):  # weighted means over the tokens actually trained
+            stats[k] = stats[k] / mass if mass > 0 else 0.0
         if first_pass and diff_n:
             stats["logprob_diff"] = diff_sum / diff_n
         stats["_tokens"] = sum(s.num_loss_tokens for s, _ in items)
