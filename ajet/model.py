@@ -36,8 +36,9 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
         cache_dir: root for converted models (default `$AJET_CACHE_DIR`, else `~/.cache/ajet`).
 
     Returns:
-        For the alias, `<cache_dir>/models/smollm2-135m-instruct` (float32 safetensors + tokenizer with
-        `TOOL_CHAT_TEMPLATE`; about 20 s the first time, then reused); for an existing folder, its
+        For the alias, `<cache_dir>/models/smollm2-135m-instruct` (float32 safetensors + tokenizer, whose
+        own template `load_tokenizer` replaces with `TOOL_CHAT_TEMPLATE` at load time, so a newer ajet's
+        template is never shadowed by a cached copy; about 20 s the first time, then reused); for an existing folder, its
         absolute path; anything else unchanged.
 
     Raises:
@@ -72,7 +73,6 @@ def _convert_smollm2(target: Path) -> Path:
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
-        tok.chat_template = TOOL_CHAT_TEMPLATE
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             model.save_pretrained(tmp)                  # safetensors

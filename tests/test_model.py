@@ -1,7 +1,6 @@
 """Model resolution: the embedded SmolLM2 alias, local folders, and the chat-template rules."""
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -70,9 +69,8 @@ def test_embedded_smollm2_converts_once_and_renders_tools(tmp_path):
     assert path == str(tmp_path / "models" / "smollm2-135m-instruct")
     weights = Path(path) / "model.safetensors"
     written = weights.stat().st_mtime_ns
-    start = time.perf_counter()
     assert resolve_model_path("SmolLM2-135M-Instruct", cache_dir=str(tmp_path)) == path   # reused, not reconverted
-    assert time.perf_counter() - start < 1.0 and weights.stat().st_mtime_ns == written
+    assert weights.stat().st_mtime_ns == written
     assert [p.name for p in tmp_path.joinpath("models").iterdir() if p.is_dir()] == ["smollm2-135m-instruct"]
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.model_type == "llama" and model.config.vocab_size == 49152
