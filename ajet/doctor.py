@@ -42,8 +42,12 @@ class Finding:
     action: str
 
 
-def diagnose(tokenizer) -> tuple[bool, list[Finding]]:
-    """Run every check on `tokenizer.chat_template`. Returns (append_only, findings)."""
+def diagnose(tokenizer, own_template: str | None = None) -> tuple[bool, list[Finding]]:
+    """Run every check on `tokenizer.chat_template`. Returns (append_only, findings).
+
+    own_template: the model's own template before ajet chose one (default: the tokenizer's), for the
+    tool-support finding.
+    """
     from ajet.chat_template import supports_tools
 
     def render(msgs, gen):
@@ -51,11 +55,13 @@ def diagnose(tokenizer) -> tuple[bool, list[Finding]]:
 
     eot = tokenizer.eos_token
     findings: list[Finding] = []
-    findings.append(Finding("tool support", supports_tools(tokenizer.chat_template),
-                            "the template renders `tools` and assistant `tool_calls`" if supports_tools(tokenizer.chat_template)
-                            else "the template has no tool support",
-                            "none needed" if supports_tools(tokenizer.chat_template)
-                            else "ajet loads its Qwen2.5-style tool template (model.chat_template: null or 'tools')"))
+    own = tokenizer.chat_template if own_template is None else own_template
+    has_tools = supports_tools(own)
+    findings.append(Finding("tool support", has_tools,
+                            "the model's template renders `tools` and assistant `tool_calls`" if has_tools
+                            else "the model's own template has no tool support",
+                            "none needed" if has_tools else "ajet uses its Qwen2.5-style tool template "
+                            "(model.chat_template: null or 'tools'); the checks below are on that template"))
     full = render(CONVERSATION, True)
     append_only, eot_kept, separators, resplits = True, True, set(), 0
     for k, msg in enumerate(CONVERSATION):
@@ -110,8 +116,13 @@ def main(model: str, chat_template: str | None = None) -> int:
 
     from ajet.model import load_tokenizer
 
+    from transformers import AutoTokenizer
+
+    from ajet.model import resolve_model_path
+
+    own = AutoTokenizer.from_pretrained(resolve_model_path(model)).chat_template
     tok = load_tokenizer(model, chat_template)
-    append_only, findings = diagnose(tok)
+    append_only, findings = diagnose(tok, own if chat_template is None else tok.chat_template)
     table = Table(title=f"ajet doctor: {model}", show_lines=True)
     for col in ("check", "", "finding", "what ajet does"):
         table.add_column(col, overflow="fold")

@@ -20,7 +20,7 @@ from ajet.errors import ConfigError
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DONE = ".ajet-converted-v3"   # marker of a finished conversion; bump when the conversion changes
+_DONE = ".ajet-converted-v4"   # marker of a finished conversion; bump when the conversion changes
 
 
 def _cache_root(override: str | None = None) -> Path:
