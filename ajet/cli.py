@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL backend: debug (one process, CPU or one GPU), verl (Ray+FSDP+vLLM), trinity")
     p.add_argument("--exp-dir", metavar="DIR", help="where metrics, trajectories and checkpoints go")
     p.add_argument("--steps", type=int, metavar="N", help="override trainer.total_steps")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
     return p
 
 
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     overrides = {k: v for k, v in (("backbone", args.backbone), ("trainer.exp_dir", args.exp_dir),
-                                   ("trainer.total_steps", args.steps)) if v is not None}
+                                   ("trainer.total_steps", args.steps),
+                                   ("trainer.resume", args.resume or None)) if v is not None}
     try:
         from ajet.config import load_config
         from ajet.trainer import run

@@ -54,6 +54,9 @@ class RolloutConfig(_Section):
     max_concurrency: int = Field(64, ge=1, description="episodes running at once")
     episode_timeout_s: float = Field(600.0, gt=0)
     max_batch_size: int = Field(32, ge=1, description="engine: prompts generated together")
+    # a failed episode (raised, timed out, non-finite or missing reward) is never trained on; with
+    # "drop_group" the rest of its GRPO group is left out of the update too
+    failed_episode_policy: Literal["drop_episode", "drop_group"] = "drop_episode"
 
 
 class AlgorithmConfig(_Section):
@@ -84,6 +87,8 @@ class TrainerConfig(_Section):
     exp_dir: str = "experiments/{experiment_name}"
     tensorboard: bool = True
     save_trajectories: bool = True
+    resume: bool = False  # continue from the newest checkpoint in exp_dir (CLI: --resume)
+    max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
 
 
 class AjetConfig(_Section):

@@ -26,6 +26,11 @@ class TaskSampler:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
+    def set_position(self, epoch: int, offset: int) -> None:
+        """Continue from a saved (epoch, offset), as read from `(sampler.epoch, sampler.offset)`."""
+        self.epoch, self.offset = epoch, offset
+        self._order = self._permutation(epoch)
+
     def next_batch(self, n: int) -> list[Task]:
         """The next `n` tasks, wrapping into a new epoch when the current one runs out."""
         out = []

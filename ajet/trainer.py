@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ajet import checkpoint
 from ajet.config import AjetConfig, resolve_path
 from ajet.episode import Episode
+from ajet.errors import AjetError
 from ajet.importing import load_object
 from ajet.llm_call import SamplingParams
 from ajet.task_reader import read_jsonl_tasks
@@ -27,10 +29,12 @@ from ajet.tracker.context_tracker import fork_reasons
 
 
 def run(cfg: AjetConfig) -> Path:
-    """Train as `cfg` says; returns the experiment folder (metrics.jsonl, trajectories.jsonl, checkpoints/).
+    """Train as `cfg` says; returns the experiment folder (metrics.jsonl, trajectories.jsonl,
+    trajectories.sqlite, checkpoints/). With `trainer.resume`, continues from the newest checkpoint.
 
     Raises:
-        AjetError subclasses for config, workflow-loading or backbone problems (before any training).
+        AjetError subclasses for config, workflow-loading or backbone problems (before any training), and
+        when `trainer.max_failed_steps` steps in a row produce no usable episode.
     """
     import torch
 
@@ -40,6 +44,7 @@ def run(cfg: AjetConfig) -> Path:
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import rollout
     from ajet.tracker import merge_calls
+    from ajet.trajectory_store import TrajectoryStore
 
     exp_dir = cfg.exp_path()
     exp_dir.mkdir(parents=True, exist_ok=True)
@@ -51,36 +56,61 @@ def run(cfg: AjetConfig) -> Path:
     workflow = load_object(cfg.workflow, cfg.config_dir)()
     judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
     backbone_cls = load_backbone(cfg.backbone)
+    sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
+
+    resume_from = checkpoint.latest(exp_dir) if cfg.trainer.resume else None
+    first_step, attempt = 1, 0
+    if resume_from is not None:  # drop what the interrupted attempt logged after its last checkpoint
+        state = checkpoint.load_trainer_state(resume_from)
+        first_step, attempt = state["step"] + 1, state["attempt"] + 1
+        sampler.set_position(*state["sampler"])
+        random.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            checkpoint.truncate_jsonl(exp_dir / name, state["step"])
 
     log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard)
+    store = TrajectoryStore(exp_dir / "trajectories.sqlite")
     log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
                       f"tasks={len(tasks)} -> {exp_dir}")
     t_load = time.perf_counter()
     backbone = backbone_cls(cfg)
+    if resume_from is not None:
+        backbone.load_checkpoint(resume_from)
+        log.console.print(f"resumed from {resume_from} (attempt {attempt}); next step {first_step}")
     r = cfg.rollout
     proxy = ProxyServer(backbone.engine, backbone.tokenizer,
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
                         sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len).start()
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
-    sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
-    total = cfg.trainer.total_steps
+    total, failed_in_a_row = cfg.trainer.total_steps, 0
     try:
-        for step in range(1, total + 1):
+        for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
             with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
+                def finished(ep: Episode, step=step, advance=advance) -> None:
+                    store.add_episode(step, attempt, ep.to_dict())   # durable before training uses it
+                    advance()
+
                 episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
                                                proxy, judge, step, r.max_concurrency, r.episode_timeout_s,
-                                               on_episode_done=advance))
+                                               on_episode_done=finished))
             rollout_s = time.perf_counter() - t0
-            ok = [e for e in episodes if e.ok]
-            for e in ok:
+            trainable = _trainable(episodes, r.failed_episode_policy)
+            failed_in_a_row = 0 if trainable else failed_in_a_row + 1
+            if failed_in_a_row >= cfg.trainer.max_failed_steps:
+                raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
+                                + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
+                                f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
+            for e in trainable:
                 e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag)
-            assign_advantages([s for e in ok for s in e.samples], {e.episode_id: e.reward for e in ok},
+            assign_advantages([s for e in trainable for s in e.samples], {e.episode_id: e.reward for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
-            train = backbone.update([s for e in ok for s in e.samples])
+            train = backbone.update([s for e in trainable for s in e.samples])
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics.update({f"train/{k}": v for k, v in train.items()})
+            metrics["rollout/trained_episodes"] = len(trainable)
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["policy_version"] = backbone.engine.policy_version
             log.log(step, metrics)
@@ -90,12 +120,22 @@ def run(cfg: AjetConfig) -> Path:
                 log.flush()
             log.console.print(_console_line(step, total, metrics))
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
-                backbone.save_checkpoint(exp_dir / "checkpoints" / f"step_{step}")
+                checkpoint.save(exp_dir, step, backbone, {
+                    "step": step, "attempt": attempt, "sampler": (sampler.epoch, sampler.offset),
+                    "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     finally:
         proxy.stop()
         backbone.close()
+        store.close()
         log.close()
     return exp_dir
+
+
+def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:
+    """The episodes the update may use: the successful ones, minus whole groups with a failure under
+    "drop_group"."""
+    failed_groups = {e.group_id for e in episodes if not e.ok}
+    return [e for e in episodes if e.ok and (policy == "drop_episode" or e.group_id not in failed_groups)]
 
 
 def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: int) -> dict[str, Any]:

@@ -27,7 +27,12 @@ class Backbone(Protocol):
         ...
 
     def save_checkpoint(self, path: Path) -> None:
-        """Write the policy in Hugging Face format (loadable with `AutoModelForCausalLM.from_pretrained`)."""
+        """Write the policy in Hugging Face format (loadable with `AutoModelForCausalLM.from_pretrained`)
+        plus whatever `load_checkpoint` needs to resume exactly (optimizer, RNG, policy version)."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore the state written by `save_checkpoint` (for `ajet ... --resume`)."""
         ...
 
     def close(self) -> None:

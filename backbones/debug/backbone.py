@@ -138,11 +138,28 @@ class DebugBackbone:
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """Hugging Face format: `AutoModelForCausalLM.from_pretrained(path)` loads it."""
+        """Hugging Face format (`AutoModelForCausalLM.from_pretrained(path)` loads it), plus
+        `backbone_state.pt`: optimizer state, sampler RNG and policy version, for `load_checkpoint`."""
         path.mkdir(parents=True, exist_ok=True)
         with self.engine.weights_lock:
             self.model.save_pretrained(path)
+            torch.save({"optimizer": self.optimizer.state_dict(), "engine_rng": self.engine._generator.get_state(),
+                        "update_rng": self._rng.getstate(), "policy_version": self.engine.policy_version},
+                       path / "backbone_state.pt")
         self.tokenizer.save_pretrained(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore weights, optimizer, RNG and policy version written by `save_checkpoint`."""
+        from transformers import AutoModelForCausalLM
+
+        state = torch.load(path / "backbone_state.pt", weights_only=False)
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+        with self.engine.weights_lock:
+            self.model.load_state_dict(saved.state_dict())
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.engine._generator.set_state(state["engine_rng"])
+            self._rng.setstate(state["update_rng"])
+            self.engine.policy_version = state["policy_version"]
 
     def close(self) -> None:
         self.engine.close()
