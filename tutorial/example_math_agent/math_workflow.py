@@ -11,9 +11,11 @@ from __future__ import annotations
 import ast
 import json
 import operator
+from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
 from ajet.judges import math_answer_judge
+from ajet.sandbox import run_python
 
 MAX_TURNS = 3
 SYSTEM_PROMPT = ("You are a math assistant. First call the calculate tool with the arithmetic expression that "
@@ -62,12 +64,26 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
 
 
 def calculate_tool(arguments: str) -> str:
-    """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises)."""
+    """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises).
+
+    The expression is evaluated by `safe_eval` in a separate, limited interpreter (`ajet.sandbox`:
+    2 s, 256 MiB), so nothing the model writes can hang or exhaust the training process.
+    """
     try:
-        expression = json.loads(arguments)["expression"]
-        value = safe_eval(str(expression))
+        expression = str(json.loads(arguments)["expression"])
     except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
         return f"error: {exc}"
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from math_workflow import format_value, safe_eval\n"
+            "try:\n    print(format_value(safe_eval(sys.stdin.read())))\n"
+            "except Exception as exc:\n    print(f'error: {exc}')\n") % str(Path(__file__).resolve().parent)
+    result = run_python(code, timeout_s=2.0, memory_mb=256, stdin=expression)
+    if result.timed_out:
+        return "error: the calculation took too long"
+    return result.stdout.strip() if result.ok else "error: the calculation failed"
+
+
+def format_value(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
