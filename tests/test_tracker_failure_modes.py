@@ -95,18 +95,19 @@ def test_special_token_spelled_out_in_text(tok):
     assert tok.decode(bridge) == "\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n"
 
 
+def _two_user_turns(client, _):
+    msgs = [{"role": "user", "content": "a"}]
+    _chat(client, msgs)
+    msgs.append({"role": "user", "content": "b"})
+    _chat(client, msgs)
+
+
 def test_template_that_drops_end_of_turn(tok):
     tok.chat_template = TOOL_CHAT_TEMPLATE.replace("{%- endfor -%}{{- '<|im_end|>\\n' -}}",
                                                    "{%- endfor -%}{{- '\\n' -}}")
     assert tok.chat_template != TOOL_CHAT_TEMPLATE
 
-    def talk(client, _):
-        msgs = [{"role": "user", "content": "a"}]
-        _chat(client, msgs)
-        msgs.append({"role": "user", "content": "b"})
-        _chat(client, msgs)
-
-    calls, (sample,), engine = _run(tok, ["one", "two"], talk)
+    calls, (sample,), engine = _run(tok, ["one", "two"], _two_user_turns)
     assert calls[1].prompt_parent == calls[0].call_id
     # the sampled end-of-turn stays in context and is trained, though the template would not show it
     first = engine.sampled[0]
@@ -115,13 +116,7 @@ def test_template_that_drops_end_of_turn(tok):
 
 
 def test_separator_after_end_of_turn_is_masked(tok):
-    def talk(client, _):
-        msgs = [{"role": "user", "content": "a"}]
-        _chat(client, msgs)
-        msgs.append({"role": "user", "content": "b"})
-        _chat(client, msgs)
-
-    calls, (sample,), engine = _run(tok, ["one", "two"], talk)
+    calls, (sample,), engine = _run(tok, ["one", "two"], _two_user_turns)
     n = len(engine.sampled[0])
     newline = _ids(tok, "\n")
     assert sample.response_ids[n: n + len(newline)] == newline and sample.loss_mask[n: n + len(newline)] == [0] * len(newline)
