@@ -28,3 +28,21 @@ class ScriptedEngine:
             ids.append(self.tokenizer.eos_token_id)
         self.sampled.append(ids)
         return Completion(ids, [-0.5] * len(ids), "stop", self.policy_version)
+
+
+class FailingEngine(ScriptedEngine):
+    """A ScriptedEngine that raises `RuntimeError` for the next `fail_next` calls (set it at any time), and
+    returns a malformed completion (token_ids=None, a bug in an engine) while `broken` is true."""
+
+    def __init__(self, tokenizer, replies: list[str | list[int]]):
+        super().__init__(tokenizer, replies)
+        self.fail_next = 0
+        self.broken = False
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        if self.broken:
+            return Completion(None, [], "stop", self.policy_version)  # type: ignore[arg-type]
+        return await super().generate(prompt_ids, params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Wire(BaseModel):
@@ -71,6 +71,26 @@ class FunctionDef(_Wire):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A function's parameters are a JSON-schema object: `type` "object" when given, `properties` a
+        mapping of name -> schema object, `required` a list of names. Raises ValueError (a 400) otherwise."""
+        if v is None:
+            return v
+        if "type" in v and v["type"] != "object":
+            raise ValueError('must be a JSON schema of type "object" (got type ' + short_repr(v["type"]) + ")")
+        props = v.get("properties")
+        if props is not None and not isinstance(props, dict):
+            raise ValueError("`properties` must be a mapping of parameter name -> JSON schema object")
+        for name, schema in (props or {}).items():
+            if not isinstance(schema, dict):
+                raise ValueError(f"the schema of property {short_repr(name)} must be a JSON object")
+        required = v.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise ValueError("`required` must be a list of property names")
+        return v
+
 
 class ToolDef(_Wire):
     type: Literal["function"]
@@ -101,7 +121,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -120,3 +140,9 @@ class ChatCompletionRequest(BaseModel):
 
     def wire_tools(self) -> list[dict[str, Any]] | None:
         return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """`repr(value)` cut to about `limit` characters, so errors never echo huge inputs."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + "..."

@@ -4,30 +4,41 @@ Each episode gets `http://127.0.0.1:PORT/ep/<token>/v1` as its base_url, `<token
 also accepted as `Authorization: Bearer <token>` on `/v1/...`) as its api_key. A request's path is a
 straight line: find the episode -> validate the body -> choose sampling params -> build the prompt ids
 (token-in-token-out) -> generate -> parse tool calls -> record an `LLMCall` -> answer.
+
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: bad input is a 4xx
+naming what is wrong (never echoing more than ~200 characters of it), an engine failure a 503 with
+`Retry-After`, and only a bug in the proxy itself a 500.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import secrets
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ajet.chat_template import parse_tool_calls
 from ajet.engine import Engine
 from ajet.llm_call import LLMCall, SamplingParams
 from ajet.proxy.prompt import PromptBuilder
-from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice
+from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice, short_repr
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
 
 
 @dataclass
@@ -48,16 +59,25 @@ class _Episode:
 
 
 class ProxyError(Exception):
-    """An OpenAI-style error answer: HTTP status, message, type, offending param, code."""
+    """An OpenAI-style error answer: HTTP status, message, type, offending param, code.
+
+    `retry_after` (seconds) becomes a `Retry-After` header; a 503 always carries one (1 s unless given),
+    so clients with retries (the OpenAI SDK) back off and try again.
+    """
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after if retry_after is not None or status != 503 else 1
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        """The JSON body `{"error": {"message", "type", "param", "code"}}` with this status."""
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return JSONResponse(body, status_code=self.status, headers=headers or None)
 
 
 class ProxyServer:
@@ -70,12 +90,19 @@ class ProxyServer:
         sampling_policy: "config" (config temperature/top_p win; client max_tokens capped by config) or
             "client" (client values win where given).
         max_model_len: prompt + completion limit, tokens; longer prompts get a 400.
-        model_name: the name `/v1/models` lists (any `model` string is accepted).
+        model_name: the name `/v1/models` lists.
         host: bind address; 127.0.0.1 unless you need the proxy reachable from elsewhere.
+        max_body_bytes: largest request body, bytes (Content-Length and the bytes actually sent);
+            larger ones get a 413. Default 8 MiB.
+        accepted_models: the `model` names accepted besides `model_name`; None (the default) accepts any
+            name. With a set, other names get a 404 `model_not_found` listing the accepted ones.
+        retry_after_s: the `Retry-After` (seconds) of the 503 answered when the engine fails.
     """
 
     def __init__(self, engine: Engine, tokenizer, defaults: SamplingParams, sampling_policy: str = "config",
-                 max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1"):
+                 max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1",
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, accepted_models: Iterable[str] | None = None,
+                 retry_after_s: int = 1):
         self.engine = engine
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -84,6 +111,11 @@ class ProxyServer:
         self.max_model_len = max_model_len
         self.model_name = model_name
         self.host = host
+        self.max_body_bytes = max_body_bytes
+        if isinstance(accepted_models, str):
+            accepted_models = [accepted_models]
+        self.accepted_models = None if accepted_models is None else {model_name, *accepted_models}
+        self.retry_after_s = retry_after_s
         self.port: int | None = None
         self._episodes: dict[str, _Episode] = {}   # token -> episode
         self._lock = threading.Lock()
@@ -94,7 +126,9 @@ class ProxyServer:
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> ProxyServer:
         """Bind a free port on `host` and serve in a daemon thread. Raises RuntimeError if it won't start."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without it
+        # Nagle holds each response body behind its headers for a delayed ACK (~40 ms a request)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
@@ -154,6 +188,13 @@ class ProxyServer:
         async def _proxy_error(_req: Request, exc: ProxyError):
             return exc.response()
 
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(req: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+            return ProxyError(exc.status_code, f"{exc.detail}: {req.method} {_cut(req.url.path, 200)}",
+                              code=str(exc.detail).lower().replace(" ", "_")).response(exc.headers)
+
+        app.add_middleware(_CatchAll)   # any other exception: a 500 OpenAI-style body, connection kept
+
         @app.post("/ep/{token}/v1/chat/completions")
         async def chat_by_path(token: str, request: Request):
             return await self.chat_completions(self._episode(token), request)
@@ -186,7 +227,14 @@ class ProxyServer:
         return app
 
     def _models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "ajet"}]}
+        names = [self.model_name] + sorted((self.accepted_models or set()) - {self.model_name})
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "ajet"} for n in names]}
+
+    def _check_model(self, model: str) -> None:
+        """Raise a 404 `model_not_found` unless `model` is accepted (any name when no set is configured)."""
+        if self.accepted_models is not None and model not in self.accepted_models:
+            raise ProxyError(404, f"the model {short_repr(model, 100)} does not exist on this proxy; accepted: "
+                                  + ", ".join(sorted(self.accepted_models)), param="model", code="model_not_found")
 
     async def chat_completions(self, ep: _Episode, request: Request, agent_tag: str = "default"):
         """Handle one chat completion for episode `ep` (see the module docstring for the steps).
@@ -195,7 +243,8 @@ class ProxyServer:
         call's parent among that agent's calls only, and the tracker merges each agent's calls apart.
         """
         t0 = time.perf_counter()
-        req = await _parse(request)
+        req = await _parse(request, self.max_body_bytes)
+        self._check_model(req.model)
         _reject_unsupported(req)
         sampling = self._sampling(req)
         messages, tools = req.wire_messages(), req.wire_tools()
@@ -212,7 +261,10 @@ class ProxyServer:
         except ValueError as exc:
             raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
         except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
-            raise ProxyError(503, f"the inference engine failed: {exc}", "server_error", code="engine_error") from exc
+            log.warning("proxy: engine failed: %r", exc)
+            raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {_cut(str(exc), 200)}); "
+                                  "retry later", "server_error", code="engine_error",
+                             retry_after=self.retry_after_s) from exc
         t2 = time.perf_counter()
 
         text = forced + self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -263,28 +315,122 @@ class ProxyServer:
                           "total_tokens": n_prompt + n_completion}}
 
 
+class _CatchAll:
+    """ASGI middleware: an unexpected exception in a handler (a bug; bad input never gets here) becomes a 500
+    OpenAI-style body and is logged. Unlike an `exception_handler(Exception)`, which Starlette answers and then
+    re-raises (uvicorn then drops the keep-alive connection under the client's next request), the exception
+    stops here. One raised after the response started is re-raised: the client sees a cut-off response."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the catch-all
+            if started:
+                raise
+            log.error("proxy: unexpected %s in %s %s", type(exc).__name__, scope.get("method"), scope.get("path"),
+                      exc_info=exc)
+            response = ProxyError(500, f"internal error in the ajet proxy ({type(exc).__name__}); see the proxy's log",
+                                  "server_error", code="internal_error").response()
+            await response(scope, receive, send)
+
+
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-async def _parse(request: Request) -> ChatCompletionRequest:
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes. Raises ProxyError 413 when the Content-Length or the bytes
+    actually sent (a chunked body has no Content-Length) exceed it, 400 for a malformed Content-Length."""
+    too_large = ProxyError(413, f"the request body is larger than this proxy's limit of {limit} bytes: "
+                                "shorten the conversation or raise max_body_bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not re.fullmatch(r"\s*[0-9]{1,20}\s*", declared):
+            raise ProxyError(400, "the Content-Length header is not a non-negative integer", code="invalid_request")
+        if int(declared) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone UTF-16 surrogate, else None.
+    JSON `\\ud800` escapes decode to such strings, which cannot be encoded as UTF-8 (tokenizer, response)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                if not _utf8_ok(k):
+                    return _cut(p, 200)
+                stack.append((p, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
+        elif isinstance(v, str) and not _utf8_ok(v):
+            return _cut(path, 200)
+    return None
+
+
+def _cut(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters (plus "..." when cut)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _utf8_ok(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+async def _parse(request: Request, max_body_bytes: int) -> ChatCompletionRequest:
+    """The validated request. Raises ProxyError: 413 for an oversized body, 400 for anything malformed (not
+    JSON, not an object, lone surrogates, a schema violation: the message names the field and quotes at most
+    ~200 characters of the offending value)."""
+    raw = await _read_body(request, max_body_bytes)
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProxyError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, >4300-digit ints, nesting
+        raise ProxyError(400, f"the request body is not valid JSON: {_cut(str(exc), 200)}",
+                         code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ProxyError(400, "the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
+        raise ProxyError(400, f"{where}: the string holds a lone UTF-16 surrogate (\\ud800-\\udfff escape), "
+                              "which is not valid Unicode text", param=where, code="invalid_value")
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        msg = ("unsupported parameter" if err["type"] == "extra_forbidden" else err["msg"])
-        raise ProxyError(400, f"{param}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "missing"
-                                                  and err["type"] != "extra_forbidden" else ""),
-                         param=param, code="invalid_value" if err["type"] != "extra_forbidden" else "unsupported_parameter") from exc
+        param = _cut(".".join(str(p) for p in err["loc"]), 200)
+        extra = err["type"] == "extra_forbidden"
+        msg = "unsupported parameter" if extra else _cut(err["msg"].removeprefix("Value error, "), 300)
+        got = "" if extra or err["type"] == "missing" else f" (got {short_repr(err['input'], 200)})"
+        raise ProxyError(400, f"{param}: {msg}{got}", param=param,
+                         code="unsupported_parameter" if extra else "invalid_value") from exc
 
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
