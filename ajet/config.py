@@ -59,6 +59,16 @@ class RolloutConfig(_Section):
     failed_episode_policy: Literal["drop_episode", "drop_group"] = "drop_episode"
 
 
+class ProxyConfig(_Section):
+    """The recording proxy. host: 127.0.0.1 keeps it private to this machine; set 0.0.0.0 only when the
+    agents run elsewhere (episode tokens are still required). accepted_models: None accepts any `model`."""
+
+    host: str = "127.0.0.1"
+    max_body_bytes: int = Field(8 * 2**20, gt=0)
+    accepted_models: list[str] | None = None
+    retry_after_s: int = Field(1, ge=0)
+
+
 class AlgorithmConfig(_Section):
     """GRPO with a PPO-clip token loss (Shao et al. 2024, DeepSeekMath; Schulman et al. 2017)."""
 
@@ -105,6 +115,7 @@ class AjetConfig(_Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig
     rollout: RolloutConfig = RolloutConfig()
+    proxy: ProxyConfig = ProxyConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"

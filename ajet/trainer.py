@@ -81,7 +81,9 @@ def run(cfg: AjetConfig) -> Path:
     r = cfg.rollout
     proxy = ProxyServer(backbone.engine, backbone.tokenizer,
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
-                        sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len).start()
+                        sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len,
+                        host=cfg.proxy.host, max_body_bytes=cfg.proxy.max_body_bytes,
+                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s).start()
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
     total, failed_in_a_row = cfg.trainer.total_steps, 0
     try:
