@@ -152,12 +152,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Aj
         raise ConfigError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    # an empty section (`rollout:` with every child commented out) means "all defaults"
+    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS)}
     for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
+        _set_dotted(data, dotted, value)
     errors = _unknown_keys(data, AjetConfig, "")
     if errors:
         raise ConfigError(f"{path}: " + "\n".join(errors))
@@ -177,6 +175,24 @@ def resolve_path(cfg: AjetConfig, p: str | Path) -> Path:
     if cfg.config_dir is not None and (cfg.config_dir / p).exists():
         return cfg.config_dir / p
     return Path.cwd() / p
+
+
+_SECTIONS = {k for k, f in AjetConfig.model_fields.items()
+             if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """data["a"]["b"] = value for dotted "a.b", creating missing (or empty) sections."""
+    node = data
+    *parents, leaf = dotted.split(".")
+    for i, key in enumerate(parents):
+        if node.get(key) is None:
+            node[key] = {}
+        if not isinstance(node[key], dict):
+            raise ConfigError(f"cannot apply override `{dotted}`: `{'.'.join(parents[:i + 1])}` is a value, "
+                              f"not a section")
+        node = node[key]
+    node[leaf] = value
 
 
 def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:

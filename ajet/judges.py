@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 
 from ajet.task import Task
 from ajet.workflow import WorkflowOutput
 
-_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# "1,234" is one number (comma-grouped thousands); "1,2,3" is three
+_NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+")
 
 
 def extract_final_number(text: str | None) -> str | None:
@@ -32,8 +33,12 @@ def _normalise(num: str) -> str | None:
         d = Decimal(num.replace(",", "").replace("$", ""))
     except InvalidOperation:
         return None
-    d = d.normalize()
-    return format(d.quantize(Decimal(1)) if d == d.to_integral() else d, "f")
+    if not d.is_finite():
+        return None
+    with localcontext() as ctx:
+        ctx.prec = max(28, len(d.as_tuple().digits))  # never round a long number
+        d = d.normalize() + 0  # + 0 turns -0 into 0
+        return format(d.to_integral_value() if d == d.to_integral_value() else d, "f")
 
 
 def math_answer_judge(task: Task, output: WorkflowOutput) -> float:

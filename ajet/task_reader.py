@@ -14,26 +14,32 @@ def read_jsonl_tasks(path: str | Path, max_tasks: int | None = None) -> list[Tas
     """All tasks in a JSONL file (blank lines skipped), at most `max_tasks`.
 
     Raises:
-        ConfigError: missing file, a line that is not a JSON object (names file:line), a row with neither
-            `query` nor `question`, or no tasks at all.
+        ConfigError: missing or non-UTF-8 file, a line that is not a JSON object (names file:line), a row
+            with neither `query` nor `question`, or no tasks at all.
+        ValueError: `max_tasks` below 1.
     """
     path = Path(path)
+    if max_tasks is not None and max_tasks < 1:
+        raise ValueError(f"max_tasks must be at least 1 or None, got {max_tasks}")
     if not path.is_file():
         raise ConfigError(f"task file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit in a JSON string
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     tasks: list[Task] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object")
-            tasks.append(_row_to_task(row, f"{path.stem}-{lineno - 1}", f"{path}:{lineno}"))
-            if max_tasks is not None and len(tasks) >= max_tasks:
-                break
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{lineno}: each line must be a JSON object")
+        tasks.append(_row_to_task(row, f"{path.stem}-{lineno - 1}", f"{path}:{lineno}"))
+        if max_tasks is not None and len(tasks) >= max_tasks:
+            break
     if not tasks:
         raise ConfigError(f"{path}: no tasks in the file")
     return tasks

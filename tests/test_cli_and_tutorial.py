@@ -20,6 +20,14 @@ def test_help_imports_no_torch():
     assert "--conf" in out and "HEAVY []" in out
 
 
+def test_python_m_ajet_help_is_light():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ajet", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--backbone" in proc.stdout
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
+    assert "ajet" in imported and not imported & {"torch", "transformers", "fastapi", "openai"}
+
+
 def test_config_error_exits_2_with_did_you_mean(tmp_path):
     conf = tmp_path / "c.yaml"
     conf.write_text("workflow: w.py:W\ndata: {train_path: t.jsonl}\ntrainer: {totl_steps: 2}\n")

@@ -41,6 +41,17 @@ def test_reader_errors_name_file_and_line(tmp_path):
         read_jsonl_tasks(p)
     with pytest.raises(ConfigError, match="task file not found"):
         read_jsonl_tasks(tmp_path / "missing.jsonl")
+    p.write_bytes(b'{"query": "\xff"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl: not UTF-8"):
+        read_jsonl_tasks(p)
+
+
+def test_default_ids_count_lines_from_zero_and_keep_unicode(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"query": "a\u2028b"}\n\n{"query": "c", "answer": 3.0}\n', encoding="utf-8")  # raw U+2028
+    a, b = read_jsonl_tasks(p)
+    assert (a.task_id, a.query, b.task_id, b.answer) == ("t-0", "a\u2028b", "t-2", "3.0")
+    assert math_answer_judge(b, WorkflowOutput(final_answer="The answer is 3.")) == 1.0
 
 
 @pytest.mark.skipif(not GSM8K.is_file(), reason=f"GSM8K split not found at {GSM8K} (shared data is absent)")
@@ -55,6 +66,7 @@ def test_real_gsm8k_split():
 @pytest.mark.parametrize("text,number", [
     ("The answer is 7.", "7"), ("#### 1,234.50", "1234.5"), (r"so \boxed{42}", "42"), ("3 then 5", "5"),
     ("-3.0", "-3"), ("The answer is 12 apples, not 3", "12"), ("costs $1,000", "1000"), (None, None), ("none", None),
+    ("pick one of 1,2,3", "3"), ("I got 14, so", "14"), ("-0", "0"), ("1" * 40, "1" * 40), ("it is 5.", "5"),
 ])
 def test_extract_final_number(text, number):
     assert extract_final_number(text) == number
