@@ -36,14 +36,14 @@ class SlowWorkflow(Workflow):
 '''
 
 
-def _setup(tmp_path, tiny_model_dir, steps=4, extra=""):
+def _setup(tmp_path, tiny_model_dir, steps=4, extra="", episode_timeout_s=2):
     (tmp_path / "wf.py").write_text(WORKFLOW)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "query": f"q {i}"}) + "\n" for i in range(12)))
     (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
         workflow: wf.py:SlowWorkflow
         model: {{path: "{tiny_model_dir}", max_model_len: 512}}
         data: {{train_path: tasks.jsonl}}
-        rollout: {{num_repeat: 2, max_tokens: 6, episode_timeout_s: 2}}
+        rollout: {{num_repeat: 2, max_tokens: 6, episode_timeout_s: {episode_timeout_s}}}
         algorithm: {{lr: 1.0e-3}}
         trainer: {{total_steps: {steps}, tasks_per_step: 2, save_freq: 1, tensorboard: false}}
     """) + extra)
@@ -64,7 +64,7 @@ def _task_order(exp):
 
 
 def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path):
-    conf = _setup(tmp_path, tiny_model_dir)
+    conf = _setup(tmp_path, tiny_model_dir, episode_timeout_s=30)   # WF_SLEEP must never time out here
     straight = tmp_path / "straight"
     assert _ajet(conf, straight).returncode == 0
 
