@@ -1,0 +1,44 @@
+"""The math agent with LangChain: `ChatOpenAI` pointed at the episode's proxy endpoint, a manual tool loop.
+
+`ChatOpenAI(base_url=tuner.base_url, api_key=tuner.api_key, model=tuner.model)` is all ajet needs. The
+first turn forces the calculate tool (`bind_tools(..., tool_choice="calculate")`), later turns are free;
+prompt, tool schema, calculator and judge come from math_workflow.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+from langchain_openai import ChatOpenAI
+
+from ajet import Task, Tuner, Workflow, WorkflowOutput
+from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, calculate_tool
+
+
+class MathAgentLangChainWorkflow(Workflow):
+    async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
+        # use_responses_api=False: ajet's proxy serves Chat Completions only
+        llm = ChatOpenAI(base_url=tuner.base_url, api_key=tuner.api_key, model=tuner.model, max_retries=2,
+                         timeout=600, use_responses_api=False)
+        forced = llm.bind_tools([CALCULATE_TOOL], tool_choice="calculate")
+        free = llm.bind_tools([CALCULATE_TOOL], tool_choice="auto")
+        messages = [SystemMessage(SYSTEM_PROMPT), HumanMessage(task.query)]
+        answer, tool_calls, valid_calls = "", 0, 0
+        for turn in range(1, MAX_TURNS + 1):
+            ai = await (forced if turn == 1 else free).ainvoke(messages)
+            answer = ai.text   # the content as text (str content or the text parts of a list)
+            # invalid_tool_calls: arguments LangChain could not parse; they are sent back as tool calls,
+            # so each needs an answer too
+            pending = [(tc["id"], tc["name"], json.dumps(tc["args"])) for tc in ai.tool_calls] + \
+                      [(tc["id"], tc["name"], tc.get("args") or "") for tc in ai.invalid_tool_calls]
+            if not pending:
+                break
+            messages.append(ai)
+            for call_id, name, arguments in pending:
+                result = calculate_tool(arguments) if name == "calculate" else f"error: unknown tool {name!r}"
+                tool_calls += 1
+                valid_calls += not result.startswith("error:")
+                messages.append(ToolMessage(result, tool_call_id=call_id))
+        return WorkflowOutput(final_answer=answer,
+                              metrics={"turns": turn, "tool_calls": tool_calls, "valid_tool_calls": valid_calls})
