@@ -7,9 +7,11 @@ and trinity backbones wrap vLLM servers.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
-from ajet.llm_call import Completion, SamplingParams
+from ajet.llm_call import Completion, SamplingParams, TokenDelta
+
+TokenCallback = Callable[[TokenDelta], None]
 
 
 @runtime_checkable
@@ -22,8 +24,14 @@ class Engine(Protocol):
 
     policy_version: int
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_tokens: TokenCallback | None = None) -> Completion:
         """Sample one completion for `prompt_ids` `[prompt_len]`.
+
+        `on_tokens`, when given, is called on the caller's event loop with each batch of newly sampled
+        tokens while generation runs (the proxy streams them to the client); the deltas concatenate to the
+        returned completion's ids. An engine that cannot stream may never call it: the proxy then streams
+        the finished completion at once.
 
         Raises:
             ValueError: the prompt plus `params.max_tokens` does not fit the model's context.

@@ -20,6 +20,7 @@ class SamplingParams:
         max_tokens: upper bound on completion length, in tokens.
         seed: per-call RNG seed, or None for the engine's running generator.
         stop: stop strings; the completion is cut after the first token that completes one.
+        top_logprobs: how many most likely alternatives (id, logprob) to return per sampled token (0: none).
     """
 
     temperature: float = 1.0
@@ -27,6 +28,22 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens an engine has just sampled for a completion still being generated (streaming).
+
+    Attributes:
+        token_ids: the new ids `[n_new]`, in order; all deltas of a completion concatenate to its `token_ids`.
+        logprobs: their logprobs `[n_new]`.
+        top_logprobs: per new token, the `params.top_logprobs` most likely (id, logprob) pairs, or None.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,12 +55,15 @@ class Completion:
         logprobs: log pi_old(token) for each sampled id `[completion_len]`, under the sampling temperature.
         finish_reason: "stop" (end-of-turn or stop string) or "length" (hit max_tokens).
         policy_version: the optimizer step whose weights sampled this completion.
+        top_logprobs: per sampled token, the `params.top_logprobs` most likely (id, logprob) pairs, most
+            likely first `[completion_len][k]`; None when not asked for.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     policy_version: int
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -100,8 +100,10 @@ def test_errors_are_openai_style(tokenizer):
             assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"]
             r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "bogus": 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
-            r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3})
+            r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17})
             assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+            r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
             r = http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "word " * 200}]})
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
             r = http.post(proxy.url + "/ep/not-a-token/v1/chat/completions",
@@ -134,8 +136,10 @@ def test_streaming_returns_chunks_and_records_the_call(tokenizer):
         proxy.stop()
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
-    tc = [d.tool_calls[0] for d in deltas if d.tool_calls][0]
-    assert tc.function.name == "calculate" and json.loads(tc.function.arguments) == {"expression": "2*3"}
+    tc_deltas = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert tc_deltas[0].id and tc_deltas[0].function.name == "calculate"   # id and name first, then arguments
+    assert all(t.index == 0 for t in tc_deltas)
+    assert json.loads("".join(t.function.arguments or "" for t in tc_deltas)) == {"expression": "2*3"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens == len(engine.sampled[0])
     assert calls[0].completion_ids == engine.sampled[0]

@@ -122,7 +122,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, gt=0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=16)  # choices per request; each is recorded as its own call
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None

@@ -2,8 +2,10 @@
 
 Each episode gets `http://127.0.0.1:PORT/ep/<token>/v1` as its base_url, `<token>` (unguessable,
 also accepted as `Authorization: Bearer <token>` on `/v1/...`) as its api_key. A request's path is a
-straight line: find the episode -> validate the body -> choose sampling params -> build the prompt ids
-(token-in-token-out) -> generate -> parse tool calls -> record an `LLMCall` -> answer.
+straight line: find the episode -> validate the body -> (a client retry? answer from the first attempt)
+-> build the prompt ids (token-in-token-out) -> choose sampling params -> generate the `n` choices in a
+task -> parse tool calls -> record one `LLMCall` per choice -> answer (streamed as tokens are sampled
+when `stream` is set).
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: bad input is a 4xx
 naming what is wrong (never echoing more than ~200 characters of it), an engine failure a 503 with
@@ -13,6 +15,7 @@ naming what is wrong (never echoing more than ~200 characters of it), an engine 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -21,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import uvicorn
@@ -32,8 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ajet.chat_template import parse_tool_calls
 from ajet.engine import Engine
-from ajet.llm_call import LLMCall, SamplingParams
+from ajet.llm_call import Completion, LLMCall, SamplingParams, TokenDelta
 from ajet.proxy.prompt import PromptBuilder
+from ajet.proxy.stream import IncrementalContent, chunk, cut_at_stop, sse, tool_call_chunks
 from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice, short_repr
 
 log = logging.getLogger(__name__)
@@ -51,10 +55,48 @@ class EpisodeEndpoint:
 
 
 @dataclass
+class _Choice:
+    """One generated choice of a request, and the call it was recorded as."""
+
+    index: int
+    completion: Completion
+    params: SamplingParams
+    message: dict[str, Any]
+    finish_reason: str
+    started: float
+    ended: float
+    call: LLMCall | None = None
+
+
+@dataclass
+class _Turn:
+    """One request's generation, shared by the client's retries of it.
+
+    `events` (streaming requests only) receives `(choice_index, TokenDelta)` as tokens are sampled,
+    `(choice_index, _Choice)` when a choice ends, and None when the task is done."""
+
+    response_id: str
+    created: int
+    n: int
+    streaming: bool
+    task: asyncio.Future | None = None
+    events: asyncio.Queue | None = None
+
+    def __post_init__(self):
+        if self.streaming:
+            self.events = asyncio.Queue()
+
+    @property
+    def failed(self) -> bool:
+        return self.task.done() and (self.task.cancelled() or self.task.exception() is not None)
+
+
+@dataclass
 class _Episode:
     episode_id: str
     token: str
     calls: list[LLMCall] = field(default_factory=list)
+    turns: dict[str, _Turn] = field(default_factory=dict)   # request key -> its generation (for retries)
     open: bool = True
 
 
@@ -132,7 +174,8 @@ class ProxyServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", loop="asyncio", access_log=False,
+        # "auto": uvloop and httptools (the `uvicorn[standard]` extras ajet depends on) when importable
+        config = uvicorn.Config(self.app, log_level="warning", loop="auto", http="auto", access_log=False,
                                 timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
@@ -167,6 +210,10 @@ class ProxyServer:
         with self._lock:
             ep = self._episodes.pop(endpoint.api_key)
         ep.open = False
+        for turn in ep.turns.values():     # generations nobody waits for any more
+            if turn.task is not None and not turn.task.done():
+                turn.task.get_loop().call_soon_threadsafe(turn.task.cancel)
+        ep.turns.clear()
         return ep.calls
 
     def _episode(self, token: str | None) -> _Episode:
@@ -240,13 +287,28 @@ class ProxyServer:
         """Handle one chat completion for episode `ep` (see the module docstring for the steps).
 
         `agent_tag` names which agent of a multi-agent workflow called; token-in-token-out looks for the
-        call's parent among that agent's calls only, and the tracker merges each agent's calls apart.
+        call's parent among that agent's calls only, and the tracker merges each agent's calls apart. A
+        client retry (the OpenAI SDK's `x-stainless-retry-count` >= 1, or a repeated `Idempotency-Key`)
+        of a request this episode already received is answered from that request's generation: one
+        recorded call, no fork.
         """
         t0 = time.perf_counter()
-        req = await _parse(request, self.max_body_bytes)
+        raw = await _read_body(request, self.max_body_bytes)
+        req = _parse(raw)
         self._check_model(req.model)
         _reject_unsupported(req)
-        sampling = self._sampling(req)
+        key = _request_key(request, raw, agent_tag)
+        earlier = ep.turns.get(key) if _is_retry(request) else None
+        if earlier is not None and not earlier.failed:
+            return await self._replay(earlier, req)
+        turn = ep.turns[key] = self._start_turn(ep, req, agent_tag, t0)
+        if req.stream:
+            return await self._stream(turn, req, turn.events)
+        return JSONResponse(self._completion_body(turn, await _shielded(turn.task), req))
+
+    def _start_turn(self, ep: _Episode, req: ChatCompletionRequest, agent_tag: str, t0: float) -> _Turn:
+        """Build the prompt (token-in-token-out) and start generating the request's `n` choices in a task
+        that records them when all are done, whether or not the client is still there."""
         messages, tools = req.wire_messages(), req.wire_tools()
         prompt = self.prompts.build(messages, tools, [c for c in ep.calls if c.agent_tag == agent_tag])
         forced = _forced_tool_call(req)          # tool_choice required/named: the call's opening is given
@@ -255,64 +317,186 @@ class ProxyServer:
             raise ProxyError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
                                   f"{self.max_model_len}: shorten the conversation", param="messages",
                              code="context_length_exceeded")
-        t1 = time.perf_counter()
-        try:
-            completion = await self.engine.generate(prompt_ids, sampling)
-        except ValueError as exc:
-            raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
-        except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
-            log.warning("proxy: engine failed: %r", exc)
-            raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {_cut(str(exc), 200)}); "
-                                  "retry later", "server_error", code="engine_error",
-                             retry_after=self.retry_after_s) from exc
-        t2 = time.perf_counter()
+        sampling = self._sampling(req)
+        parse_tools = bool(tools) and req.tool_choice != "none"
+        turn = _Turn(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n or 1, bool(req.stream))
 
-        text = forced + self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        content, tool_calls = parse_tool_calls(text) if tools and req.tool_choice != "none" else (text, [])
-        finish = "tool_calls" if tool_calls else completion.finish_reason
+        async def generate(i: int) -> _Choice:
+            # choice i of n: its own seed (seed + i) so that seeded choices differ yet replay exactly
+            params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            on_tokens = (lambda d: turn.events.put_nowait((i, d))) if turn.events is not None else None
+            t1 = time.perf_counter()
+            try:
+                completion = await self.engine.generate(prompt_ids, params, on_tokens)
+            except ValueError as exc:
+                raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+            except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
+                log.warning("proxy: engine failed: %r", exc)
+                raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {_cut(str(exc), 200)}); "
+                                      "retry later", "server_error", code="engine_error",
+                                 retry_after=self.retry_after_s) from exc
+            choice = self._to_choice(i, completion, forced, parse_tools, params, t1)
+            if turn.events is not None:
+                turn.events.put_nowait((i, choice))
+            return choice
+
+        async def run() -> list[_Choice]:
+            choices = await asyncio.gather(*(generate(i) for i in range(turn.n)))
+            if not ep.open:
+                raise ProxyError(404, "the episode finished while this call was running", code="episode_not_found")
+            for c in choices:
+                c.call = LLMCall(
+                    call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag=agent_tag,
+                    index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt_ids,
+                    completion_ids=c.completion.token_ids, completion_logprobs=c.completion.logprobs,
+                    finish_reason=c.finish_reason, response_message=c.message, sampling=c.params,
+                    policy_version=c.completion.policy_version, prompt_parent=prompt.parent_call_id,
+                    prompt_render_reason=prompt.render_reason, forced_text=forced,
+                    timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
+                             "total_s": time.perf_counter() - t0})
+                ep.calls.append(c.call)
+            return choices
+
+        turn.task = asyncio.ensure_future(run())
+        if turn.events is not None:
+            turn.task.add_done_callback(lambda _t: turn.events.put_nowait(None))
+        return turn
+
+    def _to_choice(self, i: int, completion: Completion, forced: str, parse_tools: bool, params: SamplingParams,
+                   started: float) -> _Choice:
+        """The assistant message for a finished completion: decoded text (stop string cut, as OpenAI does),
+        tool calls parsed out when the request has tools."""
+        text = forced + self._decode(completion.token_ids)
+        if completion.finish_reason == "stop" and params.stop:
+            text = cut_at_stop(text, params.stop)
+        content, tool_calls = parse_tool_calls(text) if parse_tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        if not ep.open:
-            raise ProxyError(404, "the episode finished while this call was running", code="episode_not_found")
-        call = LLMCall(
-            call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag=agent_tag,
-            index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt_ids,
-            completion_ids=completion.token_ids, completion_logprobs=completion.logprobs, finish_reason=finish,
-            response_message=message, sampling=sampling, policy_version=completion.policy_version,
-            timings={"prepare_s": t1 - t0, "generate_s": t2 - t1, "total_s": time.perf_counter() - t0},
-            prompt_parent=prompt.parent_call_id, prompt_render_reason=prompt.render_reason, forced_text=forced,
-        )
-        ep.calls.append(call)
-        body = self._completion_body(call, req, text_logprobs=bool(req.logprobs))
-        if req.stream:
-            return StreamingResponse(_sse(body, req), media_type="text/event-stream")
-        return JSONResponse(body)
+        finish = "tool_calls" if tool_calls else completion.finish_reason
+        return _Choice(i, completion, params, message, finish, started, time.perf_counter())
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    async def _replay(self, turn: _Turn, req: ChatCompletionRequest):
+        """Answer a client's retry from the generation its first attempt started (waiting for it to finish),
+        streamed or not as the retry asks."""
+        choices = await _shielded(turn.task)
+        if not req.stream:
+            return JSONResponse(self._completion_body(turn, choices, req))
+        events: asyncio.Queue = asyncio.Queue()
+        for c in choices:
+            events.put_nowait((c.index, c))
+        events.put_nowait(None)
+        return await self._stream(turn, req, events)
+
+    async def _stream(self, turn: _Turn, req: ChatCompletionRequest, events: asyncio.Queue):
+        """An SSE response sending content as it is sampled. Errors before the first event keep their HTTP
+        status (400, 503, ...); later ones end the stream with an OpenAI-style `{"error": ...}` event."""
+        first = await events.get()
+        if first is None and turn.task.exception() is not None:
+            raise turn.task.exception()
+        return StreamingResponse(self._sse(turn, req, events, first), media_type="text/event-stream")
+
+    async def _sse(self, turn: _Turn, req: ChatCompletionRequest, events: asyncio.Queue, first):
+        base = {"id": turn.response_id, "object": "chat.completion.chunk", "created": turn.created, "model": req.model}
+        want_logprobs = bool(req.logprobs)
+        states = [IncrementalContent(bool(req.tools) and req.tool_choice != "none", self._sampling(req).stop)
+                  for _ in range(turn.n)]
+        pending: list[list[int]] = [[] for _ in range(turn.n)]       # ids not yet covered by a sent chunk
+        pending_lp: list[list[dict[str, Any]]] = [[] for _ in range(turn.n)]
+        ids_so_far: list[list[int]] = [[] for _ in range(turn.n)]
+        forced = _forced_tool_call(req)
+        for i in range(turn.n):
+            yield chunk(base, i, {"role": "assistant", "content": ""})
+        event = first
+        while event is not None:
+            batch = [event]
+            while not events.empty():           # coalesce whatever else is already here
+                batch.append(events.get_nowait())
+            touched: set[int] = set()
+            for ev in batch:
+                if ev is None:
+                    break
+                i, item = ev
+                if isinstance(item, TokenDelta):
+                    ids_so_far[i] += item.token_ids
+                    if want_logprobs:
+                        pending_lp[i] += self._logprob_entries(item.token_ids, item.logprobs, item.top_logprobs)
+                    touched.add(i)
+                else:                                   # choice i finished
+                    yield self._finish_choice(base, states[i], item, pending_lp[i], want_logprobs, ids_so_far[i])
+                    pending_lp[i] = []
+                    touched.discard(i)
+            for i in touched:
+                delta = states[i].update(forced + self._decode(ids_so_far[i]))
+                if delta:
+                    yield chunk(base, i, {"content": delta}, logprobs=pending_lp[i] if want_logprobs else None)
+                    pending_lp[i] = []
+            event = None if batch[-1] is None else await events.get()
+        if turn.task.exception() is not None:
+            exc = turn.task.exception()
+            err = exc if isinstance(exc, ProxyError) else ProxyError(500, "internal error in the ajet proxy",
+                                                                       "server_error", code="internal_error")
+            yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+            return
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({**base, "choices": [], "usage": self._usage(turn.task.result())})
+        yield sse("[DONE]")
+
+    def _finish_choice(self, base, state: IncrementalContent, c: _Choice, pending_lp, want_logprobs: bool,
+                       streamed_ids: list[int]) -> str:
+        """The last chunks of choice `c`: the content not yet sent, its tool calls, its finish reason."""
+        if want_logprobs:   # tokens never announced by the engine (a non-streaming engine) get entries now
+            rest = c.completion.token_ids[len(streamed_ids):]
+            tops = c.completion.top_logprobs[len(streamed_ids):] if c.completion.top_logprobs else None
+            pending_lp = pending_lp + self._logprob_entries(rest, c.completion.logprobs[len(streamed_ids):], tops)
+        out = []
+        rest_text = state.finish(c.message["content"])
+        if rest_text or pending_lp:
+            out.append(chunk(base, c.index, {"content": rest_text} if rest_text else {},
+                             logprobs=pending_lp if want_logprobs else None))
+        out += tool_call_chunks(base, c.index, c.message.get("tool_calls") or [])
+        out.append(chunk(base, c.index, {}, c.finish_reason))
+        return "".join(out)
 
     def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
+        """The sampling parameters a request gets under the config's `sampling_policy`."""
         d = self.defaults
         asked_max = req.max_completion_tokens or req.max_tokens
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        top = (req.top_logprobs or 0) if req.logprobs else 0
         if self.sampling_policy == "client":
             return SamplingParams(
                 temperature=d.temperature if req.temperature is None else max(req.temperature, 1e-3),
                 top_p=d.top_p if req.top_p is None else req.top_p,
-                max_tokens=asked_max or d.max_tokens, seed=req.seed, stop=stop)
-        return SamplingParams(temperature=d.temperature, top_p=d.top_p,
-                              max_tokens=min(asked_max or d.max_tokens, d.max_tokens), seed=req.seed, stop=stop)
+                max_tokens=asked_max or d.max_tokens, seed=req.seed, stop=stop, top_logprobs=top)
+        return SamplingParams(temperature=d.temperature, top_p=d.top_p, max_tokens=min(asked_max or d.max_tokens,
+                              d.max_tokens), seed=req.seed, stop=stop, top_logprobs=top)
 
-    def _completion_body(self, call: LLMCall, req: ChatCompletionRequest, text_logprobs: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "message": call.response_message, "finish_reason": call.finish_reason,
-                                  "logprobs": None}
-        if text_logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": self.tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(call.completion_ids, call.completion_logprobs)]}
-        n_prompt, n_completion = len(call.prompt_ids), len(call.completion_ids)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": req.model, "choices": [choice],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-                          "total_tokens": n_prompt + n_completion}}
+    def _logprob_entries(self, ids: list[int], logprobs: list[float],
+                         tops: list[list[tuple[int, float]]] | None) -> list[dict[str, Any]]:
+        """OpenAI `logprobs.content` entries for sampled tokens (logprobs under the sampling temperature)."""
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            s = self.tokenizer.decode([t])
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in (tops[k] if tops else [])]}
+                for k, (t, lp) in enumerate(zip(ids, logprobs))]
+
+    def _completion_body(self, turn: _Turn, choices: list[_Choice], req: ChatCompletionRequest) -> dict[str, Any]:
+        return {"id": turn.response_id, "object": "chat.completion", "created": turn.created, "model": req.model,
+                "choices": [{"index": c.index, "message": c.message, "finish_reason": c.finish_reason,
+                             "logprobs": {"content": self._logprob_entries(c.completion.token_ids, c.completion.logprobs,
+                                                                          c.completion.top_logprobs)}
+                             if req.logprobs else None} for c in choices],
+                "usage": self._usage(choices)}
+
+    @staticmethod
+    def _usage(choices: list[_Choice]) -> dict[str, int]:
+        n_prompt = len(choices[0].call.prompt_ids)
+        n_completion = sum(len(c.completion.token_ids) for c in choices)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
 class _CatchAll:
@@ -406,11 +590,10 @@ def _utf8_ok(s: str) -> bool:
         return False
 
 
-async def _parse(request: Request, max_body_bytes: int) -> ChatCompletionRequest:
-    """The validated request. Raises ProxyError: 413 for an oversized body, 400 for anything malformed (not
-    JSON, not an object, lone surrogates, a schema violation: the message names the field and quotes at most
-    ~200 characters of the offending value)."""
-    raw = await _read_body(request, max_body_bytes)
+def _parse(raw: bytes) -> ChatCompletionRequest:
+    """The validated request. Raises ProxyError 400 for anything malformed (not JSON, not an object, lone
+    surrogates, a schema violation: the message names the field and quotes at most ~200 characters of the
+    offending value)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, >4300-digit ints, nesting
@@ -435,8 +618,6 @@ async def _parse(request: Request, max_body_bytes: int) -> ChatCompletionRequest
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
     """A field ajet cannot honour is a 400 naming it, never silently dropped."""
-    if req.n not in (None, 1):
-        raise ProxyError(400, "n > 1 is not supported: send n separate requests", param="n", code="unsupported_value")
     if req.tool_choice not in (None, "auto", "none") and not req.tools:
         raise ProxyError(400, "tool_choice asks for a tool call but the request has no `tools`", param="tool_choice",
                          code="invalid_value")
@@ -448,9 +629,8 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
     if req.frequency_penalty or req.presence_penalty:
         raise ProxyError(400, "frequency/presence penalties would change the sampling distribution the policy is "
                               "trained on: remove them", param="frequency_penalty", code="unsupported_value")
-    if req.top_logprobs:
-        raise ProxyError(400, "top_logprobs is not supported yet: use logprobs=true", param="top_logprobs",
-                         code="unsupported_value")
+    if req.top_logprobs and not req.logprobs:
+        raise ProxyError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
     if req.response_format and req.response_format.get("type") not in ("text", "json_object"):
         raise ProxyError(400, "response_format: only 'text' and 'json_object' are accepted",
                          param="response_format", code="unsupported_value")
@@ -476,24 +656,22 @@ def _forced_tool_call(req: ChatCompletionRequest) -> str:
     return text
 
 
-async def _sse(body: dict[str, Any], req: ChatCompletionRequest):
-    """OpenAI SSE chunks for a finished completion: role, content, tool_calls, finish, usage, [DONE]."""
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
-    choice = body["choices"][0]
-    msg = choice["message"]
+def _is_retry(request: Request) -> bool:
+    """The client says this request repeats an earlier one: the OpenAI SDK's `x-stainless-retry-count` >= 1
+    (it retries timeouts, connection errors, 408/409/429/5xx), or any `Idempotency-Key` header."""
+    count = request.headers.get("x-stainless-retry-count", "0")
+    return (count.isdigit() and int(count) > 0) or "idempotency-key" in request.headers
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, usage=None) -> str:
-        choices = [] if usage is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-        return "data: " + json.dumps({**base, "choices": choices, **({"usage": usage} if usage else {})}) + "\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    if msg.get("content"):
-        yield chunk({"content": msg["content"]})
-    for i, tc in enumerate(msg.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, "id": tc["id"], "type": "function",
-                                     "function": {"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}}]})
-    yield chunk({}, choice["finish_reason"])
-    if req.stream_options and req.stream_options.include_usage:
-        yield chunk({}, usage=body["usage"])
-    yield "data: [DONE]\n\n"
-    await asyncio.sleep(0)
+def _request_key(request: Request, raw: bytes, agent_tag: str) -> str:
+    """What identifies a request among its episode's requests: the agent, the idempotency key if any, and
+    the exact body (a retry sends the same bytes)."""
+    h = hashlib.blake2b(raw, digest_size=16)
+    h.update(agent_tag.encode() + b"\0" + request.headers.get("idempotency-key", "").encode())
+    return h.hexdigest()
+
+
+async def _shielded(task: asyncio.Future):
+    """Await `task` without cancelling it when the waiting request is cancelled (the client went away): the
+    generation still finishes and is recorded, and a retry of the request gets its result."""
+    return await asyncio.shield(task)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ajet.llm_call import Completion, SamplingParams
+from ajet.engine import TokenCallback
+from ajet.llm_call import Completion, SamplingParams, TokenDelta
 
 
 @dataclass
@@ -25,6 +26,7 @@ class _Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    on_tokens: TokenCallback | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -65,14 +67,16 @@ class HFEngine:
         """Reseed the running sampler (calls that pass their own `seed` are unaffected)."""
         self._generator.manual_seed(seed)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Queue one prompt and await its completion. See `ajet.engine.Engine.generate`."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_tokens: TokenCallback | None = None) -> Completion:
+        """Queue one prompt and await its completion; `on_tokens` hears of every token as it is sampled.
+        See `ajet.engine.Engine.generate`."""
         if self._closed:
             raise RuntimeError("engine is shut down")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, loop, loop.create_future())
+        req = _Request(list(prompt_ids), params, loop, loop.create_future(), on_tokens)
         self._queue.put(req)
         return await req.future
 
@@ -134,6 +138,8 @@ class HFEngine:
 
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
+        k_top = max(r.params.top_logprobs for r in batch)
+        out_top: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
         was_training = self.model.training
         self.model.eval()
@@ -146,13 +152,21 @@ class HFEngine:
             logits = out.logits[:, -1, :].float() / temps                     # [B, vocab]
             logprobs = torch.log_softmax(logits, dim=-1)                      # [B, vocab]
             tokens = _sample_top_p(logprobs, top_ps, self._generator, gens).to(device)  # [B]
-            token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1)        # [B]
+            token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()  # [B]
+            if k_top:
+                top_lp, top_ids = (x.tolist() for x in logprobs.topk(k_top, dim=-1))  # [B, k_top] each
             for i in range(B):
                 if finish[i] is not None:
                     continue
                 tok = int(tokens[i])
                 out_ids[i].append(tok)
-                out_lp[i].append(float(token_lp[i]))
+                out_lp[i].append(token_lp[i])
+                k = batch[i].params.top_logprobs
+                tops = [list(zip(top_ids[i][:k], top_lp[i][:k]))] if k else None
+                if k:
+                    out_top[i].append(tops[0])
+                if batch[i].on_tokens is not None:
+                    batch[i].loop.call_soon_threadsafe(batch[i].on_tokens, TokenDelta([tok], [token_lp[i]], tops))
                 if tok in self.eos_token_ids or self._hit_stop(out_ids[i], batch[i].params.stop):
                     finish[i] = "stop"
                 elif len(out_ids[i]) >= budgets[i]:
@@ -165,7 +179,8 @@ class HFEngine:
         if was_training:
             self.model.train()
         self.generated_tokens += sum(len(x) for x in out_ids)
-        return [Completion(out_ids[i], out_lp[i], finish[i] or "length", self.policy_version) for i in range(B)]
+        return [Completion(out_ids[i], out_lp[i], finish[i] or "length", self.policy_version,
+                           out_top[i] if batch[i].params.top_logprobs else None) for i in range(B)]
 
     def _hit_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
         if not stop or self.decode_fn is None:
