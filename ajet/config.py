@@ -81,6 +81,9 @@ class AlgorithmConfig(_Section):
     adv_eps: float = Field(1e-6, gt=0)
     norm_adv_by_std: bool = True  # False = Dr. GRPO (no std division)
     group_by_agent_tag: bool = False  # multi-agent: each agent tag forms its own GRPO groups
+    trainable_targets: list[str] | None = Field(
+        None, min_length=1, description="agent tags whose calls are trained on (None: every agent); the other "
+                                        "agents still call the policy and are recorded, but never trained")
     ppo_epochs: int = Field(1, ge=1)
     mini_batches: int = Field(1, ge=1, description="optimizer steps per ppo epoch")
     micro_batch_tokens: int = Field(4096, gt=0, description="tokens per forward/backward chunk")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import statistics
 import time
@@ -26,6 +27,7 @@ from ajet.llm_call import SamplingParams
 from ajet.task_reader import read_jsonl_tasks
 from ajet.task_sampler import TaskSampler
 from ajet.tracker.context_tracker import fork_reasons
+from ajet.tracker.sample import Sample
 
 
 def run(cfg: AjetConfig) -> Path:
@@ -107,10 +109,12 @@ def run(cfg: AjetConfig) -> Path:
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
             for e in trainable:
                 e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag)
-            assign_advantages([s for e in trainable for s in e.samples], {e.episode_id: e.reward for e in trainable},
+            samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
+            assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
-            train = backbone.update([s for e in trainable for s in e.samples])
+            train = backbone.update(samples)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
+            metrics["tracker/trained_samples"] = len(samples)
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
             metrics["time/step_s"] = time.perf_counter() - t0
@@ -138,6 +142,21 @@ def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:
     "drop_group"."""
     failed_groups = {e.group_id for e in episodes if not e.ok}
     return [e for e in episodes if e.ok and (policy == "drop_episode" or e.group_id not in failed_groups)]
+
+
+def _trained_samples(episodes: list[Episode], targets: list[str] | None) -> list[Sample]:
+    """The samples of `episodes` from the agents in `targets` (all of them when None). Warns when the
+    episodes called the policy under none of the targeted tags (a misspelt tag trains nothing)."""
+    samples = [s for e in episodes for s in e.samples]
+    if targets is None:
+        return samples
+    chosen = [s for s in samples if s.agent_tag in targets]
+    if samples and not chosen:
+        seen = sorted({s.agent_tag for s in samples})
+        logging.getLogger(__name__).warning(
+            "algorithm.trainable_targets %s matched no agent this step; the agents that called the policy "
+            "were %s", targets, seen)
+    return chosen
 
 
 def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: int) -> dict[str, Any]:
