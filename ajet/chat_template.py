@@ -59,6 +59,8 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"   # what the template asks the model to write
+
 # A block ends at its closing tag; one left unclosed ends where the next block opens or at the end of the text.
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
 _TOOL_ROLE = re.compile(r"""['"]tool['"]""")

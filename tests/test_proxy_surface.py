@@ -211,3 +211,42 @@ def test_streamed_tool_call_and_content_match_the_non_streamed_message(tokenizer
     args = "".join(t.function.arguments or "" for d in deltas if d.tool_calls for t in d.tool_calls)
     assert json.loads(args) == {"expression": "2*3"}
     assert [d.tool_calls[0].id for d in deltas if d.tool_calls][0] == calls[0].response_message["tool_calls"][0]["id"]
+
+
+def test_parallel_tool_calls_false_ends_generation_at_the_first_call(tokenizer):
+    two = "".join(f'<tool_call>\n{{"name": "calculate", "arguments": {{"expression": "{e}"}}}}\n</tool_call>\n'
+                  for e in ("1+1", "2+2"))
+    engine = ScriptedEngine(tokenizer, [two])
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=128)).start()
+    tool = {"type": "function", "function": {"name": "calculate", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}
+    try:
+        ep = proxy.open_episode("one-call")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        one = client.chat.completions.create(model="m", messages=USER, tools=[tool], parallel_tool_calls=False)
+        both = client.chat.completions.create(model="m", messages=USER, tools=[tool])
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert [json.loads(t.function.arguments) for t in one.choices[0].message.tool_calls] == [{"expression": "1+1"}]
+    assert len(both.choices[0].message.tool_calls) == 2
+    assert calls[0].sampling.stop == ("</tool_call>",) and calls[1].sampling.stop == ()
+
+
+def test_response_format_json_object_needs_json_in_the_messages_and_json_schema_is_refused(tokenizer):
+    proxy = ProxyServer(ScriptedEngine(tokenizer, ['{"a": 1}']), tokenizer, SamplingParams(max_tokens=16)).start()
+    try:
+        ep = proxy.open_episode("fmt")
+        url = ep.base_url + "/chat/completions"
+        with httpx.Client(timeout=10) as http:
+            r = http.post(url, json={"model": "m", "messages": USER, "response_format": {"type": "json_object"}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            r = http.post(url, json={"model": "m", "response_format": {"type": "json_object"},
+                                     "messages": [{"role": "user", "content": [{"type": "text", "text": "Reply in JSON"}]}]})
+            assert r.status_code == 200 and json.loads(r.json()["choices"][0]["message"]["content"]) == {"a": 1}
+            r = http.post(url, json={"model": "m", "messages": USER, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type"
+        proxy.close_episode(ep)
+    finally:
+        proxy.stop()

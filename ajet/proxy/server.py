@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ajet.chat_template import parse_tool_calls
+from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
 from ajet.engine import Engine
 from ajet.llm_call import Completion, LLMCall, SamplingParams, TokenDelta
 from ajet.proxy.prompt import PromptBuilder
@@ -466,6 +466,8 @@ class ProxyServer:
         d = self.defaults
         asked_max = req.max_completion_tokens or req.max_tokens
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if req.parallel_tool_calls is False and req.tools and req.tool_choice != "none":
+            stop += (TOOL_CALL_END,)    # at most one tool call: generation ends with the first one
         top = (req.top_logprobs or 0) if req.logprobs else 0
         if self.sampling_policy == "client":
             return SamplingParams(
@@ -631,9 +633,19 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
                               "trained on: remove them", param="frequency_penalty", code="unsupported_value")
     if req.top_logprobs and not req.logprobs:
         raise ProxyError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
-    if req.response_format and req.response_format.get("type") not in ("text", "json_object"):
-        raise ProxyError(400, "response_format: only 'text' and 'json_object' are accepted",
-                         param="response_format", code="unsupported_value")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind not in ("text", "json_object"):
+        raise ProxyError(400, f"response_format type {short_repr(kind)} is not supported (ajet samples without a "
+                              "grammar): use 'json_object' and describe the schema in the prompt",
+                         param="response_format.type", code="unsupported_value")
+    if kind == "json_object" and not any("json" in _message_text(m).lower() for m in req.messages):
+        raise ProxyError(400, "'messages' must contain the word 'json' in some form, to use 'response_format' of "
+                              "type 'json_object'", param="messages", code="invalid_value")
+
+
+def _message_text(m) -> str:
+    c = m.content
+    return c if isinstance(c, str) else "".join(p.text for p in c or [])
 
 
 def _forced_tool_call(req: ChatCompletionRequest) -> str:

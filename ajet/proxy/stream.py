@@ -15,9 +15,10 @@ import logging
 import os
 from typing import Any
 
+from ajet.chat_template import TOOL_CALL_START
+
 log = logging.getLogger(__name__)
 
-TOOL_CALL_TAG = "<tool_call>"
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -54,11 +55,11 @@ class IncrementalContent:
             text = cut_at_stop(text, self.stop)
             text = text[:len(text) - _partial_suffix(text, self.stop)]
         if self.parse_tools:
-            tag = text.find(TOOL_CALL_TAG)
+            tag = text.find(TOOL_CALL_START)
             if tag >= 0:
                 self.frozen, text = True, text[:tag]
             else:
-                text = text[:len(text) - _partial_suffix(text, (TOOL_CALL_TAG,))]
+                text = text[:len(text) - _partial_suffix(text, (TOOL_CALL_START,))]
             text = text.lstrip()                         # the final content is stripped at both ends
             text = text.rstrip()
         if len(text) <= len(self.sent):
