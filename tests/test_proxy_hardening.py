@@ -241,7 +241,7 @@ def valid_requests(draw):
                                                   + [{"type": "function", "function": {"name": n}} for n in names]))
     optional = {"temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "max_tokens": st.integers(1, 10**6),
                 "max_completion_tokens": st.integers(1, 100), "seed": st.integers(-2**63, 2**63 - 1),
-                "stop": st.one_of(SHORT_TEXT, st.lists(SHORT_TEXT, max_size=3)), "n": st.just(1),
+                "stop": st.one_of(SHORT_TEXT, st.lists(SHORT_TEXT, max_size=3)), "n": st.integers(1, 3),
                 "stream": st.booleans(), "logprobs": st.booleans(), "user": SHORT_TEXT,
                 "metadata": st.dictionaries(SHORT_TEXT, SHORT_TEXT, max_size=3), "parallel_tool_calls": st.booleans(),
                 "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]), "store": st.booleans()}
@@ -249,6 +249,10 @@ def valid_requests(draw):
         req[key] = draw(optional[key])
     if req.get("stream") and draw(st.booleans()):
         req["stream_options"] = {"include_usage": draw(st.booleans())}
+    if req.get("logprobs") and draw(st.booleans()):
+        req["top_logprobs"] = draw(st.integers(0, 20))
+    if req.get("response_format", {}).get("type") == "json_object":   # OpenAI's rule: say "JSON" somewhere
+        req["messages"].insert(0, {"role": "system", "content": "Answer in JSON."})
     return req
 
 
@@ -314,7 +318,7 @@ FUZZ = st.one_of(   # repeated branches weight the mix towards requests that get
 
 
 def test_fuzzed_requests_never_get_a_5xx_and_the_proxy_keeps_serving(tokenizer):
-    stats = {"sent": 0, "ok": 0}
+    stats = {"sent": 0, "ok": 0, "choices": 0}
     kinds: dict[str, int] = {}
     statuses: dict[int, int] = {}
     with running(tokenizer, replies=["ok", TOOL_REPLY], max_body_bytes=2 * 2**20) as (proxy, _, ep, http):
@@ -333,6 +337,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_proxy_keeps_serving(tokenizer):
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             if r.status_code == 200:
                 stats["ok"] += 1
+                stats["choices"] += json.loads(body).get("n") or 1      # each choice is recorded as a call
                 streamed = json.loads(body).get("stream") is True
                 assert r.headers["content-type"].startswith("text/event-stream" if streamed else "application/json")
             else:
@@ -345,4 +350,4 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_proxy_keeps_serving(tokenizer):
         assert all(kinds.get(k, 0) >= 50 for k in ("valid", "mutated", "json", "raw")), kinds
         assert_ok(http.post(url, json={"model": "m", "messages": USER}))
         calls = proxy.close_episode(ep)
-    assert len(calls) == stats["ok"] + 1          # exactly the accepted requests were recorded
+    assert len(calls) == stats["choices"] + 1     # exactly the accepted requests' choices were recorded
