@@ -25,12 +25,14 @@ class Prompt:
 
     Attributes:
         ids: `[prompt_len]` token ids for the engine.
+        text: the chat template's rendering of the messages (what `ids` decode to when rendered in full).
         parent_call_id: the call it extends token-for-token, or None when rendered in full.
         render_reason: why it was rendered in full ("first_call", "history_differs", "template_not_append_only",
             "tools_changed"), or None when it extends a parent.
     """
 
     ids: list[int]
+    text: str
     parent_call_id: str | None
     render_reason: str | None
 
@@ -59,17 +61,21 @@ class PromptBuilder:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def build(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-              history: list[LLMCall]) -> Prompt:
-        """Prompt ids for `messages`, extending the latest call in `history` that they continue."""
+              history: list[LLMCall], rendered: dict[str, str] | None = None) -> Prompt:
+        """Prompt ids for `messages`, extending the latest call in `history` that they continue.
+
+        `rendered` maps call ids to their `Prompt.text` (a cache the caller keeps per episode; saves
+        rendering the parent's messages again)."""
         parent, reason = find_parent(messages, tools, history)
         if parent is None:
-            return Prompt(self.encode(self.render(messages, tools)), None, reason)
+            text = self.render(messages, tools)
+            return Prompt(self.encode(text), text, None, reason)
         k = len(parent.messages)
-        prev_text = self.render(parent.messages, tools)                          # the parent's prompt
+        prev_text = (rendered or {}).get(parent.call_id) or self.render(parent.messages, tools)  # the parent's prompt
         turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
         full_text = self.render(messages, tools)                                 # + the new turns
         if not (turn_text.startswith(prev_text) and full_text.startswith(turn_text)):
-            return Prompt(self.encode(full_text), None, "template_not_append_only")
+            return Prompt(self.encode(full_text), full_text, None, "template_not_append_only")
         reply = turn_text[len(prev_text):]   # the reply as the template renders it, e.g. "text<|im_end|>\n"
         cut = reply.rfind(self.end_of_turn)  # the last one: the reply's text may spell the token out
         # what follows the sampled end-of-turn: separators ("\n"), then the new turns; a template that
@@ -78,7 +84,7 @@ class PromptBuilder:
         sampled = list(parent.completion_ids)
         if cut >= 0 and (not sampled or sampled[-1] != self.end_of_turn_id):
             sampled.append(self.end_of_turn_id)    # cut by max_tokens or a stop string: close the turn
-        return Prompt(list(parent.prompt_ids) + sampled + self.encode(bridge), parent.call_id, None)
+        return Prompt(list(parent.prompt_ids) + sampled + self.encode(bridge), full_text, parent.call_id, None)
 
 
 def find_parent(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -97,6 +97,7 @@ class _Episode:
     token: str
     calls: list[LLMCall] = field(default_factory=list)
     turns: dict[str, _Turn] = field(default_factory=dict)   # request key -> its generation (for retries)
+    rendered: dict[str, str] = field(default_factory=dict)   # call id -> its rendered prompt text (a cache)
     open: bool = True
 
 
@@ -310,7 +311,7 @@ class ProxyServer:
         """Build the prompt (token-in-token-out) and start generating the request's `n` choices in a task
         that records them when all are done, whether or not the client is still there."""
         messages, tools = req.wire_messages(), req.wire_tools()
-        prompt = self.prompts.build(messages, tools, [c for c in ep.calls if c.agent_tag == agent_tag])
+        prompt = self.prompts.build(messages, tools, [c for c in ep.calls if c.agent_tag == agent_tag], ep.rendered)
         forced = _forced_tool_call(req)          # tool_choice required/named: the call's opening is given
         prompt_ids = prompt.ids + self.prompts.encode(forced) if forced else prompt.ids
         if len(prompt_ids) + 1 > self.max_model_len:
@@ -355,6 +356,7 @@ class ProxyServer:
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
                              "total_s": time.perf_counter() - t0})
                 ep.calls.append(c.call)
+                ep.rendered[c.call.call_id] = prompt.text
             return choices
 
         turn.task = asyncio.ensure_future(run())
