@@ -27,6 +27,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from ajet.llm_call import SamplingParams  # noqa: E402
 from ajet.proxy.server import ProxyServer  # noqa: E402
 from ajet.tracker import merge_calls  # noqa: E402
+from tests.exact_sample import assert_one_exact_sample  # noqa: E402
 from tests.scripted_engine import ScriptedEngine  # noqa: E402
 
 CALL_2_PLUS_3 = 'Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+3"}}\n</tool_call>'
@@ -77,27 +78,6 @@ def _run(tokenizer, replies, injection, steps):
     return calls, engine, agent, ran
 
 
-def _assert_one_exact_sample(calls, engine):
-    """The calls chain token for token; their one sample trains exactly the engine's sampled tokens."""
-    assert [c.prompt_parent for c in calls] == [None] + [c.call_id for c in calls[:-1]]
-    assert calls[0].prompt_render_reason == "first_call" and all(c.prompt_render_reason is None for c in calls[1:])
-    (sample,) = merge_calls(calls, "g")
-    seq, mask, bridges = list(calls[0].prompt_ids), [], []
-    for i, sampled in enumerate(engine.sampled):
-        seq += sampled
-        mask += [1] * len(sampled)
-        if i + 1 < len(calls):
-            nxt = calls[i + 1].prompt_ids
-            assert nxt[:len(seq)] == seq
-            bridges.append(nxt[len(seq):])
-            seq += bridges[-1]
-            mask += [0] * len(bridges[-1])
-    assert sample.prompt_ids == calls[0].prompt_ids
-    assert sample.input_ids == seq and sample.loss_mask == mask
-    assert sample.num_loss_tokens == sum(map(len, engine.sampled)) and "fork_reason" not in sample.flags
-    return sample, bridges
-
-
 def _reminders(call) -> int:
     return sum(REMINDER in json.dumps(m["content"]) for m in call.messages if m["role"] == "user")
 
@@ -114,7 +94,7 @@ def test_runtime_state_injection_is_appended_so_the_calls_still_merge(tokenizer,
     assert [m["role"] for m in first.messages] == ["system", "user", "user"]     # question, then the reminder
     assert first.response_message["tool_calls"][0]["function"]["name"] == "calculate"
     assert [m["content"] for m in second.messages if m["role"] == "tool"] == ["5"]
-    sample, (bridge,) = _assert_one_exact_sample(calls, engine)
+    sample, (bridge,) = assert_one_exact_sample(calls, engine)
     bridge_text = tokenizer.decode(bridge)
     assert "<tool_response>\n5\n</tool_response>" in bridge_text
     if injection is None:
@@ -140,7 +120,7 @@ def test_without_injection_two_replies_merge_into_one_exact_sample(tokenizer):
     assert [m["role"] for m in calls[3].messages] == ["system", "user", "assistant", "tool", "assistant", "user",
                                                        "assistant", "tool"]
     assert calls[2].messages[-1]["content"] in ("Now double it.", [{"type": "text", "text": "Now double it."}])
-    _, bridges = _assert_one_exact_sample(calls, engine)
+    _, bridges = assert_one_exact_sample(calls, engine)
     assert "Now double it." in tokenizer.decode(bridges[1])      # the user's second turn: loss mask 0
 
 

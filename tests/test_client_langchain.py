@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
-from ajet.tracker import merge_calls
+from tests.exact_sample import assert_one_exact_sample
 from tests.scripted_engine import ScriptedEngine
 
 CALC_TOOL = {"type": "function", "function": {
@@ -48,26 +48,9 @@ def proxy_factory(tokenizer):
         proxy.stop()
 
 
-def _assert_one_exact_sample(calls, engine, tokenizer):
-    """The calls chain token for token; their one sample trains exactly the engine's sampled tokens.
-    Returns the decoded bridges (what came between the calls: tool results, user turns; loss mask 0)."""
-    assert [c.prompt_parent for c in calls] == [None] + [c.call_id for c in calls[:-1]]
-    assert calls[0].prompt_render_reason == "first_call" and all(c.prompt_render_reason is None for c in calls[1:])
-    (sample,) = merge_calls(calls, "g")
-    seq, mask, bridges = list(calls[0].prompt_ids), [], []
-    for i, sampled in enumerate(engine.sampled):
-        seq += sampled
-        mask += [1] * len(sampled)
-        if i + 1 < len(calls):
-            nxt = calls[i + 1].prompt_ids
-            assert nxt[:len(seq)] == seq
-            bridges.append(tokenizer.decode(nxt[len(seq):]))
-            mask += [0] * (len(nxt) - len(seq))
-            seq = list(nxt)
-    assert sample.prompt_ids == calls[0].prompt_ids
-    assert sample.input_ids == seq and sample.loss_mask == mask
-    assert sample.num_loss_tokens == sum(map(len, engine.sampled)) and "fork_reason" not in sample.flags
-    return bridges
+def _exact_bridges(calls, engine, tokenizer) -> list[str]:
+    """`assert_one_exact_sample`, returning the decoded bridges (tool results, user turns; loss mask 0)."""
+    return [tokenizer.decode(b) for b in assert_one_exact_sample(calls, engine)[1]]
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])
@@ -110,7 +93,7 @@ def test_chat_openai_bind_tools_manual_loop(streaming, proxy_factory, tokenizer)
     assert all([(t["function"]["name"], list(t["function"]["parameters"]["properties"])) for t in c.tools]
                == [("calculate", ["expression"])] for c in calls)
     assert calls[0].response_message["content"] == "Let me compute."
-    bridges = _assert_one_exact_sample(calls, engine, tokenizer)
+    bridges = _exact_bridges(calls, engine, tokenizer)
     assert "<tool_response>\n5\n</tool_response>" in bridges[0]
     assert "<tool_response>\n10\n</tool_response>" in bridges[1]
     assert "Thanks!" in bridges[2]
@@ -145,7 +128,7 @@ def test_langgraph_prebuilt_react_agent(proxy_factory, tokenizer):
                                                            "ToolMessage", "AIMessage"]
     assert out["messages"][-1].content == "The answer is 10."
     assert len(calls) == 3 and calls[0].messages[0] == {"role": "system", "content": "You are a math assistant."}
-    bridges = _assert_one_exact_sample(calls, engine, tokenizer)
+    bridges = _exact_bridges(calls, engine, tokenizer)
     assert "<tool_response>\n5\n</tool_response>" in bridges[0] and "<tool_response>\n10\n</tool_response>" in bridges[1]
 
 
@@ -180,5 +163,5 @@ def test_raw_httpx_multi_turn_with_tools(proxy_factory, tokenizer):
 
     assert ran == ["2+3", "5*2"] and answers == ["The answer is 10.", "Bye."]
     assert calls[1].response_message["content"] == "Now double."
-    bridges = _assert_one_exact_sample(calls, engine, tokenizer)
+    bridges = _exact_bridges(calls, engine, tokenizer)
     assert len(calls) == 4 and "Thanks, bye!" in bridges[2]

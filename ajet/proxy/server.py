@@ -406,8 +406,7 @@ class ProxyServer:
         want_logprobs = bool(req.logprobs)
         states = [IncrementalContent(bool(req.tools) and req.tool_choice != "none", self._sampling(req).stop)
                   for _ in range(turn.n)]
-        pending: list[list[int]] = [[] for _ in range(turn.n)]       # ids not yet covered by a sent chunk
-        pending_lp: list[list[dict[str, Any]]] = [[] for _ in range(turn.n)]
+        pending_lp: list[list[dict[str, Any]]] = [[] for _ in range(turn.n)]   # entries not yet sent
         ids_so_far: list[list[int]] = [[] for _ in range(turn.n)]
         forced = _forced_tool_call(req)
         for i in range(turn.n):
@@ -550,13 +549,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise ProxyError(400, "the Content-Length header is not a non-negative integer", code="invalid_request")
         if int(declared) > limit:
             raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
         if size > limit:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        parts.append(part)
+    return b"".join(parts)
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
