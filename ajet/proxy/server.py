@@ -28,10 +28,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+import orjson
 from pydantic import ValidationError
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
 from ajet.engine import Engine
@@ -114,13 +118,13 @@ class ProxyError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after = retry_after if retry_after is not None or status != 503 else 1
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None) -> Response:
         """The JSON body `{"error": {"message", "type", "param", "code"}}` with this status."""
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = dict(headers or {})
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
-        return JSONResponse(body, status_code=self.status, headers=headers or None)
+        return _json(body, self.status, headers)
 
 
 class ProxyServer:
@@ -229,50 +233,35 @@ class ProxyServer:
         return ep
 
     # ---- HTTP -------------------------------------------------------------------------------------
-    def _build_app(self) -> FastAPI:
-        app = FastAPI(title="ajet proxy", docs_url=None, redoc_url=None)
-
-        @app.exception_handler(ProxyError)
-        async def _proxy_error(_req: Request, exc: ProxyError):
-            return exc.response()
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(req: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+    def _build_app(self) -> Starlette:
+        """The ASGI app: plain Starlette (the proxy needs routing and error handlers, nothing more)."""
+        async def http_error(req: Request, exc: StarletteHTTPException):  # unknown path, wrong method
             return ProxyError(exc.status_code, f"{exc.detail}: {req.method} {_cut(req.url.path, 200)}",
                               code=str(exc.detail).lower().replace(" ", "_")).response(exc.headers)
 
-        app.add_middleware(_CatchAll)   # any other exception: a 500 OpenAI-style body, connection kept
+        async def chat(request: Request):
+            p = request.path_params
+            token = p["token"] if "token" in p else _bearer(request)
+            return await self.chat_completions(self._episode(token), request, agent_tag=p.get("tag", "default"))
 
-        @app.post("/ep/{token}/v1/chat/completions")
-        async def chat_by_path(token: str, request: Request):
-            return await self.chat_completions(self._episode(token), request)
+        async def models(request: Request):
+            self._episode(request.path_params.get("token") or _bearer(request))
+            names = [self.model_name] + sorted((self.accepted_models or set()) - {self.model_name})
+            return _json({"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "ajet"}
+                                                     for n in names]})
 
-        @app.post("/ep/{token}/agent/{tag}/v1/chat/completions")
-        async def chat_by_agent(token: str, tag: str, request: Request):
-            return await self.chat_completions(self._episode(token), request, agent_tag=tag)
-
-        @app.post("/v1/chat/completions")
-        async def chat_by_key(request: Request):
-            return await self.chat_completions(self._episode(_bearer(request)), request)
-
-        @app.get("/ep/{token}/v1/models")
-        async def models_by_path(token: str):
-            self._episode(token)
-            return self._models()
-
-        @app.get("/v1/models")
-        async def models_by_key(request: Request):
-            self._episode(_bearer(request))
-            return self._models()
-
-        @app.post("/ep/{token}/v1/responses")
-        @app.post("/v1/responses")
-        async def responses(token: str | None = None):
+        async def responses(_request: Request):
             raise ProxyError(404, "ajet's proxy serves the Chat Completions API, not the Responses API: "
                                   "use client.chat.completions.create(...) (LangChain: use_responses_api=False)",
                              code="unsupported_endpoint")
 
-        return app
+        routes = [Route(prefix + path, fn, methods=[method])
+                  for prefix in ("/ep/{token}", "/ep/{token}/agent/{tag}", "")
+                  for path, fn, method in (("/v1/chat/completions", chat, "POST"), ("/v1/models", models, "GET"),
+                                           ("/v1/responses", responses, "POST"))]
+        return Starlette(routes=routes, middleware=[Middleware(_CatchAll)],   # any other exception: a 500 body
+                         exception_handlers={ProxyError: lambda _req, exc: exc.response(),
+                                             StarletteHTTPException: http_error})
 
     def _models(self) -> dict[str, Any]:
         names = [self.model_name] + sorted((self.accepted_models or set()) - {self.model_name})
@@ -305,7 +294,7 @@ class ProxyServer:
         turn = ep.turns[key] = self._start_turn(ep, req, agent_tag, t0)
         if req.stream:
             return await self._stream(turn, req, turn.events)
-        return JSONResponse(self._completion_body(turn, await _shielded(turn.task), req))
+        return _json(self._completion_body(turn, await _shielded(turn.task), req))
 
     def _start_turn(self, ep: _Episode, req: ChatCompletionRequest, agent_tag: str, t0: float) -> _Turn:
         """Build the prompt (token-in-token-out) and start generating the request's `n` choices in a task
@@ -386,7 +375,7 @@ class ProxyServer:
         streamed or not as the retry asks."""
         choices = await _shielded(turn.task)
         if not req.stream:
-            return JSONResponse(self._completion_body(turn, choices, req))
+            return _json(self._completion_body(turn, choices, req))
         events: asyncio.Queue = asyncio.Queue()
         for c in choices:
             events.put_nowait((c.index, c))
@@ -409,8 +398,7 @@ class ProxyServer:
         pending_lp: list[list[dict[str, Any]]] = [[] for _ in range(turn.n)]   # entries not yet sent
         ids_so_far: list[list[int]] = [[] for _ in range(turn.n)]
         forced = _forced_tool_call(req)
-        for i in range(turn.n):
-            yield chunk(base, i, {"role": "assistant", "content": ""})
+        out = [chunk(base, i, {"role": "assistant", "content": ""}) for i in range(turn.n)]   # sent per wake-up
         event = first
         while event is not None:
             batch = [event]
@@ -427,24 +415,30 @@ class ProxyServer:
                         pending_lp[i] += self._logprob_entries(item.token_ids, item.logprobs, item.top_logprobs)
                     touched.add(i)
                 else:                                   # choice i finished
-                    yield self._finish_choice(base, states[i], item, pending_lp[i], want_logprobs, ids_so_far[i])
+                    out.append(self._finish_choice(base, states[i], item, pending_lp[i], want_logprobs, ids_so_far[i]))
                     pending_lp[i] = []
                     touched.discard(i)
             for i in touched:
                 delta = states[i].update(forced + self._decode(ids_so_far[i]))
                 if delta:
-                    yield chunk(base, i, {"content": delta}, logprobs=pending_lp[i] if want_logprobs else None)
+                    out.append(chunk(base, i, {"content": delta}, logprobs=pending_lp[i] if want_logprobs else None))
                     pending_lp[i] = []
-            event = None if batch[-1] is None else await events.get()
+            if batch[-1] is None:
+                break
+            if out:
+                yield "".join(out)              # one write per wake-up, however many chunks
+                out = []
+            event = await events.get()
         if turn.task.exception() is not None:
             exc = turn.task.exception()
             err = exc if isinstance(exc, ProxyError) else ProxyError(500, "internal error in the ajet proxy",
                                                                        "server_error", code="internal_error")
-            yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
-            return
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse({**base, "choices": [], "usage": self._usage(turn.task.result())})
-        yield sse("[DONE]")
+            out.append(sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}))
+        else:
+            if req.stream_options and req.stream_options.include_usage:
+                out.append(sse({**base, "choices": [], "usage": self._usage(turn.task.result())}))
+            out.append(sse("[DONE]"))
+        yield "".join(out)
 
     def _finish_choice(self, base, state: IncrementalContent, c: _Choice, pending_lp, want_logprobs: bool,
                        streamed_ids: list[int]) -> str:
@@ -533,6 +527,11 @@ class _CatchAll:
             await response(scope, receive, send)
 
 
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response (orjson-encoded)."""
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
@@ -597,8 +596,11 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
     """The validated request. Raises ProxyError 400 for anything malformed (not JSON, not an object, lone
     surrogates, a schema violation: the message names the field and quotes at most ~200 characters of the
     offending value)."""
-    try:
-        data = json.loads(raw)
+    try:   # orjson for speed; the standard parser for what it refuses (it gives the precise error, or accepts)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            data = json.loads(raw)
     except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, >4300-digit ints, nesting
         raise ProxyError(400, f"the request body is not valid JSON: {_cut(str(exc), 200)}",
                          code="invalid_json") from exc

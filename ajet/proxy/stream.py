@@ -10,10 +10,11 @@ end; then whatever the final content has beyond what was sent goes out in one de
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
+
+import orjson
 
 from ajet.chat_template import TOOL_CALL_START
 
@@ -89,7 +90,7 @@ def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
 
 def sse(obj: dict[str, Any] | str) -> str:
     """One server-sent event: `data: <json>` (or a literal like `[DONE]`) and a blank line."""
-    return "data: " + (obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)) + "\n\n"
+    return "data: " + (obj if isinstance(obj, str) else orjson.dumps(obj).decode()) + "\n\n"
 
 
 def chunk(base: dict[str, Any], index: int, delta: dict[str, Any], finish_reason: str | None = None,
