@@ -15,7 +15,7 @@ from math_workflow import calculate_tool, safe_eval  # noqa: E402
 
 def test_help_imports_no_torch():
     code = ("import sys; from ajet.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))")
+            "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'starlette', 'uvicorn') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert "--conf" in out and "HEAVY []" in out
 
@@ -25,7 +25,7 @@ def test_python_m_ajet_help_is_light():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--backbone" in proc.stdout
     imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines() if "|" in line}
-    assert "ajet" in imported and not imported & {"torch", "transformers", "fastapi", "openai"}
+    assert "ajet" in imported and not imported & {"torch", "transformers", "starlette", "openai"}
 
 
 def test_config_error_exits_2_with_did_you_mean(tmp_path):
