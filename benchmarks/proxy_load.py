@@ -48,7 +48,8 @@ class InstantEngine:
         self.policy_version = 0
         self.n = 0
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, on_tokens=None) -> Completion:
+        """The next scripted reply; never calls `on_tokens` (the proxy then streams the finished reply)."""
         ids = self.replies[self.n % len(self.replies)]
         self.n += 1
         return Completion(list(ids), [-0.1] * len(ids), "stop", 0)

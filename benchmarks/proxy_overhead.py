@@ -1,12 +1,22 @@
 """Latency the proxy adds over talking to the engine's server directly, and calls/s, streaming and not.
 
-Both servers run uvicorn on 127.0.0.1 in this process's threads and answer from an instant engine
-(64 scripted tokens, no model): the *direct* server returns a canned chat completion with no work, the
-*proxy* does what it does in training (validate, render the chat template, token-in-token-out prompt,
-tokenize, parse tool calls, record the call). Episodes are aiohttp clients, each sending 5 calls that
-continue one another; added latency = proxy latency - direct latency at the same percentile.
+Three processes, so that no two share a GIL:
+  - an instant vLLM-compatible server (benchmarks/instant_engine_server.py: uvicorn + uvloop + httptools)
+    answering every prompt at once with the same 64 tokens (the last one EOS), on `/v1/completions` in
+    vLLM's token-id format and on `/v1/chat/completions` as a canned chat completion;
+  - per engine client (aiohttp, httpx), ajet's `ProxyServer(RemoteEngine(server + "/v1"), tokenizer)`, doing
+    what it does in training (validate, chat template, token-in-token-out prompt, one completions request
+    to the server, decode, parse tool calls, record the call); it reports its recorded calls over a pipe;
+  - this one: the load, aiohttp on uvloop. An episode sends 5 calls that continue one another (the reply
+    appended, then a new user turn); *direct* sends the same requests to the server's /v1/chat/completions.
 
-    python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--calls 5]
+added = proxy - direct at the same percentile (p50, p99 of per-call latency, ms; a stream's latency runs to
+its last byte); calls/s = calls / wall time of the measured rounds. Each point runs one unmeasured warm-up
+round (one call per episode), then rounds of `episodes` concurrent episodes until at least `--min-calls` calls
+were measured.
+Exits 1 when a reply differs from the scripted one or the proxy recorded fewer calls than were sent.
+
+    python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--calls 5] [--clients aiohttp httpx]
 """
 
 from __future__ import annotations
@@ -14,126 +24,200 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
+import math
+import multiprocessing
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import uvicorn
-from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
-from starlette.routing import Route
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ajet.llm_call import Completion, SamplingParams  # noqa: E402
-from ajet.proxy.server import ProxyServer  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from benchmarks.instant_engine_server import InstantServer  # noqa: E402
 
-REPLY = "The answer is 42. " * 12
-
-
-class InstantEngine:
-    """Answers every prompt at once with the same scripted tokens."""
-
-    def __init__(self, tokenizer):
-        self.ids = tokenizer.encode(REPLY, add_special_tokens=False)[:63] + [tokenizer.eos_token_id]
-        self.policy_version = 0
-
-    async def generate(self, prompt_ids, params: SamplingParams) -> Completion:
-        return Completion(list(self.ids), [-0.1] * len(self.ids), "stop", 0)
+REPLY = "The answer is 42. " * 20   # cut to 63 tokens + EOS
+TARGET = {"p50_ms": 1.0, "p99_ms": 5.0, "calls_per_s": 1500, "stream_p50_ms": 1.5}   # at 64 episodes, 2 cores
 
 
-def direct_server() -> tuple[str, uvicorn.Server]:
-    """A bare engine-side endpoint: canned completion, no validation, no template, no recording."""
-    body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": REPLY}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 64, "total_tokens": 74}}
+# ---- the proxy process ----------------------------------------------------------------------------
+def proxy_process(conn, engine_url: str, client: str, tokenizer_dir: str) -> None:
+    """Serve the proxy over a `RemoteEngine(engine_url)`; obey commands from `conn`: ("open", n) -> n
+    (base_url, api_key) pairs; ("close", None) -> the recorded call count of every open episode, which
+    closes them; ("stop", None) -> None, then exit."""
+    from transformers import AutoTokenizer
 
-    async def chat(request):
-        req = await request.json()
-        if req.get("stream"):
-            async def gen():
-                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": REPLY}}]}) + "\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
-        return JSONResponse(body)
+    from ajet.llm_call import SamplingParams
+    from ajet.proxy.server import ProxyServer
+    from ajet.remote_engine import RemoteEngine
 
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", server
+    engine = RemoteEngine(engine_url + "/v1", "instant", client=client)
+    proxy = ProxyServer(engine, AutoTokenizer.from_pretrained(tokenizer_dir), SamplingParams(max_tokens=64)).start()
+    episodes = []
+    conn.send("ready")
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "open":
+            new = [proxy.open_episode(f"e{len(episodes) + i}") for i in range(arg)]
+            episodes += new
+            conn.send([(ep.base_url, ep.api_key) for ep in new])
+        elif cmd == "close":
+            conn.send([len(proxy.close_episode(ep)) for ep in episodes])
+            episodes = []
+        else:
+            asyncio.run(engine.aclose())
+            proxy.stop()
+            conn.send(None)
+            return
 
 
-async def episode(session, base_url, api_key, n_calls, stream, latencies, marker):
+@dataclass
+class Proxy:
+    client: str
+    conn: object
+    process: multiprocessing.Process
+
+    def ask(self, cmd: str, arg=None):
+        self.conn.send((cmd, arg))
+        return self.conn.recv()
+
+
+def start_proxies(clients: list[str], engine_url: str, tokenizer_dir: str) -> list[Proxy]:
+    ctx = multiprocessing.get_context("spawn")
+    proxies = []
+    for client in clients:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=proxy_process, args=(child, engine_url, client, tokenizer_dir), daemon=True)
+        p.start()
+        proxies.append(Proxy(client, parent, p))
+    for p in proxies:
+        if not p.conn.poll(120) or p.conn.recv() != "ready":
+            raise RuntimeError(f"the proxy process ({p.client}) did not start")
+    return proxies
+
+
+# ---- the load -------------------------------------------------------------------------------------
+async def episode(session, url: str, api_key: str, n_calls: int, stream: bool, expected: str,
+                  latencies: list[float], marker: int) -> None:
     messages = [{"role": "user", "content": f"episode {marker}: what is 6 * 7?"}]
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
     for _ in range(n_calls):
-        body = {"model": "m", "messages": messages, "stream": stream}
+        body = json.dumps({"model": "policy", "messages": messages, "stream": stream})
         t0 = time.perf_counter()
-        async with session.post(base_url + "/chat/completions", json=body,
-                                headers={"Authorization": f"Bearer {api_key}"}) as r:
+        async with session.post(url + "/chat/completions", data=body, headers=headers) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status} from {url}: {(await r.text())[:200]}")
             if stream:
-                content = ""
+                parts = []
                 async for line in r.content:
                     if line.startswith(b"data: {"):
-                        delta = json.loads(line[6:])["choices"]
-                        content += (delta[0]["delta"].get("content") or "") if delta else ""
+                        choices = json.loads(line[6:])["choices"]
+                        parts.append((choices[0]["delta"].get("content") or "") if choices else "")
+                content = "".join(parts)
             else:
-                content = (await r.json())["choices"][0]["message"]["content"]
-            assert r.status == 200
+                content = json.loads(await r.read())["choices"][0]["message"]["content"]
         latencies.append(time.perf_counter() - t0)
+        if content != expected:
+            raise RuntimeError(f"{url} replied {content[:80]!r}, not the scripted reply")
         messages = messages + [{"role": "assistant", "content": content}, {"role": "user", "content": "and again?"}]
 
 
-async def run(target, n_eps, n_calls, stream, rounds=1, proxy=None):
-    """`rounds` rounds of `n_eps` concurrent episodes; returns (p50 ms, p99 ms, calls/s)."""
+async def measure(endpoints: list[tuple[str, str]], n_eps: int, n_calls: int, stream: bool,
+                  expected: str) -> tuple[float, float, float]:
+    """Round 0 (warm-up: one call per episode, opening the connections) and then the measured rounds of
+    `n_calls` calls per episode; `endpoints` holds n_eps (url, key) per round. Returns (p50 ms, p99 ms, calls/s)."""
     latencies: list[float] = []
     wall = 0.0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(n_eps, 1))) as session:
-        for _ in range(rounds):
-            eps = [proxy.open_episode(f"e{i}") for i in range(n_eps)] if proxy else None
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for r, start in enumerate(range(0, len(endpoints), n_eps)):
+            out: list[float] = []
             t0 = time.perf_counter()
-            await asyncio.gather(*(episode(session, eps[i].base_url if eps else target,
-                                           eps[i].api_key if eps else "k", n_calls, stream, latencies, i)
-                                   for i in range(n_eps)))
-            wall += time.perf_counter() - t0
-            if proxy:  # nothing lost on the way
-                recorded = sum(len(proxy.close_episode(e)) for e in eps)
-                assert recorded == n_eps * n_calls, (recorded, n_eps * n_calls)
+            await asyncio.gather(*(episode(session, url, key, n_calls if r else 1, stream, expected, out, start + i)
+                                   for i, (url, key) in enumerate(endpoints[start:start + n_eps])))
+            if r:
+                wall += time.perf_counter() - t0
+                latencies += out
     q = statistics.quantiles(latencies, n=100)
     return q[49] * 1e3, q[98] * 1e3, len(latencies) / wall
 
 
-def main() -> None:
+# ---- the table ------------------------------------------------------------------------------------
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=5, help="calls per episode")
+    ap.add_argument("--clients", nargs="+", default=["aiohttp", "httpx"], choices=["aiohttp", "httpx"],
+                    help="RemoteEngine HTTP clients to compare (one proxy process each)")
+    ap.add_argument("--min-calls", type=int, default=1000, help="measured calls per point, at least")
     args = ap.parse_args()
+
     from transformers import AutoTokenizer
+
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as d:
         tok = AutoTokenizer.from_pretrained(build_tiny_model(d))
-    proxy = ProxyServer(InstantEngine(tok), tok, SamplingParams(max_tokens=64)).start()
-    direct_url, direct = direct_server()
-    print(f"{'stream':>6} {'episodes':>8} {'direct p50':>10} {'proxy p50':>9} {'added p50':>9} {'direct p99':>10} "
-          f"{'proxy p99':>9} {'added p99':>9} {'proxy calls/s':>13} {'direct calls/s':>14}")
+        reply_ids = tok.encode(REPLY, add_special_tokens=False)[:63] + [tok.eos_token_id]
+        expected = tok.decode(reply_ids, skip_special_tokens=True)
+        server = InstantServer.start(reply_ids, [tok.decode([t]) for t in reply_ids[:-1]] + [""])
+        proxies = start_proxies(args.clients, server.url, d)
+    direct_endpoints = lambda n: [(server.url + "/v1", "direct")] * n  # noqa: E731
+
+    failed = False
+    sent = {p.client: 0 for p in proxies}
+    recorded = {p.client: 0 for p in proxies}
+    rows = []
+    print(f"{'mode':<10} {'episodes':>8} {'client':<7} | {'direct p50':>10} {'p99':>7} | {'proxy p50':>9} {'p99':>7} | "
+          f"{'added p50':>9} {'p99':>7} | {'calls/s direct':>14} {'proxy':>6} | vs aiohttp")
     for stream in (False, True):
         for n in args.concurrency:
-            rounds = max(1, 64 // n)  # enough calls at low concurrency for stable percentiles
-            d50, d99, dcps = asyncio.run(run(direct_url, n, args.calls, stream, rounds))
-            p50, p99, pcps = asyncio.run(run(None, n, args.calls, stream, rounds, proxy))
-            print(f"{str(stream):>6} {n:>8} {d50:>9.2f}ms {p50:>8.2f}ms {p50 - d50:>8.2f}ms {d99:>9.2f}ms "
-                  f"{p99:>8.2f}ms {p99 - d99:>8.2f}ms {pcps:>13.0f} {dcps:>14.0f}")
-    proxy.stop()
-    direct.should_exit = True
+            rounds = 1 + math.ceil(args.min_calls / (n * args.calls))     # + the warm-up round
+            d50, d99, dcps = uvloop.run(measure(direct_endpoints(n * rounds), n, args.calls, stream, expected))
+            base = None
+            for p in proxies:
+                eps = p.ask("open", n * rounds)
+                try:
+                    p50, p99, pcps = uvloop.run(measure(eps, n, args.calls, stream, expected))
+                finally:
+                    counts = p.ask("close")
+                sent[p.client] += n * (1 + (rounds - 1) * args.calls)
+                recorded[p.client] += sum(counts)
+                row = dict(stream=stream, n=n, client=p.client, d50=d50, d99=d99, p50=p50, p99=p99,
+                           a50=p50 - d50, a99=p99 - d99, dcps=dcps, pcps=pcps)
+                vs = "" if base is None else (f"added p50 x{row['a50'] / max(base['a50'], 1e-3):.1f}, "
+                                              f"calls/s x{pcps / base['pcps']:.2f}")
+                base = base or row
+                rows.append(row)
+                print(f"{'stream' if stream else 'non-stream':<10} {n:>8} {p.client:<7} | {d50:>8.2f}ms {d99:>5.2f}ms | "
+                      f"{p50:>7.2f}ms {p99:>5.2f}ms | {p50 - d50:>7.2f}ms {p99 - d99:>5.2f}ms | "
+                      f"{dcps:>14.0f} {pcps:>6.0f} | {vs}", flush=True)
+    for p in proxies:
+        p.ask("stop")
+        p.process.join(timeout=10)
+    server.stop()
+
+    print()
+    for client in sent:
+        lost = sent[client] - recorded[client]
+        failed |= lost != 0
+        print(f"proxy ({client}) recorded {recorded[client]} of {sent[client]} calls" + (f": {lost} LOST" if lost else ""))
+    for r in rows:
+        if r["n"] == 64 and r["client"] == "aiohttp":
+            if r["stream"]:
+                ok = r["a50"] <= TARGET["stream_p50_ms"]
+                print(f"target, stream, 64 episodes: added p50 {r['a50']:.2f} ms <= {TARGET['stream_p50_ms']} ms: "
+                      f"{'met' if ok else 'MISSED'}")
+            else:
+                ok = (r["a50"] <= TARGET["p50_ms"], r["a99"] <= TARGET["p99_ms"], r["pcps"] >= TARGET["calls_per_s"])
+                print(f"target, non-stream, 64 episodes: added p50 {r['a50']:.2f} ms <= {TARGET['p50_ms']} ms: "
+                      f"{'met' if ok[0] else 'MISSED'}; added p99 {r['a99']:.2f} ms <= {TARGET['p99_ms']} ms: "
+                      f"{'met' if ok[1] else 'MISSED'}; {r['pcps']:.0f} calls/s >= {TARGET['calls_per_s']}: "
+                      f"{'met' if ok[2] else 'MISSED'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
