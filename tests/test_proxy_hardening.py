@@ -161,7 +161,10 @@ def test_validation_errors_never_echo_huge_inputs(tokenizer):
                      {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": [big]}]}]},
                      {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {
                          "name": "f", "parameters": {"type": big, "properties": {big: {}}}}}]},
-                     {"model": "m", "messages": USER, "stop": {"k": [big] * 3}}):
+                     {"model": "m", "messages": USER, "stop": {"k": [big] * 3}},
+                     {"model": "m", "messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                      "tool_choice": {"type": "function", "function": {"name": big}}},
+                     {"model": "m", "messages": USER, "response_format": {"type": big}}):
             r = http.post(chat_url(ep), json=body)
             err = assert_error(r, 400)
             assert len(err["message"]) < 1000 and len(err["param"] or "") < 300 and len(r.content) < 2000

@@ -629,7 +629,7 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
     if isinstance(req.tool_choice, NamedToolChoice):
         name = req.tool_choice.function.get("name")
         if name not in {t.function.name for t in req.tools}:
-            raise ProxyError(400, f"tool_choice names function {name!r}, which is not in `tools`",
+            raise ProxyError(400, f"tool_choice names function {short_repr(name)}, which is not in `tools`",
                              param="tool_choice", code="invalid_value")
     if req.frequency_penalty or req.presence_penalty:
         raise ProxyError(400, "frequency/presence penalties would change the sampling distribution the policy is "
