@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ajet.backbones.debug.engine import HFEngine
-from ajet.llm_call import SamplingParams
+from ajet.llm_call import SamplingParams, TokenDelta
 from ajet.proxy.server import ProxyServer
 from ajet.tracker import merge_calls
 from tests.scripted_engine import ScriptedEngine
@@ -250,3 +250,49 @@ def test_response_format_json_object_needs_json_in_the_messages_and_json_schema_
         proxy.close_episode(ep)
     finally:
         proxy.stop()
+
+
+class FailsMidStream(ScriptedEngine):
+    """Announces two tokens, then the engine dies."""
+
+    async def generate(self, prompt_ids, params, on_tokens=None):
+        ids = self.tokenizer.encode("Partial answer here", add_special_tokens=False)
+        for t in ids[:2]:
+            on_tokens(TokenDelta([t], [-0.5]))
+            await asyncio.sleep(0)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_engine_failure_mid_stream_ends_with_an_error_event_and_records_nothing(tokenizer):
+    proxy = ProxyServer(FailsMidStream(tokenizer, ["unused"]), tokenizer, SamplingParams(max_tokens=16)).start()
+    try:
+        ep = proxy.open_episode("dies")
+        with httpx.Client(timeout=10) as http:
+            r = http.post(ep.base_url + "/chat/completions", json={"model": "m", "messages": USER, "stream": True})
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert r.status_code == 200                    # the stream had started
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+    assert events[-1]["error"]["code"] == "engine_error" and "[DONE]" not in r.text
+    assert calls == []
+
+
+def test_engine_failure_before_the_first_token_keeps_its_status_when_streaming(tokenizer):
+    from tests.scripted_engine import FailingEngine
+    engine = FailingEngine(tokenizer, ["fine"])
+    engine.fail_next = 1
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=16)).start()
+    try:
+        ep = proxy.open_episode("dies-early")
+        with httpx.Client(timeout=10) as http:
+            body = {"model": "m", "messages": USER, "stream": True}
+            first = http.post(ep.base_url + "/chat/completions", json=body)
+            second = http.post(ep.base_url + "/chat/completions", json=body)
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert first.status_code == 503 and first.json()["error"]["code"] == "engine_error"
+    assert first.headers["retry-after"] == "1"
+    assert second.status_code == 200 and "data: [DONE]" in second.text and len(calls) == 1
