@@ -77,12 +77,17 @@ class _Turn:
     """One request's generation, shared by the client's retries of it.
 
     `events` (streaming requests only) receives `(choice_index, TokenDelta)` as tokens are sampled,
-    `(choice_index, _Choice)` when a choice ends, and None when the task is done."""
+    `(choice_index, _Choice)` when a choice ends, and None when the task is done. `forced` is the
+    tool-call opening `tool_choice` fixed, `parse_tools` whether tool calls are parsed out of the text,
+    `stop` the stop strings generation used."""
 
     response_id: str
     created: int
     n: int
     streaming: bool
+    forced: str
+    parse_tools: bool
+    stop: tuple[str, ...]
     task: asyncio.Future | None = None
     events: asyncio.Queue | None = None
 
@@ -119,12 +124,15 @@ class ProxyError(Exception):
         self.retry_after = retry_after if retry_after is not None or status != 503 else 1
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
-        """The JSON body `{"error": {"message", "type", "param", "code"}}` with this status."""
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The JSON body (see `body`) with this status."""
         headers = dict(headers or {})
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
-        return _json(body, self.status, headers)
+        return _json(self.body(), self.status, headers)
+
+    def body(self) -> dict[str, Any]:
+        """`{"error": {"message", "type", "param", "code"}}`, as an answer or a streamed error event."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class ProxyServer:
@@ -246,9 +254,7 @@ class ProxyServer:
 
         async def models(request: Request):
             self._episode(request.path_params.get("token") or _bearer(request))
-            names = [self.model_name] + sorted((self.accepted_models or set()) - {self.model_name})
-            return _json({"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "ajet"}
-                                                     for n in names]})
+            return _json(self._models())
 
         async def responses(_request: Request):
             raise ProxyError(404, "ajet's proxy serves the Chat Completions API, not the Responses API: "
@@ -308,8 +314,8 @@ class ProxyServer:
                                   f"{self.max_model_len}: shorten the conversation", param="messages",
                              code="context_length_exceeded")
         sampling = self._sampling(req)
-        parse_tools = bool(tools) and req.tool_choice != "none"
-        turn = _Turn(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n or 1, bool(req.stream))
+        turn = _Turn(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n or 1, bool(req.stream), forced,
+                     _parses_tools(req), sampling.stop)
 
         async def generate(i: int) -> _Choice:
             # choice i of n: its own seed (seed + i) so that seeded choices differ yet replay exactly
@@ -325,7 +331,7 @@ class ProxyServer:
                 raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {_cut(str(exc), 200)}); "
                                       "retry later", "server_error", code="engine_error",
                                  retry_after=self.retry_after_s) from exc
-            choice = self._to_choice(i, completion, forced, parse_tools, params, t1)
+            choice = self._to_choice(i, completion, turn, params, t1)
             if turn.events is not None:
                 turn.events.put_nowait((i, choice))
             return choice
@@ -353,14 +359,14 @@ class ProxyServer:
             turn.task.add_done_callback(lambda _t: turn.events.put_nowait(None))
         return turn
 
-    def _to_choice(self, i: int, completion: Completion, forced: str, parse_tools: bool, params: SamplingParams,
+    def _to_choice(self, i: int, completion: Completion, turn: _Turn, params: SamplingParams,
                    started: float) -> _Choice:
         """The assistant message for a finished completion: decoded text (stop string cut, as OpenAI does),
         tool calls parsed out when the request has tools."""
-        text = forced + self._decode(completion.token_ids)
-        if completion.finish_reason == "stop" and params.stop:
-            text = cut_at_stop(text, params.stop)
-        content, tool_calls = parse_tool_calls(text) if parse_tools else (text, [])
+        text = turn.forced + self._decode(completion.token_ids)
+        if completion.finish_reason == "stop" and turn.stop:
+            text = cut_at_stop(text, turn.stop)
+        content, tool_calls = parse_tool_calls(text) if turn.parse_tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -393,11 +399,9 @@ class ProxyServer:
     async def _sse(self, turn: _Turn, req: ChatCompletionRequest, events: asyncio.Queue, first):
         base = {"id": turn.response_id, "object": "chat.completion.chunk", "created": turn.created, "model": req.model}
         want_logprobs = bool(req.logprobs)
-        states = [IncrementalContent(bool(req.tools) and req.tool_choice != "none", self._sampling(req).stop)
-                  for _ in range(turn.n)]
+        states = [IncrementalContent(turn.parse_tools, turn.stop) for _ in range(turn.n)]
         pending_lp: list[list[dict[str, Any]]] = [[] for _ in range(turn.n)]   # entries not yet sent
         ids_so_far: list[list[int]] = [[] for _ in range(turn.n)]
-        forced = _forced_tool_call(req)
         out = [chunk(base, i, {"role": "assistant", "content": ""}) for i in range(turn.n)]   # sent per wake-up
         event = first
         while event is not None:
@@ -419,7 +423,7 @@ class ProxyServer:
                     pending_lp[i] = []
                     touched.discard(i)
             for i in touched:
-                delta = states[i].update(forced + self._decode(ids_so_far[i]))
+                delta = states[i].update(turn.forced + self._decode(ids_so_far[i]))
                 if delta:
                     out.append(chunk(base, i, {"content": delta}, logprobs=pending_lp[i] if want_logprobs else None))
                     pending_lp[i] = []
@@ -433,7 +437,7 @@ class ProxyServer:
             exc = turn.task.exception()
             err = exc if isinstance(exc, ProxyError) else ProxyError(500, "internal error in the ajet proxy",
                                                                        "server_error", code="internal_error")
-            out.append(sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}))
+            out.append(sse(err.body()))
         else:
             if req.stream_options and req.stream_options.include_usage:
                 out.append(sse({**base, "choices": [], "usage": self._usage(turn.task.result())}))
@@ -461,7 +465,7 @@ class ProxyServer:
         d = self.defaults
         asked_max = req.max_completion_tokens or req.max_tokens
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if req.parallel_tool_calls is False and req.tools and req.tool_choice != "none":
+        if req.parallel_tool_calls is False and _parses_tools(req):
             stop += (TOOL_CALL_END,)    # at most one tool call: generation ends with the first one
         top = (req.top_logprobs or 0) if req.logprobs else 0
         if self.sampling_policy == "client":
@@ -644,6 +648,11 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
     if kind == "json_object" and not any("json" in _message_text(m).lower() for m in req.messages):
         raise ProxyError(400, "'messages' must contain the word 'json' in some form, to use 'response_format' of "
                               "type 'json_object'", param="messages", code="invalid_value")
+
+
+def _parses_tools(req: ChatCompletionRequest) -> bool:
+    """Whether tool calls are parsed out of the generated text: the request has tools and allows calls."""
+    return bool(req.tools) and req.tool_choice != "none"
 
 
 def _message_text(m) -> str:
