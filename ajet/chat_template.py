@@ -62,7 +62,7 @@ TOOL_CHAT_TEMPLATE = (
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"   # what the template asks the model to write
 
 # A block ends at its closing tag; one left unclosed ends where the next block opens or at the end of the text.
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|(?=<tool_call>)|\Z)", re.DOTALL)
+_TOOL_CALL = re.compile(rf"{TOOL_CALL_START}\s*(.*?)\s*(?:{TOOL_CALL_END}|(?={TOOL_CALL_START})|\Z)", re.DOTALL)
 _TOOL_ROLE = re.compile(r"""['"]tool['"]""")
 
 
