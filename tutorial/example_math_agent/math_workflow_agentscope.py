@@ -38,6 +38,9 @@ class _ForceFirstToolCall(MiddlewareBase):
 
 
 class MathAgentAgentScopeWorkflow(Workflow):
+    """One episode: a ReAct agent solves `task.query` with the calculate tool; the YAML's judge (`math_agent_reward`)
+    scores it (1 for the right number + 0.2 for a valid tool call). Metrics: turns, tool_calls, valid_tool_calls."""
+
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         counts = {"tool_calls": 0, "valid_tool_calls": 0}
 

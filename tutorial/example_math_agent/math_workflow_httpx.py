@@ -16,6 +16,9 @@ FORCE_CALCULATE = {"type": "function", "function": {"name": "calculate"}}
 
 
 class MathAgentHttpxWorkflow(Workflow):
+    """One episode of the math agent over raw HTTP; same tool loop, reward and metrics as math_workflow.py.
+    Raises httpx.HTTPStatusError if the proxy answers with an error."""
+
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
         answer, tool_calls, valid_calls = "", 0, 0

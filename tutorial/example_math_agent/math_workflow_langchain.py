@@ -17,6 +17,9 @@ from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, calculate_to
 
 
 class MathAgentLangChainWorkflow(Workflow):
+    """One episode of the math agent through LangChain's `ChatOpenAI`; same tool loop, reward and metrics as
+    math_workflow.py."""
+
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         # use_responses_api=False: ajet's proxy serves Chat Completions only
         llm = ChatOpenAI(base_url=tuner.base_url, api_key=tuner.api_key, model=tuner.model, max_retries=2,
