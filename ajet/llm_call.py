@@ -15,7 +15,8 @@ class SamplingParams:
     """Sampling parameters actually used for one call (after the config policy is applied).
 
     Attributes:
-        temperature: softmax temperature (> 0; logprobs are computed from logits / temperature).
+        temperature: softmax temperature (logprobs are computed from logits / temperature); 0 means greedy
+            decoding (argmax; the recorded logprob is then under temperature 1, and the token is not a sample).
         top_p: nucleus mass in (0, 1].
         max_tokens: upper bound on completion length, in tokens.
         seed: per-call RNG seed, or None for the engine's running generator.

@@ -55,3 +55,66 @@ def test_prompt_longer_than_context_is_rejected(engine):
     eng, _, _ = engine
     with pytest.raises(ValueError, match="context holds 256"):
         asyncio.run(_many(eng, [[5] * 300], SamplingParams(max_tokens=4)))
+
+
+def _reference(model, prompt, out, temperature, top_p):
+    """Recompute a completion from scratch (one unpadded forward): per sampled token its processed logprob
+    `[n]`, whether it lies in its step's nucleus `[n]`, and the argmax at each step `[n]`."""
+    from ajet.sampling_dist import nucleus_keep, processed_logprobs
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()           # [n, V]
+    t = torch.full((len(out.token_ids),), float(temperature))
+    p = torch.full((len(out.token_ids),), float(top_p))
+    tok = torch.tensor(out.token_ids)
+    lp = processed_logprobs(logits, t, p).gather(1, tok[:, None]).squeeze(1)
+    inside = nucleus_keep(logits / t[:, None], p).gather(1, tok[:, None]).squeeze(1)
+    return lp.tolist(), inside.tolist(), logits.argmax(-1).tolist()
+
+
+def test_top_p_logprobs_are_the_processed_distribution_and_never_leave_the_nucleus(engine):
+    eng, model, tok = engine
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ["hello there", "what is two plus two", "a b c"]]
+    params = SamplingParams(temperature=0.8, top_p=0.3, max_tokens=40)
+    outs = asyncio.run(_many(eng, prompts, params))
+    n = 0
+    for p, out in zip(prompts, outs):
+        lp, inside, _ = _reference(model, p, out, 0.8, 0.3)
+        assert lp == pytest.approx(out.logprobs, abs=1e-4)     # truncated-renormalised, as the trainer scores
+        assert all(inside)                                     # no token outside the nucleus was ever drawn
+        n += len(out.token_ids)
+    assert n >= 60          # enough draws that sampling from the full distribution would leave the nucleus
+
+
+def test_temperature_zero_is_greedy_with_logprobs_under_temperature_one(engine):
+    eng, model, tok = engine
+    p = tok.encode("greedy please", add_special_tokens=False)
+    out = asyncio.run(_many(eng, [p], SamplingParams(temperature=0.0, top_p=0.5, max_tokens=12)))[0]
+    lp, _, argmax = _reference(model, p, out, 1.0, 1.0)
+    assert out.token_ids == argmax[:len(out.token_ids)]
+    assert out.logprobs == pytest.approx(lp, abs=1e-4)
+
+
+def test_each_request_keeps_its_own_temperature_and_seed_in_a_shared_batch(engine):
+    eng, _, tok = engine
+    a = (tok.encode("first prompt here", add_special_tokens=False), SamplingParams(temperature=0.3, max_tokens=10, seed=1))
+    b = (tok.encode("the second one", add_special_tokens=False),
+         SamplingParams(temperature=1.7, top_p=0.9, max_tokens=10, seed=2))
+
+    async def together():
+        return await asyncio.gather(eng.generate(*a), eng.generate(*b))
+
+    alone_a = asyncio.run(_many(eng, [a[0]], a[1]))[0]
+    alone_b = asyncio.run(_many(eng, [b[0]], b[1]))[0]
+    both_a, both_b = asyncio.run(together())
+    assert both_a.token_ids == alone_a.token_ids and both_b.token_ids == alone_b.token_ids
+    assert both_a.logprobs == pytest.approx(alone_a.logprobs, abs=1e-4)
+    assert both_b.logprobs == pytest.approx(alone_b.logprobs, abs=1e-4)
+
+
+def test_an_empty_stop_string_is_ignored(engine):
+    eng, _, tok = engine
+    p = tok.encode("keep going", add_special_tokens=False)
+    plain = asyncio.run(_many(eng, [p], SamplingParams(max_tokens=8, seed=5)))[0]
+    with_empty = asyncio.run(_many(eng, [p], SamplingParams(max_tokens=8, seed=5, stop=("",))))[0]
+    assert len(plain.token_ids) > 1 and with_empty.token_ids == plain.token_ids

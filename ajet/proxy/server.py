@@ -465,12 +465,13 @@ class ProxyServer:
         d = self.defaults
         asked_max = req.max_completion_tokens or req.max_tokens
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        stop = tuple(s for s in stop if s)      # "" would match at once: ignored, never a 1-token completion
         if req.parallel_tool_calls is False and _parses_tools(req):
             stop += (TOOL_CALL_END,)    # at most one tool call: generation ends with the first one
         top = (req.top_logprobs or 0) if req.logprobs else 0
         if self.sampling_policy == "client":
             return SamplingParams(
-                temperature=d.temperature if req.temperature is None else max(req.temperature, 1e-3),
+                temperature=d.temperature if req.temperature is None else req.temperature,   # 0: greedy
                 top_p=d.top_p if req.top_p is None else req.top_p,
                 max_tokens=asked_max or d.max_tokens, seed=req.seed, stop=stop, top_logprobs=top)
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, max_tokens=min(asked_max or d.max_tokens,

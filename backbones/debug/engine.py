@@ -2,8 +2,15 @@
 
 Concurrent `generate` calls (from the proxy's event loop) are queued; one worker thread takes every
 request waiting (up to `max_batch_size`), left-pads them into one batch and decodes them together with a
-KV cache. Each sampled token's logprob is log_softmax(logits / temperature)[token], the same quantity
-the trainer recomputes, so the PPO ratio is exactly 1 before the first update.
+KV cache. Each row samples with its own request's temperature and top_p, from its own random generator
+(seeded by the request's `seed`, else drawn from the engine's generator when the request is admitted), so a
+request's tokens do not depend on what else is in its batch.
+
+Sampling distribution: `ajet.sampling_dist.processed_logprobs` (logits / T, nucleus-truncated to top_p,
+renormalised); a token is drawn from it and its logprob under it is recorded, the quantity the trainer
+recomputes, so the PPO ratio is exactly 1 before the first update. Temperature 0 is greedy decoding: the
+argmax token, with its logprob recorded under T=1 and no truncation (report only; greedy tokens have no
+sampling distribution and are not trained on as sampled).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 
 from ajet.engine import TokenCallback
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
+from ajet.sampling_dist import processed_logprobs
 
 
 @dataclass
@@ -130,11 +138,8 @@ class HFEngine:
         input_ids, attn = input_ids.to(device), attn.to(device)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
 
-        temps = torch.tensor([r.params.temperature for r in batch], device=device).unsqueeze(1)  # [B, 1]
-        top_ps = torch.tensor([r.params.top_p for r in batch], device=device).unsqueeze(1)      # [B, 1]
         budgets = [max(1, min(r.params.max_tokens, self.max_model_len - n)) for r, n in zip(batch, lens)]
-        gens = [torch.Generator(device="cpu").manual_seed(r.params.seed) if r.params.seed is not None else None
-                for r in batch]
+        rows = RowSampling.of([r.params for r in batch], self._generator, device)
 
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
@@ -149,9 +154,7 @@ class HFEngine:
             out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
                              past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[:, -1, :].float() / temps                     # [B, vocab]
-            logprobs = torch.log_softmax(logits, dim=-1)                      # [B, vocab]
-            tokens = _sample_top_p(logprobs, top_ps, self._generator, gens).to(device)  # [B]
+            logprobs, tokens = rows.sample(out.logits[:, -1, :])               # [B, vocab], [B]
             token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()  # [B]
             if k_top:
                 top_lp, top_ids = (x.tolist() for x in logprobs.topk(k_top, dim=-1))  # [B, k_top] each
@@ -186,24 +189,51 @@ class HFEngine:
         if not stop or self.decode_fn is None:
             return False
         tail = self.decode_fn(ids[-16:])
-        return any(s in tail for s in stop)
+        return any(s and s in tail for s in stop)    # an empty stop string is ignored, never a 1-token stop
 
 
-def _sample_top_p(logprobs: torch.Tensor, top_p: torch.Tensor, generator: torch.Generator,
-                  row_generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Nucleus sampling (Holtzman et al. 2020) per row. logprobs `[B, vocab]`, top_p `[B, 1]` -> ids `[B]`."""
-    probs = logprobs.exp().cpu()
-    if bool((top_p < 1.0).any()):
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(-1)
-        drop = (cum - sorted_p) > top_p.cpu()          # keep the smallest prefix whose mass reaches top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    for i, g in enumerate(row_generators):  # seeded requests draw from their own stream
-        if g is not None:
-            tokens[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-    return tokens
+@dataclass
+class RowSampling:
+    """Each row's sampling distribution and random generator for one batch.
+
+    Attributes:
+        temperature: `[B]` the distribution's temperature (1 for greedy rows: their logprob is reported under T=1).
+        top_p: `[B]` nucleus mass (1 for greedy rows).
+        greedy: `[B]` bool, True where the request asked for temperature 0 (argmax decoding).
+        generators: one `torch.Generator` per row (CPU): the request's `seed`, else a seed drawn from the engine's
+            generator, so each row's draws are independent of the other rows in the batch.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    generators: list[torch.Generator]
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], engine_generator: torch.Generator, device) -> RowSampling:
+        """The rows for requests with `params` `[B]`; draws one seed from `engine_generator` per unseeded row."""
+        greedy = [p.temperature == 0 for p in params]
+        gens = []
+        for p in params:
+            seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=engine_generator))
+            gens.append(torch.Generator(device="cpu").manual_seed(seed))
+        return cls(torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device),
+                   torch.tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)], device=device),
+                   torch.tensor(greedy, device=device), gens)
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token per row from `logits` `[B, vocab]` (the last position's).
+
+        Returns:
+            (logprobs `[B, vocab]` float32 under each row's processed distribution (-inf outside its nucleus),
+            tokens `[B]` long: a draw from that distribution (never outside the nucleus), or the argmax for
+            greedy rows).
+        """
+        logprobs = processed_logprobs(logits, self.temperature, self.top_p)       # [B, V]
+        probs = logprobs.exp().cpu()                                              # [B, V], 0 outside the nucleus
+        drawn = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(self.generators)])
+        tokens = torch.where(self.greedy.cpu(), logits.argmax(-1).cpu(), drawn).to(logits.device)
+        return logprobs, tokens
 
 
 def _resolve(future: asyncio.Future, result, exc) -> None:
