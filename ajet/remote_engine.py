@@ -8,8 +8,23 @@ SSE stream (`"stream": true`) when the caller wants the tokens as they are sampl
 
 Sampling matches what the trainer assumes: temperature and top_p from `SamplingParams`, and top_k, min_p and
 repetition_penalty sent explicitly as "off", so that defaults vLLM reads from the model's
-generation_config.json cannot change the distribution. The logprobs are the server's: vLLM >= 0.10.2 returns
-the raw model's unless started with `--logprobs-mode processed_logprobs` (after temperature and top_p).
+generation_config.json cannot change the distribution. Empty stop strings are dropped (vLLM would stop after
+the first token on one).
+
+**The vLLM server must run with `--logprobs-mode processed_logprobs`** (vLLM >= 0.10.2, engine v1). Its
+default, `raw_logprobs`, reports log_softmax of the model's raw logits: no temperature, no top_p, a different
+distribution from the one tokens were drawn from. With `processed_logprobs`, vLLM's sampler
+(`vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`) reports log_softmax of the logits after penalties,
+temperature, min_p and top_k/top_p masking (tokens outside the nucleus at -inf, sent as -9999.0): the
+truncated-renormalised distribution of `ajet.sampling_dist.processed_logprobs`, which the trainer scores. (vLLM
+also stops using FlashInfer's sampler in that mode, since it cannot return processed logprobs.) vLLM's nucleus
+rule (drop a token when the mass of the likelier ones already reaches top_p) is ajet's `nucleus_keep`. Greedy
+requests (temperature 0) get argmax tokens; their logprob is under temperature 1 (in an all-greedy batch, of
+the unprocessed distribution), and greedy tokens are not trained on as samples.
+
+`RemoteEngine` checks the mode once, before its first completion: a 1-token probe with top_p = 1e-6 (a nucleus
+of one token) must come back with logprob 0 for the sampled token and -9999 (-inf) for any alternative; a
+`raw_logprobs` server reports the raw values instead, and `generate` raises a RuntimeError naming the flag.
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ class RemoteEngine:
         timeout_s: limit for one request, seconds (aiohttp: the whole request, stream included; httpx: each
             connect, read and write).
         max_connections: most connections open to the server at once (further requests wait for one).
+        check_logprobs_mode: probe the server once, before the first completion, for
+            `--logprobs-mode processed_logprobs` (see the module docstring); False skips the probe.
 
     Attributes:
         policy_version: the optimizer step of the weights the server holds; the backbone sets it after a
@@ -51,7 +68,7 @@ class RemoteEngine:
     """
 
     def __init__(self, base_url: str, model: str, client: Literal["aiohttp", "httpx"] = "aiohttp",
-                 timeout_s: float = 600, max_connections: int = 256):
+                 timeout_s: float = 600, max_connections: int = 256, check_logprobs_mode: bool = True):
         if client not in ("aiohttp", "httpx"):
             raise ValueError(f"client must be 'aiohttp' or 'httpx', not {client!r}")
         self.url = base_url.rstrip("/") + "/completions"
@@ -60,6 +77,7 @@ class RemoteEngine:
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self.policy_version = 0
+        self._mode_checked = not check_logprobs_mode
         self._sessions: dict[asyncio.AbstractEventLoop, Any] = {}
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> dict[str, Any]:
@@ -71,7 +89,7 @@ class RemoteEngine:
         """
         return {"model": self.model, "prompt": list(prompt_ids), "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": -1, "min_p": 0.0,
-                "repetition_penalty": 1.0, "seed": params.seed, "stop": list(params.stop),
+                "repetition_penalty": 1.0, "seed": params.seed, "stop": [s for s in params.stop if s],
                 "logprobs": max(1, params.top_logprobs), "return_tokens_as_token_ids": True,
                 "skip_special_tokens": False, "stream": stream}
 
@@ -86,8 +104,16 @@ class RemoteEngine:
         Raises:
             ValueError: the server answered 400 about the context length (prompt + max_tokens too long).
             RuntimeError: any other HTTP error status (with a short body), a connection error or timeout,
-                a stream cut off or carrying an error, or a response without token ids / logprobs.
+                a stream cut off or carrying an error, a response without token ids / logprobs, or a server
+                that does not report processed logprobs (see the module docstring).
         """
+        if not self._mode_checked:
+            await self._check_logprobs_mode(prompt_ids)
+        return await self._complete(prompt_ids, params, on_tokens)
+
+    async def _complete(self, prompt_ids: list[int], params: SamplingParams,
+                        on_tokens: TokenCallback | None) -> Completion:
+        """One completion request (see `generate`), without the logprobs-mode check."""
         version = self.policy_version
         data = orjson.dumps(self.request_body(prompt_ids, params, on_tokens is not None))
         ids: list[int] = []
@@ -123,6 +149,21 @@ class RemoteEngine:
             raise RuntimeError(f"{self.url} ended the completion " + ("without a finish_reason (cut off?)"
                                if finish is None else f"with finish_reason={finish!r}"))
         return Completion(ids, logprobs, finish, version, tops)
+
+    async def _check_logprobs_mode(self, prompt_ids: list[int]) -> None:
+        """Probe (1 token of `prompt_ids`, top_p 1e-6, 2 alternatives) that the server reports processed logprobs:
+        with a one-token nucleus the sampled token has logprob 0 and every other token -inf (-9999.0 on the wire).
+        Raises RuntimeError otherwise, or as `generate` does when the request fails."""
+        probe = SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=1, top_logprobs=2)
+        c = await self._complete(prompt_ids, probe, None)
+        others = [lp for tid, lp in (c.top_logprobs or [[]])[0] if tid != c.token_ids[0]] if c.token_ids else []
+        if not c.token_ids or abs(c.logprobs[0]) > 1e-6 or any(lp > -9999.0 for lp in others):
+            raise RuntimeError(
+                f"{self.url} does not report processed logprobs (a 1-token nucleus gave the sampled token logprob "
+                f"{c.logprobs[0] if c.logprobs else None} and alternatives {others}): start vLLM with "
+                "`--logprobs-mode processed_logprobs` so that recorded logprobs are those of the sampling "
+                "distribution (temperature and top_p applied), which the trainer scores")
+        self._mode_checked = True
 
     async def aclose(self) -> None:
         """Close the HTTP sessions: this loop's, and those of other loops still running (the proxy's thread)."""

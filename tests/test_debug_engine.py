@@ -118,3 +118,24 @@ def test_an_empty_stop_string_is_ignored(engine):
     plain = asyncio.run(_many(eng, [p], SamplingParams(max_tokens=8, seed=5)))[0]
     with_empty = asyncio.run(_many(eng, [p], SamplingParams(max_tokens=8, seed=5, stop=("",))))[0]
     assert len(plain.token_ids) > 1 and with_empty.token_ids == plain.token_ids
+
+
+def test_proxy_over_the_engine_records_temperature_zero_and_ignores_an_empty_stop(engine):
+    import openai
+
+    from ajet.proxy.server import ProxyServer
+    eng, model, tok = engine
+    proxy = ProxyServer(eng, tok, SamplingParams(max_tokens=8), sampling_policy="client").start()
+    try:
+        ep = proxy.open_episode("ep-greedy")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "count with me"}]
+        client.chat.completions.create(model="policy", messages=messages, temperature=0, stop=[""], max_tokens=8)
+        (call,) = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert call.sampling.temperature == 0 and call.sampling.stop == ()      # greedy, recorded as such
+    assert len(call.completion_ids) > 1
+    out = type("C", (), {"token_ids": call.completion_ids})
+    lp, _, argmax = _reference(model, call.prompt_ids, out, 1.0, 1.0)
+    assert call.completion_ids == argmax and call.completion_logprobs == pytest.approx(lp, abs=1e-4)

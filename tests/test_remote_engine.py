@@ -6,12 +6,14 @@ import socket
 
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.remote_engine import RemoteEngine
-from benchmarks.instant_engine_server import InstantServer, token_logprob
+from ajet.sampling_dist import processed_logprobs
+from benchmarks.instant_engine_server import InstantServer, raw_distribution, token_logprob
 
 CLIENTS = ["aiohttp", "httpx"]
 MAX_MODEL_LEN = 512
@@ -78,8 +80,9 @@ def test_max_tokens_cut_and_top_logprobs_most_likely_first(server, reply_ids, cl
     engine = RemoteEngine(server.url + "/v1", "policy", client=client)
     c, deltas, _ = run(generate(engine, [1, 2], SamplingParams(max_tokens=3, top_logprobs=2), stream))
     assert c.token_ids == reply_ids[:3] and c.finish_reason == "length"
-    # the server lists the sampled token and 2 alternatives, the first more likely than the sampled one
-    assert c.top_logprobs == [[(t + 1, -0.05), (t, token_logprob(i))] for i, t in enumerate(reply_ids[:3])]
+    # the server lists the sampled token (the most likely) and the next alternative
+    assert c.top_logprobs == [[(t, token_logprob(i)), (t + 1, pytest.approx(raw_distribution(i)[1]))]
+                              for i, t in enumerate(reply_ids[:3])]
     if stream:
         assert [top for d in deltas for top in d.top_logprobs] == c.top_logprobs
 
@@ -148,3 +151,80 @@ def test_proxy_over_remote_engine_keeps_token_in_token_out(server, tokenizer, re
     assert second.prompt_parent == first.call_id
     assert second.prompt_ids[:len(first.prompt_ids) + len(reply_ids)] == first.prompt_ids + first.completion_ids
     assert len(second.prompt_ids) > len(first.prompt_ids) + len(reply_ids)   # + the new user turn
+
+
+def _scripted_logits(i: int, token: int) -> torch.Tensor:
+    """The instant server's raw distribution at reply position i as logits over ids 0..token+20 `[V]`."""
+    logits = torch.full((token + 21,), float("-inf"))
+    logits[token:] = torch.tensor(raw_distribution(i))
+    return logits
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_processed_distribution_the_trainer_scores(server, reply_ids, stream):
+    """The server mimics vLLM's `--logprobs-mode processed_logprobs`; RemoteEngine hands its numbers over, and
+    they equal ajet.sampling_dist.processed_logprobs (temperature, then nucleus, renormalised) of the same logits."""
+    engine = RemoteEngine(server.url + "/v1", "policy")
+    c, _, _ = run(generate(engine, [3, 4], SamplingParams(temperature=0.7, top_p=0.97, max_tokens=4, top_logprobs=5),
+                           stream))
+    for i, (t, lp, tops) in enumerate(zip(c.token_ids, c.logprobs, c.top_logprobs)):
+        want = processed_logprobs(_scripted_logits(i, t), torch.tensor(0.7), torch.tensor(0.97))
+        assert lp == pytest.approx(want[t].item(), abs=1e-6) and lp > token_logprob(i)   # not the raw value
+        kept = [(tid, v) for tid, v in tops if v > -9999]
+        assert 1 <= len(kept) < 5                              # the nucleus cut the alternatives off
+        assert kept == [(tid, pytest.approx(want[tid].item(), abs=1e-6)) for tid, _ in kept]
+        assert all(v == -9999.0 and want[tid].item() == float("-inf") for tid, v in tops[len(kept):])
+
+
+def test_a_server_reporting_raw_logprobs_is_refused_with_the_flag_to_set(tokenizer, reply_ids):
+    pieces = [tokenizer.decode([t]) for t in reply_ids[:-1]] + [""]
+    raw = InstantServer.start(reply_ids, pieces, logprobs_mode="raw_logprobs")
+    try:
+        with pytest.raises(RuntimeError, match="--logprobs-mode processed_logprobs"):
+            run(generate(RemoteEngine(raw.url + "/v1", "policy"), [1, 2], SamplingParams(max_tokens=4), False))
+        unchecked = RemoteEngine(raw.url + "/v1", "policy", check_logprobs_mode=False)
+        c, _, _ = run(generate(unchecked, [1, 2], SamplingParams(temperature=0.5, max_tokens=4), False))
+        assert c.logprobs == [token_logprob(i) for i in range(4)]          # raw: temperature ignored
+        before = raw.stats()["completions"]
+        run(generate(RemoteEngine(raw.url + "/v1", "policy", check_logprobs_mode=False), [1], SamplingParams(), False))
+        assert raw.stats()["completions"] == before + 1                    # no probe when unchecked
+    finally:
+        raw.stop()
+
+
+def test_the_mode_is_probed_once_per_engine(server):
+    engine = RemoteEngine(server.url + "/v1", "policy")
+
+    async def three():
+        try:
+            for _ in range(3):
+                await engine.generate([1, 2], SamplingParams(max_tokens=2))
+        finally:
+            await engine.aclose()
+
+    before = server.stats()["completions"]
+    run(three())
+    assert server.stats()["completions"] == before + 4                     # 1 probe + 3 completions
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_empty_stop_string_is_dropped_not_a_one_token_completion(server, reply_ids, stream):
+    engine = RemoteEngine(server.url + "/v1", "policy")
+    c, _, _ = run(generate(engine, [1, 2], SamplingParams(max_tokens=64, stop=("", "zzz")), stream))
+    assert c.token_ids == reply_ids and c.finish_reason == "stop"
+    assert server.stats()["last_request"]["stop"] == ["zzz"]
+
+
+def test_proxy_over_remote_engine_ignores_an_empty_stop_string(server, tokenizer, reply_ids):
+    engine = RemoteEngine(server.url + "/v1", "policy")
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=64)).start()
+    try:
+        ep = proxy.open_episode("ep-empty-stop")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], stop=[""])
+        assert r.choices[0].message.content == tokenizer.decode(reply_ids, skip_special_tokens=True)
+        (call,) = proxy.close_episode(ep)
+        asyncio.run(engine.aclose())
+    finally:
+        proxy.stop()
+    assert call.completion_ids == reply_ids and call.sampling.stop == ()
