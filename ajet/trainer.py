@@ -126,7 +126,7 @@ def run(cfg: AjetConfig) -> Path:
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
             train = backbone.update(samples)
             kill_point("update", step)
-            store.mark_trained(step, attempt, [e.episode_id for e in trainable])
+            store.mark_trained(step, attempt, [(e.episode_id, attempt) for e in trainable])
             kill_point("trained", step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)

@@ -9,17 +9,19 @@ Each episode is committed in one transaction as soon as it finishes, before trai
                `resumed_from_step` is the checkpoint step it continued from (0: from scratch)
     episodes   one row per finished episode, keyed (episode_id, attempt)
     calls      one row per recorded LLM call
-    trained    one row per episode that went into an update: (episode_id, attempt, step)
+    trained    one row per episode that went into an update: (episode_id, attempt, step, trained_attempt);
+               `attempt` is the episode's, `trained_attempt` the one that ran the update of `step` (they
+               differ when a resumed `ajet serve` trains episodes its killed predecessor had finished)
 
 An update of step S in attempt A is *live* (its weights are in the run's lineage) unless a later attempt
-resumed from a checkpoint before S; then the update, and every episode of (S, A), belongs to an
-abandoned attempt. `ledger()` applies that rule, so "every finished episode is trained on exactly once,
-or is from an abandoned attempt" is a query.
+resumed from a checkpoint before S. An episode stored by attempt A under step S that no live update
+used is *abandoned* when a later attempt resumed from before S. `ledger()` applies these rules, so
+"every finished episode is trained on exactly once, or is from an abandoned attempt" is a query.
 
     store = TrajectoryStore(exp_dir / "trajectories.sqlite")
     attempt = store.begin_attempt(resumed_from_step=0)
     store.add_episode(step=3, attempt=attempt, record=ep.to_dict())
-    store.mark_trained(step=3, attempt=attempt, episode_ids=[...])
+    store.mark_trained(step=3, attempt=attempt, episodes=[(episode_id, episode_attempt), ...])
     store.episodes(step=3)   # -> list of dicts (the same JSON as trajectories.jsonl)
 """
 
@@ -42,7 +44,8 @@ CREATE INDEX IF NOT EXISTS episodes_by_step ON episodes (step, attempt);
 CREATE TABLE IF NOT EXISTS attempts (
     attempt INTEGER PRIMARY KEY, resumed_from_step INTEGER NOT NULL, started_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS trained (
-    episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL, PRIMARY KEY (episode_id, attempt));
+    episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL, trained_attempt INTEGER NOT NULL,
+    PRIMARY KEY (episode_id, attempt, trained_attempt));
 """
 
 
@@ -89,11 +92,13 @@ class TrajectoryStore:
             self._db.executemany("INSERT INTO calls VALUES (?, ?, ?, ?, ?)",
                                  [(c["call_id"], record["episode_id"], attempt, c["index"], json.dumps(c)) for c in calls])
 
-    def mark_trained(self, step: int, attempt: int, episode_ids: Iterable[str]) -> None:
-        """Record, in one transaction, that the update of `step` in `attempt` trained on `episode_ids`."""
+    def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]]) -> None:
+        """Record, in one transaction, that the update of `step` run by `attempt` trained on `episodes`,
+        given as (episode_id, the attempt that stored the episode)."""
         with self._db:
             self._db.execute("BEGIN")
-            self._db.executemany("INSERT INTO trained VALUES (?, ?, ?)", [(e, attempt, step) for e in episode_ids])
+            self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
+                                 [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
 
     def episodes(self, step: int | None = None, attempt: int | None = None) -> list[dict[str, Any]]:
         """Stored episode records, in insertion order, optionally of one step and/or attempt."""
@@ -110,19 +115,40 @@ class TrajectoryStore:
 
     def ledger(self) -> list[dict[str, Any]]:
         """The fate of every stored episode, in insertion order: dicts with `episode_id`, `attempt`, `step`,
-        `ok` (finished with a finite reward), `abandoned` (a later attempt resumed from a checkpoint before
-        this step, so this attempt's work on the step is not in the run's lineage) and `trained_in`: the
-        steps of this attempt whose update used the episode (normally [] or [step])."""
+        `ok` (finished with a finite reward), `trained_in`: the (step, trained_attempt) of every *live*
+        update that used it (normally [] or one), `rolled_back`: the same for updates a later resume
+        discarded, and `abandoned`: no live update used it and a later attempt resumed from a checkpoint
+        before its step."""
         resumes = self.attempts()
-        trained: dict[tuple[str, int], list[int]] = {}
-        for eid, att, st in self._db.execute("SELECT episode_id, attempt, step FROM trained ORDER BY rowid"):
-            trained.setdefault((eid, att), []).append(st)
+
+        def discarded(step: int, attempt: int) -> bool:   # a later attempt resumed from before `step`
+            return any(b > attempt and resumed < step for b, resumed in resumes)
+
+        live: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        dead: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for eid, att, st, by in self._db.execute("SELECT episode_id, attempt, step, trained_attempt FROM trained "
+                                                 "ORDER BY rowid"):
+            (dead if discarded(st, by) else live).setdefault((eid, att), []).append((st, by))
         out = []
         for eid, att, st, reward, error in self._db.execute(
                 "SELECT episode_id, attempt, step, reward, error FROM episodes ORDER BY rowid"):
+            trained_in = live.get((eid, att), [])
             out.append({"episode_id": eid, "attempt": att, "step": st, "ok": error is None and reward is not None,
-                        "abandoned": any(b > att and resumed < st for b, resumed in resumes),
-                        "trained_in": trained.get((eid, att), [])})
+                        "trained_in": trained_in, "rolled_back": dead.get((eid, att), []),
+                        "abandoned": not trained_in and discarded(st, att)})
+        return out
+
+    def untrained(self, after_step: int) -> list[dict[str, Any]]:
+        """Records of ok episodes stored under a step > `after_step` that no live update used, oldest first:
+        what a resumed `ajet serve` adopts instead of asking clients to run them again."""
+        fates = {(e["episode_id"], e["attempt"]): e for e in self.ledger()}
+        rows = self._db.execute("SELECT episode_id, attempt, record FROM episodes WHERE step > ? ORDER BY rowid",
+                                (after_step,))
+        out = []
+        for eid, att, record in rows:
+            fate = fates[(eid, att)]
+            if fate["ok"] and not fate["trained_in"]:
+                out.append({**json.loads(record), "attempt": att})
         return out
 
     def count(self) -> tuple[int, int]:

@@ -77,14 +77,14 @@ def test_kill_at_every_point_of_a_step_then_resume_to_the_end(tiny_model_dir, tm
     assert all(e["ok"] for e in ledger)
     live = [e for e in ledger if not e["abandoned"]]
     for e in live:                                                    # every live episode: trained once, in its step
-        assert e["trained_in"] == [e["step"]], e
+        assert e["trained_in"] == [(e["step"], e["attempt"])], e
     for step in (1, 2):                                            # each step trained by one attempt, 4 episodes
         attempts = {e["attempt"] for e in live if e["step"] == step}
         assert len(attempts) == 1 and sum(e["step"] == step for e in live) == 4
     # the attempts the kills cut short left their episodes behind, recorded as abandoned
     abandoned = {(e["attempt"], e["step"]) for e in ledger if e["abandoned"]}
     assert abandoned == {(0, 1), (1, 1), (2, 2), (3, 2)}
-    assert [e["trained_in"] for e in ledger if (e["attempt"], e["step"]) == (3, 2)] == [[2]] * 4   # rolled back
+    assert [e["rolled_back"] for e in ledger if (e["attempt"], e["step"]) == (3, 2)] == [[(2, 3)]] * 4
 
     metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["policy_version"] == 2
