@@ -17,9 +17,11 @@ class MetricsLogger:
     Args:
         exp_dir: the experiment folder (created if missing).
         tensorboard: also write TensorBoard event files under `exp_dir/tensorboard`.
+        first_step: the step this attempt starts at; TensorBoard events of later steps, left by an
+            interrupted attempt, are purged (the jsonl files are truncated by `checkpoint.truncate_jsonl`).
     """
 
-    def __init__(self, exp_dir: Path, tensorboard: bool = True):
+    def __init__(self, exp_dir: Path, tensorboard: bool = True, first_step: int = 1):
         self.exp_dir = exp_dir
         exp_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(exp_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -28,7 +30,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(exp_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(exp_dir / "tensorboard"), purge_step=first_step)
         self.console = Console(stderr=False, highlight=False)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

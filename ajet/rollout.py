@@ -57,16 +57,17 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
 
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                   judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
-                  on_episode_done: Callable[[Episode], None] | None = None) -> list[Episode]:
+                  on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
 
-    `on_episode_done` is called with each finished episode (e.g. to advance a progress bar).
+    `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar).
 
     Returns:
-        `[len(tasks) * num_repeat]` episodes, grouped by task; group_id is "<step>:<task_id>".
+        `[len(tasks) * num_repeat]` episodes, grouped by task; group_id is "<step>:<task_id>"; episode ids
+        "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run.
     """
     sem = asyncio.Semaphore(max_concurrency)
-    episodes = [Episode(episode_id=f"s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}", repeat_index=r)
+    episodes = [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}", repeat_index=r)
                 for ti, task in enumerate(tasks) for r in range(num_repeat)]
 
     async def _one(ep: Episode) -> Episode:

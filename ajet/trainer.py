@@ -21,7 +21,8 @@ from typing import Any
 from ajet import checkpoint
 from ajet.config import AjetConfig, resolve_path
 from ajet.episode import Episode
-from ajet.errors import AjetError
+from ajet.errors import AjetError, ConfigError
+from ajet.faults import kill_point
 from ajet.importing import load_object
 from ajet.llm_call import SamplingParams
 from ajet.task_reader import read_jsonl_tasks
@@ -49,8 +50,7 @@ def run(cfg: AjetConfig) -> Path:
     from ajet.trajectory_store import TrajectoryStore
 
     exp_dir = cfg.exp_path()
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    _check_exp_dir(exp_dir, cfg.trainer.resume)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
 
@@ -59,27 +59,37 @@ def run(cfg: AjetConfig) -> Path:
     judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
     backbone_cls = load_backbone(cfg.backbone)
     sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
+    # resume: continue after the newest checkpoint (or from scratch when the run died before its first);
+    # what the interrupted attempt logged after that checkpoint is dropped, what it stored stays, marked
+    # abandoned by this attempt's `resumed_from_step`
     resume_from = checkpoint.latest(exp_dir) if cfg.trainer.resume else None
-    first_step, attempt = 1, 0
-    if resume_from is not None:  # drop what the interrupted attempt logged after its last checkpoint
+    resumed_step = 0
+    if resume_from is not None:
         state = checkpoint.load_trainer_state(resume_from)
-        first_step, attempt = state["step"] + 1, state["attempt"] + 1
+        resumed_step = state["step"]
         sampler.set_position(*state["sampler"])
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
+    if cfg.trainer.resume:
         for name in ("metrics.jsonl", "trajectories.jsonl"):
-            checkpoint.truncate_jsonl(exp_dir / name, state["step"])
-
-    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard)
+            checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
+    first_step = resumed_step + 1
     store = TrajectoryStore(exp_dir / "trajectories.sqlite")
+    attempt = store.begin_attempt(resumed_step)   # from the store: never repeats, even after a kill before any commit
+
+    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
     log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
                       f"tasks={len(tasks)} -> {exp_dir}")
     t_load = time.perf_counter()
     backbone = backbone_cls(cfg)
     if resume_from is not None:
         backbone.load_checkpoint(resume_from)
-        log.console.print(f"resumed from {resume_from} (attempt {attempt}); next step {first_step}")
+    if cfg.trainer.resume:
+        log.console.print(f"resumed from {resume_from or 'the start (no checkpoint yet)'} (attempt {attempt}); "
+                          f"next step {first_step}")
     r = cfg.rollout
     proxy = ProxyServer(backbone.engine, backbone.tokenizer,
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
@@ -95,11 +105,13 @@ def run(cfg: AjetConfig) -> Path:
             with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
                 def finished(ep: Episode, step=step, advance=advance) -> None:
                     store.add_episode(step, attempt, ep.to_dict())   # durable before training uses it
+                    kill_point("rollout", step)
                     advance()
 
                 episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
                                                proxy, judge, step, r.max_concurrency, r.episode_timeout_s,
-                                               on_episode_done=finished))
+                                               on_episode_done=finished, attempt=attempt))
+            kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
             trainable = _trainable(episodes, r.failed_episode_policy)
             failed_in_a_row = 0 if trainable else failed_in_a_row + 1
@@ -113,6 +125,9 @@ def run(cfg: AjetConfig) -> Path:
             assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
             train = backbone.update(samples)
+            kill_point("update", step)
+            store.mark_trained(step, attempt, [(e.episode_id, attempt) for e in trainable])
+            kill_point("trained", step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)
             metrics.update({f"train/{k}": v for k, v in train.items()})
@@ -135,6 +150,19 @@ def run(cfg: AjetConfig) -> Path:
         store.close()
         log.close()
     return exp_dir
+
+
+def _check_exp_dir(exp_dir: Path, resume: bool) -> None:
+    """Refuse to train into a folder that holds another run unless resuming it.
+
+    Raises:
+        ConfigError: `exp_dir` has a run's files and `resume` is False.
+    """
+    found = [n for n in ("trajectories.sqlite", "metrics.jsonl", "checkpoints", "config.json") if (exp_dir / n).exists()]
+    if found and not resume:
+        raise ConfigError(f"the experiment folder {exp_dir} already holds a run ({', '.join(found)}): add --resume "
+                          f"to continue it, or choose another folder with --exp-dir (or trainer.exp_dir / "
+                          f"experiment_name in the config)")
 
 
 def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:

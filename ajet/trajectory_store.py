@@ -1,11 +1,27 @@
-"""Durable, append-only record of every finished episode and its calls (SQLite in WAL mode).
+"""Durable, append-only record of every finished episode, its calls, and which update trained on it
+(SQLite in WAL mode).
 
 Each episode is committed in one transaction as soon as it finishes, before training uses it, so a crash
-(even `kill -9`) loses no finished episode. Rows are only ever inserted; a resumed run adds rows under a
-new `attempt` number, so what an interrupted step produced stays readable.
+(even `kill -9`) loses no finished episode. Rows are only ever inserted:
+
+    attempts   one row per start of the trainer (`attempt` numbers come from here, so a process killed
+               before it committed anything still used up its number: ids never repeat across attempts);
+               `resumed_from_step` is the checkpoint step it continued from (0: from scratch)
+    episodes   one row per finished episode, keyed (episode_id, attempt)
+    calls      one row per recorded LLM call
+    trained    one row per episode that went into an update: (episode_id, attempt, step, trained_attempt);
+               `attempt` is the episode's, `trained_attempt` the one that ran the update of `step` (they
+               differ when a resumed `ajet serve` trains episodes its killed predecessor had finished)
+
+An update of step S in attempt A is *live* (its weights are in the run's lineage) unless a later attempt
+resumed from a checkpoint before S. An episode stored by attempt A under step S that no live update
+used is *abandoned* when a later attempt resumed from before S. `ledger()` applies these rules, so
+"every finished episode is trained on exactly once, or is from an abandoned attempt" is a query.
 
     store = TrajectoryStore(exp_dir / "trajectories.sqlite")
-    store.add_episode(step=3, attempt=0, episode=ep)
+    attempt = store.begin_attempt(resumed_from_step=0)
+    store.add_episode(step=3, attempt=attempt, record=ep.to_dict())
+    store.mark_trained(step=3, attempt=attempt, episodes=[(episode_id, episode_attempt), ...])
     store.episodes(step=3)   # -> list of dicts (the same JSON as trajectories.jsonl)
 """
 
@@ -13,8 +29,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS episodes (
@@ -24,11 +41,16 @@ CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT NOT NULL, episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, idx INTEGER NOT NULL,
     record TEXT NOT NULL, PRIMARY KEY (call_id, attempt));
 CREATE INDEX IF NOT EXISTS episodes_by_step ON episodes (step, attempt);
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt INTEGER PRIMARY KEY, resumed_from_step INTEGER NOT NULL, started_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS trained (
+    episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL, trained_attempt INTEGER NOT NULL,
+    PRIMARY KEY (episode_id, attempt, trained_attempt));
 """
 
 
 class TrajectoryStore:
-    """Append-only SQLite store of episodes and calls.
+    """Append-only SQLite store of episodes, calls, attempts and the trained-on ledger.
 
     Args:
         path: the database file (created with its folder if missing).
@@ -44,8 +66,23 @@ class TrajectoryStore:
         self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable across process crashes
         self._db.executescript(_SCHEMA)
 
+    def begin_attempt(self, resumed_from_step: int) -> int:
+        """Register a new start of the trainer and return its attempt number (0, 1, 2, ...: one more than
+        any attempt this store has seen, whether or not that attempt committed an episode)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            row = self._db.execute("SELECT MAX(m) FROM (SELECT MAX(attempt) AS m FROM attempts "
+                                   "UNION ALL SELECT MAX(attempt) FROM episodes)").fetchone()
+            attempt = 0 if row[0] is None else row[0] + 1
+            self._db.execute("INSERT INTO attempts VALUES (?, ?, ?)", (attempt, resumed_from_step, time.time()))
+        return attempt
+
     def add_episode(self, step: int, attempt: int, record: dict[str, Any]) -> None:
-        """Commit one finished episode (its `Episode.to_dict()` record) and its calls atomically."""
+        """Commit one finished episode (its `Episode.to_dict()` record) and its calls atomically.
+
+        Raises:
+            sqlite3.IntegrityError: the same (episode_id, attempt) was stored before.
+        """
         calls = record.get("calls", [])
         with self._db:  # one transaction
             self._db.execute("BEGIN")
@@ -55,6 +92,14 @@ class TrajectoryStore:
             self._db.executemany("INSERT INTO calls VALUES (?, ?, ?, ?, ?)",
                                  [(c["call_id"], record["episode_id"], attempt, c["index"], json.dumps(c)) for c in calls])
 
+    def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]]) -> None:
+        """Record, in one transaction, that the update of `step` run by `attempt` trained on `episodes`,
+        given as (episode_id, the attempt that stored the episode)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
+                                 [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
+
     def episodes(self, step: int | None = None, attempt: int | None = None) -> list[dict[str, Any]]:
         """Stored episode records, in insertion order, optionally of one step and/or attempt."""
         sql, args = "SELECT record FROM episodes", []
@@ -63,6 +108,48 @@ class TrajectoryStore:
             sql += " WHERE " + " AND ".join(f"{c} = ?" for c, _ in where)
             args = [v for _, v in where]
         return [json.loads(r[0]) for r in self._db.execute(sql + " ORDER BY rowid", args)]
+
+    def attempts(self) -> list[tuple[int, int]]:
+        """[(attempt, resumed_from_step)] in order."""
+        return list(self._db.execute("SELECT attempt, resumed_from_step FROM attempts ORDER BY attempt"))
+
+    def ledger(self) -> list[dict[str, Any]]:
+        """The fate of every stored episode, in insertion order: dicts with `episode_id`, `attempt`, `step`,
+        `ok` (finished with a finite reward), `trained_in`: the (step, trained_attempt) of every *live*
+        update that used it (normally [] or one), `rolled_back`: the same for updates a later resume
+        discarded, and `abandoned`: no live update used it and a later attempt resumed from a checkpoint
+        before its step."""
+        resumes = self.attempts()
+
+        def discarded(step: int, attempt: int) -> bool:   # a later attempt resumed from before `step`
+            return any(b > attempt and resumed < step for b, resumed in resumes)
+
+        live: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        dead: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for eid, att, st, by in self._db.execute("SELECT episode_id, attempt, step, trained_attempt FROM trained "
+                                                 "ORDER BY rowid"):
+            (dead if discarded(st, by) else live).setdefault((eid, att), []).append((st, by))
+        out = []
+        for eid, att, st, reward, error in self._db.execute(
+                "SELECT episode_id, attempt, step, reward, error FROM episodes ORDER BY rowid"):
+            trained_in = live.get((eid, att), [])
+            out.append({"episode_id": eid, "attempt": att, "step": st, "ok": error is None and reward is not None,
+                        "trained_in": trained_in, "rolled_back": dead.get((eid, att), []),
+                        "abandoned": not trained_in and discarded(st, att)})
+        return out
+
+    def untrained(self, after_step: int) -> list[dict[str, Any]]:
+        """Records of ok episodes stored under a step > `after_step` that no live update used, oldest first:
+        what a resumed `ajet serve` adopts instead of asking clients to run them again."""
+        fates = {(e["episode_id"], e["attempt"]): e for e in self.ledger()}
+        rows = self._db.execute("SELECT episode_id, attempt, record FROM episodes WHERE step > ? ORDER BY rowid",
+                                (after_step,))
+        out = []
+        for eid, att, record in rows:
+            fate = fates[(eid, att)]
+            if fate["ok"] and not fate["trained_in"]:
+                out.append({**json.loads(record), "attempt": att})
+        return out
 
     def count(self) -> tuple[int, int]:
         """(episodes, calls) stored."""
