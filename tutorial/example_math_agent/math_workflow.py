@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
 from ajet.judges import math_answer_judge
-from ajet.tools.sandbox import run_python
+from ajet.tools.sandbox import run_python_async
 from calculator import format_value, safe_eval  # noqa: F401 - re-exported for tests and variants
 
 MAX_TURNS = 3
@@ -45,7 +45,7 @@ class MathAgentWorkflow(Workflow):
                 break
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
-                result = calculate_tool(call.function.arguments) if call.function.name == "calculate" \
+                result = await calculate_tool(call.function.arguments) if call.function.name == "calculate" \
                     else f"error: unknown tool {call.function.name!r}"
                 tool_calls += 1
                 valid_calls += not result.startswith("error:")
@@ -63,17 +63,19 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
     return math_answer_judge(task, output) + (0.2 if output.metrics.get("valid_tool_calls", 0) > 0 else 0.0)
 
 
-def calculate_tool(arguments: str) -> str:
+async def calculate_tool(arguments: str) -> str:
     """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises).
 
     The expression is evaluated by `calculator.safe_eval` in the tool sandbox (`ajet.tools.sandbox`: no network,
     no environment, 2 s, 256 MiB), so nothing the model writes can hang, exhaust or read the training process.
+    It is awaited: while the child runs, the event loop serves the other episodes' model calls, so their
+    next turns reach the engine in the same batch instead of waiting behind this tool.
     """
     try:
         expression = str(json.loads(arguments)["expression"])
     except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
         return f"error: {exc}"
-    result = run_python(CALCULATOR_SOURCE, timeout_s=2.0, memory_mb=256, stdin=expression)
+    result = await run_python_async(CALCULATOR_SOURCE, timeout_s=2.0, memory_mb=256, stdin=expression)
     if result.timed_out:
         return "error: the calculation took too long"
     return result.stdout.strip() if result.ok else "error: the calculation failed"
