@@ -1,5 +1,6 @@
 """The CLI's fast help and error exits; the tutorial's task generator and calculator tool."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -58,11 +59,13 @@ def test_task_generator_is_deterministic_and_correct():
 
 
 def test_calculator_tool():
-    assert calculate_tool('{"expression": "3 + 4 * 2"}') == "11"
-    assert calculate_tool('{"expression": "7 / 2"}') == "3.5"
-    assert calculate_tool('{"expression": "-(2 ** 3)"}') == "-8"
-    assert calculate_tool('{"expression": "1/0"}').startswith("error:")
-    assert calculate_tool("not json").startswith("error:")
+    def calc(arguments: str) -> str:
+        return asyncio.run(calculate_tool(arguments))
+    assert calc('{"expression": "3 + 4 * 2"}') == "11"
+    assert calc('{"expression": "7 / 2"}') == "3.5"
+    assert calc('{"expression": "-(2 ** 3)"}') == "-8"
+    assert calc('{"expression": "1/0"}').startswith("error:")
+    assert calc("not json").startswith("error:")
     for bad in ("__import__('os').system('echo hi')", "open('x')", "2 ** 1000", "a + 1"):
         with pytest.raises(ValueError):
             safe_eval(bad)

@@ -8,16 +8,16 @@ the last answer against the reference (`math_agent_reward`).
 
 from __future__ import annotations
 
-import ast
 import json
-import operator
 from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
 from ajet.judges import math_answer_judge
-from ajet.sandbox import run_python
+from ajet.tools.sandbox import run_python_async
+from calculator import format_value, safe_eval  # noqa: F401 - re-exported for tests and variants
 
 MAX_TURNS = 3
+CALCULATOR_SOURCE = (Path(__file__).resolve().parent / "calculator.py").read_text()
 SYSTEM_PROMPT = ("You are a math assistant. First call the calculate tool with the arithmetic expression that "
                  "answers the question. Then use its result and reply: The answer is N.")
 CALCULATE_TOOL = {
@@ -45,7 +45,7 @@ class MathAgentWorkflow(Workflow):
                 break
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
-                result = calculate_tool(call.function.arguments) if call.function.name == "calculate" \
+                result = await calculate_tool(call.function.arguments) if call.function.name == "calculate" \
                     else f"error: unknown tool {call.function.name!r}"
                 tool_calls += 1
                 valid_calls += not result.startswith("error:")
@@ -63,54 +63,19 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
     return math_answer_judge(task, output) + (0.2 if output.metrics.get("valid_tool_calls", 0) > 0 else 0.0)
 
 
-def calculate_tool(arguments: str) -> str:
+async def calculate_tool(arguments: str) -> str:
     """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises).
 
-    The expression is evaluated by `safe_eval` in a separate, limited interpreter (`ajet.sandbox`:
-    2 s, 256 MiB), so nothing the model writes can hang or exhaust the training process.
+    The expression is evaluated by `calculator.safe_eval` in the tool sandbox (`ajet.tools.sandbox`: no network,
+    no environment, 2 s, 256 MiB), so nothing the model writes can hang, exhaust or read the training process.
+    It is awaited: while the child runs, the event loop serves the other episodes' model calls, so their
+    next turns reach the engine in the same batch instead of waiting behind this tool.
     """
     try:
         expression = str(json.loads(arguments)["expression"])
     except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
         return f"error: {exc}"
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from math_workflow import format_value, safe_eval\n"
-            "try:\n    print(format_value(safe_eval(sys.stdin.read())))\n"
-            "except Exception as exc:\n    print(f'error: {exc}')\n") % str(Path(__file__).resolve().parent)
-    result = run_python(code, timeout_s=2.0, memory_mb=256, stdin=expression)
+    result = await run_python_async(CALCULATOR_SOURCE, timeout_s=2.0, memory_mb=256, stdin=expression)
     if result.timed_out:
         return "error: the calculation took too long"
     return result.stdout.strip() if result.ok else "error: the calculation failed"
-
-
-def format_value(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
-
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-
-
-def safe_eval(expression: str) -> float:
-    """Evaluate arithmetic only (numbers, + - * / // % **, unary minus, parentheses) via `ast`.
-
-    Raises:
-        ValueError: anything else (names, calls, attributes), or an exponent above 100.
-        ZeroDivisionError: division by zero.
-    """
-    def ev(node: ast.AST) -> float:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            v = ev(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 100:
-                raise ValueError("exponent too large")
-            return _OPS[type(node.op)](left, right)
-        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
-
-    return ev(ast.parse(expression.strip(), mode="eval"))

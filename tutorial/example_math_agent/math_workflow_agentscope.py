@@ -44,8 +44,8 @@ class MathAgentAgentScopeWorkflow(Workflow):
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         counts = {"tool_calls": 0, "valid_tool_calls": 0}
 
-        def calculate(expression: str) -> str:
-            result = calculate_tool(json.dumps({"expression": expression}))
+        async def calculate(expression: str) -> str:
+            result = await calculate_tool(json.dumps({"expression": expression}))
             counts["tool_calls"] += 1
             counts["valid_tool_calls"] += not result.startswith("error:")
             return result

@@ -36,7 +36,7 @@ class MathAgentHttpxWorkflow(Workflow):
                 messages.append({k: v for k, v in message.items() if v is not None})
                 for call in message["tool_calls"]:
                     fn = call["function"]
-                    result = calculate_tool(fn["arguments"]) if fn["name"] == "calculate" \
+                    result = await calculate_tool(fn["arguments"]) if fn["name"] == "calculate" \
                         else f"error: unknown tool {fn['name']!r}"
                     tool_calls += 1
                     valid_calls += not result.startswith("error:")

@@ -39,7 +39,7 @@ class MathAgentLangChainWorkflow(Workflow):
                 break
             messages.append(ai)
             for call_id, name, arguments in pending:
-                result = calculate_tool(arguments) if name == "calculate" else f"error: unknown tool {name!r}"
+                result = await calculate_tool(arguments) if name == "calculate" else f"error: unknown tool {name!r}"
                 tool_calls += 1
                 valid_calls += not result.startswith("error:")
                 messages.append(ToolMessage(result, tool_call_id=call_id))
