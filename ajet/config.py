@@ -79,7 +79,16 @@ class AlgorithmConfig(_Section):
     clip_ratio_high: float = Field(0.2, ge=0)
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model")
     adv_eps: float = Field(1e-6, gt=0)
-    norm_adv_by_std: bool = True  # False = Dr. GRPO (no std division)
+    norm_adv_by_std: bool = Field(True, description="divide advantages by the group std; False is one half of Dr. "
+                                                     "GRPO (the other: loss_agg_mode seq-mean-token-sum-norm)")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "seq-mean-token-mean", description="verl's names; a 'seq' is an episode (see docs/algorithm.md)")
+    loss_scale_factor: float | None = Field(
+        None, gt=0, description="the constant C of seq-mean-token-sum-norm (Dr. GRPO), in tokens; None: the "
+                                "longest response in the mini-batch")
+    clip_ratio_c: float | None = Field(3.0, gt=1, description="dual-clip bound for negative advantages (verl); None disables")
+    train_greedy_calls: bool = Field(False, description="train tokens of calls decoded greedily (temperature 0) as if "
+                                                        "sampled at temperature 1; False records them with loss mask 0")
     group_by_agent_tag: bool = False  # multi-agent: each agent tag forms its own GRPO groups
     trainable_targets: list[str] | None = Field(
         None, min_length=1, description="agent tags whose calls are trained on (None: every agent); the other "

@@ -1,15 +1,18 @@
-"""GRPO advantages and the PPO-clip token loss, written out.
+"""GRPO advantages, loss aggregation and the PPO-clip token loss, written out.
 
 References:
     GRPO: Shao et al. 2024, "DeepSeekMath", sec. 4.1 (outcome supervision: one normalised reward per output).
     PPO-clip: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7.
-    Asymmetric clip ("clip-higher"): Yu et al. 2025, "DAPO".
+    Dual-clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL" (`clip_ratio_c`).
+    Asymmetric clip ("clip-higher") and token-mean aggregation: Yu et al. 2025, "DAPO".
     k3 KL estimator: Schulman 2020, "Approximating KL divergence".
-    Dr. GRPO (no std division): Liu et al. 2025, "Understanding R1-Zero-Like Training".
+    Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training": no std division of the advantage
+        AND a constant-normalised token sum (`seq-mean-token-sum-norm`); either alone is not Dr. GRPO.
+    Aggregation mode names and definitions: verl, `agg_loss` in verl/trainer/ppo/core_algos.py.
 
-Accounting: one advantage per episode, shared by every sample the episode produced; every episode weighs
-the same in the loss however many samples or tokens it yields (token-mean within an episode, then mean
-over episodes), so splitting an episode into several samples does not change the gradient.
+Accounting: one advantage per episode, shared by every sample the episode produced. The trainer's
+"sequence" in the `seq-mean-*` modes is the EPISODE (all of its samples together), so splitting an
+episode into several samples does not change the gradient; `agg_loss` offers verl's per-row semantics.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOG_RATIO_CLAMP = 20.0   # |log pi - log pi_old| is clamped here before exp (verl: [-20, 20])
+KL_CLAMP = 10.0          # the k3 estimate is clamped to [-10, 10] (verl's low_var_kl)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e-6,
@@ -27,7 +34,7 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e
         rewards: `[num_episodes]` scalar rewards.
         group_ids: `[num_episodes]` group key of each episode (episodes of one task in one step).
         eps: added to the std so uniform-reward groups give 0, not NaN.
-        norm_by_std: False drops the std division (Dr. GRPO).
+        norm_by_std: False drops the std division (one half of Dr. GRPO; the other is the loss aggregation).
     Returns:
         `[num_episodes]` advantages; 0 for groups of one episode (no baseline to compare with).
     Raises:
@@ -51,75 +58,180 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e
     return adv
 
 
-def assign_advantages(samples: list, rewards: dict[str, float], eps: float = 1e-6, norm_by_std: bool = True) -> None:
+def assign_advantages(samples: list, rewards: dict[str, float], episode_groups: dict[str, str] | None = None,
+                      eps: float = 1e-6, norm_by_std: bool = True) -> None:
     """Set `reward` and `advantage` on every sample: one GRPO advantage per (episode, group).
 
     The unit of the group statistics is the episode (or, with per-agent-tag groups, the episode's part
     for that tag), never the sample: an episode that forked into 3 samples counts once in its group's
-    mean and std, and all 3 samples carry its advantage.
+    mean and std, and all 3 samples carry its advantage. Every episode in `episode_groups` counts in its
+    group's baseline, including episodes that produced no trainable sample (no call, or only calls of
+    agents outside `trainable_targets`): their rewards are part of the group's mean and std.
 
     Args:
-        samples: `Sample`s of the step's successful episodes.
-        rewards: episode_id -> scalar reward.
+        samples: `Sample`s of the step's trainable episodes (possibly filtered to the trainable agents).
+        rewards: episode_id -> scalar reward, for every episode in `samples` and `episode_groups`.
+        episode_groups: episode_id -> the episode's GRPO group id (the task group, before any ":<tag>"
+            suffix) for EVERY trainable episode of the step. None: only the episodes that have samples
+            count (the baseline then ignores sample-less episodes).
+    Raises:
+        KeyError: a sample's episode has no reward.
     """
-    units = list(dict.fromkeys((s.episode_id, s.group_id) for s in samples))    # first-seen order
+    if episode_groups is None:
+        units = list(dict.fromkeys((s.episode_id, s.group_id) for s in samples))    # first-seen order
+    else:
+        # each sample group (the task group, or task group:tag) is joined by every episode of its task group
+        sample_groups: dict[str, list[str]] = defaultdict(list)
+        for s in samples:
+            base = episode_groups.get(s.episode_id, s.group_id)
+            if s.group_id not in sample_groups[base]:
+                sample_groups[base].append(s.group_id)
+        units = [(e, g) for e, base in episode_groups.items() for g in sample_groups.get(base, [])]
+        known = set(units)
+        units += [u for u in dict.fromkeys((s.episode_id, s.group_id) for s in samples) if u not in known]
     adv = grpo_advantages(torch.tensor([float(rewards[e]) for e, _ in units]), [g for _, g in units], eps, norm_by_std)
     by_unit = dict(zip(units, adv.tolist()))
     for s in samples:
         s.reward, s.advantage = float(rewards[s.episode_id]), by_unit[(s.episode_id, s.group_id)]
 
 
-def episode_token_weights(episode_ids: list[str], loss_tokens: list[int]) -> list[float]:
-    """Per-token loss weight of each sample: 1 / (num_episodes * loss tokens of the sample's episode).
+def loss_token_weights(seq_ids: list, loss_tokens: list[int], loss_agg_mode: str = "seq-mean-token-mean",
+                       loss_scale_factor: float | None = None, max_response_len: int | None = None) -> list[float]:
+    """Per-token loss weight of each sample for one mini-batch, so that sum(weight * token_loss) over every
+    loss-masked token of every sample equals verl's `agg_loss` of the mini-batch, however the samples are
+    then cut into micro-batches (gradient accumulation gives exactly the aggregate).
+
+    A "sequence" is all the samples sharing a `seq_ids` entry: the trainer passes episode ids (an episode
+    is one sequence however many samples it forked into); pass `range(num_samples)` for verl's per-row
+    semantics. With S sequences, n_s loss tokens in sequence s and N = sum_s n_s (verl's definitions,
+    one data-parallel rank, `global_batch_size` unset):
+
+        token-mean               sum_t l_t / N                      (DAPO; longer sequences weigh more)
+        seq-mean-token-mean      (1/S) sum_s (sum_{t in s} l_t / n_s)   (every sequence weighs the same)
+        seq-mean-token-sum       (1/S) sum_s sum_{t in s} l_t
+        seq-mean-token-sum-norm  (1/S) sum_s sum_{t in s} l_t / C     (Dr. GRPO; C = loss_scale_factor)
 
     Args:
-        episode_ids: `[num_samples]` the episode of each sample.
+        seq_ids: `[num_samples]` the sequence (episode) each sample belongs to.
         loss_tokens: `[num_samples]` loss-masked tokens in each sample.
+        loss_agg_mode: one of `LOSS_AGG_MODES`.
+        loss_scale_factor: C for seq-mean-token-sum-norm; None uses `max_response_len` (verl uses the
+            padded response length, which is constant when responses are padded to the generation budget).
+        max_response_len: tokens; the fallback for C.
     Returns:
-        `[num_samples]` weights; summing weight * per-token loss over all samples gives the mean over
-        episodes of each episode's token-mean loss. Episodes without loss tokens are not counted.
+        `[num_samples]` one weight per sample, applied to each of its loss-masked tokens (0 for samples
+        whose sequence has no loss tokens under the seq-mean-token-mean mode; token-mean with N = 0 gives 0).
+    Raises:
+        ValueError: an unknown mode, or seq-mean-token-sum-norm without a positive C.
     """
-    per_episode: dict[str, int] = defaultdict(int)
-    for e, n in zip(episode_ids, loss_tokens):
-        per_episode[e] += n
-    live = [e for e, n in per_episode.items() if n > 0]
-    if not live:
-        return [0.0] * len(episode_ids)
-    return [1.0 / (len(live) * per_episode[e]) if per_episode[e] else 0.0 for e in episode_ids]
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+    if len(seq_ids) != len(loss_tokens):
+        raise ValueError(f"seq_ids ({len(seq_ids)}) and loss_tokens ({len(loss_tokens)}) must both be [num_samples]")
+    per_seq: dict = defaultdict(int)
+    for s, n in zip(seq_ids, loss_tokens):
+        per_seq[s] += n
+    S, N = len(per_seq), sum(per_seq.values())
+    if loss_agg_mode == "token-mean":
+        return [1.0 / N if N else 0.0] * len(seq_ids)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return [1.0 / (S * per_seq[s]) if per_seq[s] else 0.0 for s in seq_ids]
+    if loss_agg_mode == "seq-mean-token-sum":
+        return [1.0 / S] * len(seq_ids)
+    C = loss_scale_factor if loss_scale_factor is not None else max_response_len
+    if not C or C <= 0:
+        raise ValueError("seq-mean-token-sum-norm needs algorithm.loss_scale_factor > 0 (or a max_response_len)")
+    return [1.0 / (S * C)] * len(seq_ids)
+
+
+def episode_token_weights(episode_ids: list[str], loss_tokens: list[int]) -> list[float]:
+    """`loss_token_weights` in mode seq-mean-token-mean over episodes: 1 / (num_episodes * loss tokens
+    of the sample's episode) per token, so every episode weighs the same. Shapes as there."""
+    return loss_token_weights(episode_ids, loss_tokens, "seq-mean-token-mean")
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+             loss_scale_factor: float | None = None) -> torch.Tensor:
+    """Aggregate a token loss matrix into a scalar, with verl's `agg_loss` semantics (each row one sequence).
+
+    Args:
+        loss_mat: `[batch, seq]` per-token loss.
+        loss_mask: `[batch, seq]` 1 where the token counts (0/1 or bool).
+        loss_agg_mode: one of `LOSS_AGG_MODES` (defined in `loss_token_weights`).
+        loss_scale_factor: C of seq-mean-token-sum-norm; None uses `loss_mask.shape[-1]` as verl does.
+    Returns:
+        a scalar tensor (differentiable through loss_mat); masked positions never contribute, even
+        when they hold inf or NaN.
+    Raises:
+        ValueError: an unknown mode, or shapes that differ.
+    """
+    if loss_mat.shape != loss_mask.shape or loss_mat.ndim != 2:
+        raise ValueError(f"loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} must be [batch, seq]")
+    mask = loss_mask.bool()
+    counts = mask.sum(-1).tolist()                                              # [batch] tokens per row
+    w = torch.tensor(loss_token_weights(list(range(loss_mat.shape[0])), counts, loss_agg_mode, loss_scale_factor,
+                                        loss_mat.shape[-1]), dtype=loss_mat.dtype, device=loss_mat.device)
+    return torch.where(mask, loss_mat * w[:, None], torch.zeros_like(loss_mat)).sum()
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   weights: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-                  ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0):
-    """Weighted PPO-clip surrogate (+ optional k3 KL to a reference policy), summed over tokens.
+                  ref_logprobs: torch.Tensor | None = None, kl_coef: float = 0.0,
+                  clip_ratio_c: float | None = None):
+    """Weighted PPO-clip surrogate (+ optional dual clip, + optional k3 KL to a reference policy), summed.
+
+        r_t      = exp(clamp(log pi_theta - log pi_old, -20, 20))
+        pg_t     = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))          (PPO-clip)
+        pg_t     = min(pg_t, -A clip_ratio_c)          where A < 0               (dual-clip)
+        kl_t     = clamp(exp(d) - d - 1, -10, 10),  d = clamp(log pi_ref - log pi_theta, -20, 20)   (k3)
+        loss     = sum_t w_t (pg_t + kl_coef kl_t)
 
     Args:
         logprobs: `[batch, seq]` log pi_theta(token) under the current weights (requires grad).
         old_logprobs: `[batch, seq]` log pi_old(token) from the engine that sampled it.
         advantages: `[batch, seq]` (or `[batch, 1]`) advantage of each token's episode.
-        weights: `[batch, seq]` per-token weight, 0 where loss_mask is 0 (see `episode_token_weights`).
+        weights: `[batch, seq]` per-token weight, 0 where loss_mask is 0 (see `loss_token_weights`).
+            Positions of weight 0 contribute exactly 0 to the loss and its gradient, even if their
+            logprobs are -inf or NaN (padding, tokens outside the nucleus).
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
         ref_logprobs: `[batch, seq]` log pi_ref(token), needed when kl_coef > 0.
+        clip_ratio_c: dual-clip bound (> 1; verl's default 3.0) on the loss of negative-advantage
+            tokens; None disables it.
     Returns:
-        (loss, stats): a scalar to call backward on, and detached floats (pg_loss, kl, clip_frac,
-        ratio_mean), each a weighted mean over tokens.
+        (loss, stats): a scalar to call backward on, and detached floats, each a weighted sum over tokens
+        (divide by `weight_sum` for a mean): pg_loss, kl, clip_frac, dual_clip_frac, ratio_mean, weight_sum.
+    Raises:
+        ValueError: kl_coef > 0 without ref_logprobs; clip_ratio_c <= 1.
     """
-    log_ratio = logprobs - old_logprobs
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (got {clip_ratio_c}); use None to disable dual-clip")
+    live = weights != 0                                                         # [batch, seq]
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    advantages = advantages.expand_as(logprobs)
+    log_ratio = torch.where(live, logprobs - old_logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)                                                # [batch, seq]
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)                                # pessimistic bound
-    pg_loss = (weights * pg).sum()
+    dual = torch.zeros_like(live)
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (pg > bound)
+        pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
+    pg_loss = torch.where(live, weights * pg, zero).sum()
     loss = pg_loss
-    kl = torch.zeros((), dtype=logprobs.dtype)
+    kl = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     if kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        d = ref_logprobs - logprobs
-        kl = (weights * (torch.exp(d) - d - 1.0)).sum()                         # k3 >= 0, unbiased
+        d = torch.where(live, ref_logprobs - logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)               # >= 0, unbiased
+        kl = torch.where(live, weights * k3, zero).sum()
         loss = loss + kl_coef * kl
     with torch.no_grad():
-        clipped = (pg_clipped > pg_unclipped).float()
-        stats = {"pg_loss": float(pg_loss), "kl": float(kl), "clip_frac": float((weights * clipped).sum()),
-                 "ratio_mean": float((weights * ratio).sum())}
+        w = torch.where(live, weights, zero)
+        stats = {"pg_loss": float(pg_loss), "kl": float(kl),
+                 "clip_frac": float((w * (pg_clipped > pg_unclipped)).sum()),
+                 "dual_clip_frac": float((w * dual).sum()),
+                 "ratio_mean": float((w * ratio).sum()), "weight_sum": float(w.sum())}
     return loss, stats

@@ -120,9 +120,12 @@ def run(cfg: AjetConfig) -> Path:
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
             for e in trainable:
-                e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag)
+                e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
+                                        cfg.algorithm.train_greedy_calls)
             samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
+            # every trainable episode is in its group's baseline, with or without a trained sample
             assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
+                              {e.episode_id: e.group_id for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
             train = backbone.update(samples)
             kill_point("update", step)
@@ -216,6 +219,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         "tracker/forks": sum(forks.values()),
         "tracker/masked_unsampled_tokens": sum(s.flags["masked_unsampled_tokens"] for s in samples),
         "tracker/shared_prefix_tokens": sum(s.flags["shared_prefix_tokens"] for s in samples),
+        "tracker/greedy_tokens": sum(s.flags.get("greedy_tokens", 0) for s in samples),
         "tracker/prompts_rendered_in_full": sum(1 for c in calls if c.prompt_parent is None and c.index > 0),
     }
     m.update({f"tracker/forks/{reason}": n for reason, n in sorted(forks.items())})

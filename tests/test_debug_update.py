@@ -33,6 +33,17 @@ def _sample(ep, prompt, response, mask, adv, old=None):
                   policy_versions=[0] * len(response), advantage=adv)
 
 
+def _on_policy(bb, samples):
+    from ajet.backbones.debug.backbone import _collate, token_logprobs
+
+    batch = _collate(samples, [1.0] * len(samples), bb.tokenizer.pad_token_id, bb.device)
+    with torch.no_grad():
+        lp, _ = token_logprobs(bb.model, batch["input_ids"], batch["attention_mask"], batch["temperatures"])
+    for i, s in enumerate(samples):
+        P = len(s.prompt_ids)
+        s.old_logprobs = [x if m else 0.0 for x, m in zip(lp[i, P:P + len(s.response_ids)].tolist(), s.loss_mask)]
+
+
 def test_an_episode_split_into_three_samples_gives_the_merged_gradient(backbone):
     torch.manual_seed(0)
     prompt = torch.randint(3, 200, (12,)).tolist()
@@ -45,13 +56,19 @@ def test_an_episode_split_into_three_samples_gives_the_merged_gradient(backbone)
         _sample("e1", prompt + c1 + tool1, c2, [1] * 4, 1.0),
         _sample("e1", prompt + c1 + tool1 + c2 + tool2, c3, [1] * 3, 1.0),
     ]
-    for s in split:  # old logprobs follow the tokens
-        s.old_logprobs = [-1.0] * len(s.response_ids)
+    # the first call sampled at T=0.7, the next two at T=1.2 (per-token temperatures, as the tracker records)
+    merged.temperatures = [0.7] * 5 + [1.2] * 20
+    split[0].temperatures, split[1].temperatures, split[2].temperatures = [0.7] * 5, [1.2] * 4, [1.2] * 3
     other = _sample("e2", prompt, c3 + c1, [1] * 8, adv=-0.5)
+    # on-policy old logprobs (what the engine recorded): ratio 1, so no token is clipped away
+    _on_policy(backbone, [merged, other] + split)
+    assert merged.old_logprobs[-3:] == pytest.approx(split[2].old_logprobs, abs=1e-5)
 
     g_merged, st_merged = _grads(backbone, [merged, other])
     g_split, st_split = _grads(backbone, split + [copy.deepcopy(other)])
-    assert g_merged.abs().sum() > 0
+    assert g_merged.abs().sum() > 0 and st_merged["clip_frac"] == 0
+    g_other, _ = _grads(backbone, [other])
+    assert (g_merged - g_other / 2).abs().sum() > 0.1 * g_merged.abs().sum()   # e1 counts, not only e2
     torch.testing.assert_close(g_split, g_merged, rtol=1e-4, atol=1e-6)
     assert st_split["pg_loss"] == pytest.approx(st_merged["pg_loss"], rel=1e-5)
 
@@ -80,21 +97,23 @@ def test_update_changes_weights_and_bumps_policy_version(backbone):
 
 
 def test_per_token_logprobs_of_merged_and_per_call_samples_agree(backbone):
+    """One forward over the merged sequence, each call's tokens at that call's temperature, equals a forward
+    of each call's own sequence at its own temperature (what the engine computed when it sampled)."""
     from ajet.backbones.debug.backbone import token_logprobs
 
     torch.manual_seed(2)
     prompt, c1, tool, c2 = (torch.randint(3, 200, (n,)).tolist() for n in (10, 6, 5, 4))
-    temp = torch.tensor([[0.7]])
+    t1, t2 = 0.4, 1.3
+    n1, n2 = len(prompt), len(prompt + c1 + tool)
 
-    def lp(ids):
+    def lp(ids, temps):
         t = torch.tensor([ids])
         with torch.no_grad():
-            return token_logprobs(backbone.model, t, torch.ones_like(t), temp)[0][0]
+            return token_logprobs(backbone.model, t, torch.ones_like(t), torch.tensor([temps]))[0][0]
 
-    merged = lp(prompt + c1 + tool + c2)
-    call1 = lp(prompt + c1)
-    call2 = lp(prompt + c1 + tool + c2)
-    n1 = len(prompt)
-    n2 = len(prompt + c1 + tool)
+    merged = lp(prompt + c1 + tool + c2, [1.0] * n1 + [t1] * 6 + [1.0] * 5 + [t2] * 4)
+    call1 = lp(prompt + c1, [t1] * (n1 + 6))
+    call2 = lp(prompt + c1 + tool + c2, [t2] * (n2 + 4))
     torch.testing.assert_close(merged[n1:n1 + 6], call1[n1:], rtol=0, atol=1e-5)
     torch.testing.assert_close(merged[n2:], call2[n2:], rtol=0, atol=1e-5)
+    assert (call1[n1:] - lp(prompt + c1, [t2] * (n1 + 6))[n1:]).abs().max() > 1e-2   # temperature matters here

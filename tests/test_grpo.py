@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from ajet.grpo import episode_token_weights, grpo_advantages, ppo_clip_loss
+from ajet.grpo import (LOSS_AGG_MODES, agg_loss, episode_token_weights, grpo_advantages, loss_token_weights,
+                       ppo_clip_loss)
 
 
 def test_advantages_normalised_per_group():
@@ -70,3 +71,105 @@ def test_ppo_loss_gradient_and_kl():
     assert logp.grad[0, 1].item() == 0.0
     with pytest.raises(ValueError, match="ref_logprobs"):
         ppo_clip_loss(logp, old, torch.ones(1, 2), w, kl_coef=0.1)
+
+
+# ---- loss aggregation (verl's agg_loss names and definitions) -------------------------------------------
+def _verl_agg_loss(loss_mat, loss_mask, mode, loss_scale_factor=None):
+    """verl's agg_loss (verl/trainer/ppo/core_algos.py, one data-parallel rank, global_batch_size unset),
+    written from its definition as an independent reference."""
+    mask = loss_mask.float()
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / mask.sum()
+    seq_denominator = loss_mat.shape[0]
+    if mode == "seq-mean-token-mean":
+        seq_losses = (loss_mat * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    else:
+        seq_losses = (loss_mat * mask).sum(-1)
+        if mode == "seq-mean-token-sum-norm":
+            seq_losses = seq_losses / (loss_scale_factor or loss_mask.shape[-1])
+    return seq_losses.sum() / seq_denominator
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_matches_verl_definitions(mode):
+    g = torch.Generator().manual_seed(0)
+    loss_mat = torch.randn(5, 9, generator=g)
+    mask = (torch.rand(5, 9, generator=g) > 0.4).float()
+    mask[2] = 0                                        # a fully masked row
+    mask[0, 0] = 1
+    for factor in (None, 64.0):
+        if factor and mode != "seq-mean-token-sum-norm":
+            continue
+        want = _verl_agg_loss(loss_mat, mask, mode, factor)
+        got = agg_loss(loss_mat, mask, mode, factor)
+        assert float(got) == pytest.approx(float(want), abs=1e-6)
+    # masked positions never leak inf / NaN into the aggregate
+    poisoned = loss_mat.masked_fill(mask == 0, float("inf"))
+    poisoned[2, 3] = float("nan")
+    assert float(agg_loss(poisoned, mask, mode)) == pytest.approx(float(agg_loss(loss_mat, mask, mode)), abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_token_weights_give_agg_loss_whatever_the_micro_batches(mode):
+    g = torch.Generator().manual_seed(1)
+    loss_mat = torch.randn(4, 7, generator=g)
+    mask = (torch.rand(4, 7, generator=g) > 0.3).float()
+    # per-row sequences: the weights reproduce verl's agg_loss as a plain weighted sum
+    w = loss_token_weights(list(range(4)), mask.sum(-1).int().tolist(), mode, max_response_len=7)
+    weighted = sum(float((loss_mat[i] * mask[i]).sum()) * w[i] for i in range(4))
+    assert weighted == pytest.approx(float(agg_loss(loss_mat, mask, mode)), abs=1e-6)
+    # one episode split into two samples (rows 0 and 1) weighs as that episode concatenated into one row
+    w_ep = loss_token_weights(["a", "a", "b", "c"], mask.sum(-1).int().tolist(), mode, 7.0)
+    merged_mat = torch.stack([torch.cat([loss_mat[0], loss_mat[1]]), torch.cat([loss_mat[2], torch.zeros(7)]),
+                              torch.cat([loss_mat[3], torch.zeros(7)])])
+    merged_mask = torch.stack([torch.cat([mask[0], mask[1]]), torch.cat([mask[2], torch.zeros(7)]),
+                               torch.cat([mask[3], torch.zeros(7)])])
+    weighted_ep = sum(float((loss_mat[i] * mask[i]).sum()) * w_ep[i] for i in range(4))
+    assert weighted_ep == pytest.approx(float(agg_loss(merged_mat, merged_mask, mode, 7.0)), abs=1e-6)
+
+
+def test_loss_agg_mode_errors_say_what_to_fix():
+    with pytest.raises(ValueError, match="not one of"):
+        loss_token_weights(["a"], [3], "seq-mean")
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        loss_token_weights(["a"], [3], "seq-mean-token-sum-norm")
+
+
+# ---- numerical guards ------------------------------------------------------------------------------------
+def test_weight_zero_positions_never_give_nan():
+    logp = torch.tensor([[-0.5, float("-inf"), float("nan")]], requires_grad=True)   # -inf: outside the nucleus
+    old = torch.tensor([[-0.5, -1.0, 0.0]])
+    w = torch.tensor([[1.0, 0.0, 0.0]])
+    ref = torch.tensor([[-0.4, -1.0, float("nan")]])
+    loss, stats = ppo_clip_loss(logp, old, torch.ones(1, 3), w, ref_logprobs=ref, kl_coef=0.1, clip_ratio_c=3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in stats.values())
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 1:].abs().sum() == 0
+
+
+def test_log_ratio_and_kl_are_clamped_as_in_verl():
+    logp = torch.tensor([[50.0, -100.0]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    w = torch.tensor([[0.5, 0.5]])
+    # A = +1, ratio exp(50) -> clamped exp(20), then PPO-clipped to 1.2; ratio exp(-100) -> exp(-20)
+    _, stats = ppo_clip_loss(logp, old, torch.ones(1, 2), w)
+    assert stats["ratio_mean"] == pytest.approx(0.5 * math.exp(20) + 0.5 * math.exp(-20))
+    # k3 with log(ref / pi) = -50 - ... is clamped to 10 per token
+    ref = torch.tensor([[0.0, 0.0]])
+    _, stats = ppo_clip_loss(logp, old, torch.zeros(1, 2), w, ref_logprobs=ref, kl_coef=1.0)
+    assert stats["kl"] == pytest.approx(10.0)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    logp = torch.log(torch.tensor([[5.0, 5.0]]))
+    old = torch.zeros(1, 2)                          # ratio 5 on both tokens
+    w = torch.tensor([[0.5, 0.5]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    # A = -1: PPO-clip keeps 5 (pessimistic), dual-clip caps it at 3; A = +1: clipped to 1.2, untouched
+    loss, stats = ppo_clip_loss(logp, old, adv, w, clip_ratio_c=3.0)
+    assert float(loss) == pytest.approx(0.5 * 3.0 - 0.5 * 1.2)
+    assert stats["dual_clip_frac"] == pytest.approx(0.5)
+    loss, _ = ppo_clip_loss(logp, old, adv, w, clip_ratio_c=None)
+    assert float(loss) == pytest.approx(0.5 * 5.0 - 0.5 * 1.2)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        ppo_clip_loss(logp, old, adv, w, clip_ratio_c=0.5)

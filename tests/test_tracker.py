@@ -46,4 +46,4 @@ def test_longest_prefix_wins_and_short_prompt_does_not_extend():
     s0, s1 = merge_calls([c0, c1, c2, c3], group_id="g")
     assert s0.call_ids == ["c0", "c1", "c2"]
     assert s1.call_ids == ["c3"] and s1.flags["fork_reason"] == "resampled"
-    assert s0.temperature == 1.0
+    assert s0.temperatures == [1.0] * len(s0.response_ids)

@@ -25,7 +25,10 @@ class Sample:
         loss_mask: `[response_len]` 1 where the engine sampled the token, else 0.
         old_logprobs: `[response_len]` engine logprobs where loss_mask is 1, else 0.0.
         policy_versions: `[response_len]` policy version that sampled each token (-1 where not sampled).
-        temperature: sampling temperature of its calls (the trainer scales logits by it, as the engine did).
+        temperatures: `[response_len]` temperature of the call that sampled each token (0 for a greedy
+            call; 1.0 on unsampled tokens). The trainer scores each token under its own call's
+            distribution (`ajet.sampling_dist.processed_logprobs`), as the engine sampled it.
+        top_ps: `[response_len]` nucleus mass of the call that sampled each token (1.0 on unsampled tokens).
         reward: the episode reward (shared by all samples of an episode).
         advantage: the episode advantage (filled in by the algorithm; shared by all its samples).
         num_episode_samples: how many samples the episode produced (for per-episode loss weighting).
@@ -41,11 +44,20 @@ class Sample:
     loss_mask: list[int]
     old_logprobs: list[float]
     policy_versions: list[int]
-    temperature: float = 1.0
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
     reward: float = 0.0
     advantage: float = 0.0
     num_episode_samples: int = 1
     flags: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        self.temperatures = self.temperatures or [1.0] * n    # default: every token sampled at T=1, top_p=1
+        self.top_ps = self.top_ps or [1.0] * n
+        for name in ("loss_mask", "old_logprobs", "policy_versions", "temperatures", "top_ps"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Sample.{name} has {len(getattr(self, name))} entries; response_ids has {n}")
 
     @property
     def input_ids(self) -> list[int]:

@@ -28,12 +28,14 @@ class _Node:
 
 @dataclass
 class TriePath:
-    """One root-to-leaf path: token ids `[seq]`, sampled mask `[seq]`, logprobs, versions, calls on it."""
+    """One root-to-leaf path: token ids `[seq]`, sampled mask `[seq]`, logprobs, versions, the call that
+    sampled each token `[seq]` (None where not sampled in this path), and the calls ending on it."""
 
     ids: list[int]
     sampled: list[int]
     logprobs: list[float]
     policy_versions: list[int]
+    sampled_by: list[str | None]
     call_ids: list[str]
     shared_prefix_tokens: int
 
@@ -92,4 +94,5 @@ class TokenTrie:
         return TriePath(ids=[n.token for n in path], sampled=sampled,
                         logprobs=[n.logprob if s else 0.0 for n, s in zip(path, sampled)],
                         policy_versions=[n.policy_version if s else -1 for n, s in zip(path, sampled)],
+                        sampled_by=[n.sampled_by if s else None for n, s in zip(path, sampled)],
                         call_ids=[c for n in path for c in n.ends_calls], shared_prefix_tokens=shared)

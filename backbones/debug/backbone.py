@@ -15,8 +15,9 @@ import torch
 
 from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
-from ajet.grpo import episode_token_weights, ppo_clip_loss
+from ajet.grpo import loss_token_weights, ppo_clip_loss
 from ajet.model import load_model, load_tokenizer, resolve_model_path
+from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample
 
 
@@ -53,9 +54,13 @@ class DebugBackbone:
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """PPO-clip epochs over `samples`, split into `mini_batches` optimizer steps by episode.
 
-        Every sample must carry its episode's advantage. Returns mean metrics over optimizer steps:
-        loss, pg_loss, kl, clip_frac, ratio_mean, grad_norm, entropy, logprob_diff (mean |trainer -
-        engine| logprob on the first pass: 0 up to numerics when rollout and training agree), update_s.
+        Every sample must carry its episode's advantage; every sample with a loss token is trained (a
+        sample whose advantage is 0 adds exactly 0 without a KL term and is not forwarded).
+        Returns: loss, pg_loss, kl, grad_norm (means over optimizer steps); clip_frac, dual_clip_frac,
+        ratio_mean (loss-weighted means over every trained token of every optimizer step); entropy (nats)
+        and logprob_diff (mean |trainer - engine| logprob), token means over the forwarded loss tokens
+        measured BEFORE any weight moves in this step (0 up to numerics when rollout and training
+        agree); optimizer_steps, update_s.
         """
         alg = self.cfg.algorithm
         t0 = time.perf_counter()
@@ -63,78 +68,100 @@ class DebugBackbone:
         if not trainable:
             return {"update_s": 0.0, "optimizer_steps": 0.0}
         episodes = sorted({s.episode_id for s in trainable})
+        one_step = alg.ppo_epochs == 1 and _split(episodes, alg.mini_batches) == [episodes]
         totals: dict[str, float] = {}
         steps = 0
         with self.engine.weights_lock:
+            # with one optimizer step the first forward sees the rollout weights; else measure them first
+            before = None if one_step else self.measure(trainable)
             self.model.train()
             for epoch in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
                 for mb_eps in _split(episodes, alg.mini_batches):
                     chosen = set(mb_eps)
-                    stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen],
-                                                 first_pass=(epoch == 0))
+                    stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
                     for k, v in stats.items():
                         totals[k] = totals.get(k, 0.0) + v
                     steps += 1
             self.model.eval()
             self.engine.policy_version += 1
-        out = {k: v / steps for k, v in totals.items()}
+        mass = totals.pop("weight_sum", 0.0)
+        out = {k: totals.pop(k) / mass if mass > 0 else 0.0 for k in ("clip_frac", "dual_clip_frac", "ratio_mean")}
+        before = before or {k: totals.pop(f"_{k}") / totals["_tokens"] if totals["_tokens"] else 0.0
+                            for k in ("entropy", "logprob_diff")}
+        out.update({k: v / steps for k, v in totals.items() if not k.startswith("_")}, **before)
         out.update(update_s=time.perf_counter() - t0, optimizer_steps=float(steps))
         return out
 
-    def _optimizer_step(self, samples: list[Sample], first_pass: bool) -> dict[str, float]:
+    def _optimizer_step(self, samples: list[Sample]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.accumulate_gradients(samples, first_pass)
-        if stats.pop("_tokens") == 0:  # every advantage is 0: nothing to learn from this mini-batch
+        stats = self.accumulate_gradients(samples)
+        if stats["_tokens"] == 0:  # every advantage is 0: nothing to learn from this mini-batch
             return {**stats, "grad_norm": 0.0}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**stats, "grad_norm": float(grad_norm)}
 
-    def accumulate_gradients(self, samples: list[Sample], first_pass: bool = True) -> dict[str, float]:
+    def _forwarded(self, sample: Sample) -> bool:
+        """Whether the loss needs a forward of `sample`: a token with advantage 0 adds exactly 0 to the PPO
+        loss and its gradient, so without a KL term such samples are skipped (after the weights were
+        computed over all of them, so the loss is unchanged)."""
+        return sample.advantage != 0.0 or self.ref_model is not None
+
+    def accumulate_gradients(self, samples: list[Sample]) -> dict[str, float]:
         """Backward the GRPO loss of `samples` (one mini-batch) into `.grad`, micro-batch by micro-batch.
 
-        Per-token weights come from `episode_token_weights` over all of `samples`, so the summed gradient
-        is the mean over episodes of each episode's token-mean loss, however the episodes were split into
-        samples and micro-batches.
+        Per-token weights come from `loss_token_weights` over all of `samples` (a sequence = an episode),
+        so the summed gradient is exactly the `algorithm.loss_agg_mode` aggregate of the mini-batch,
+        however the episodes were split into samples and micro-batches.
+
+        Returns:
+            loss, pg_loss, kl (aggregates); clip_frac, dual_clip_frac, ratio_mean, weight_sum (weighted
+            sums, see `ppo_clip_loss`); _entropy, _logprob_diff (sums over loss tokens of this forward,
+            under the weights before this backward) and _tokens (how many).
         """
         alg = self.cfg.algorithm
-        weights = episode_token_weights([s.episode_id for s in samples], [s.num_loss_tokens for s in samples])
-        stats: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0,
-                                   "entropy": 0.0}
-        diff_sum, diff_n, mass = 0.0, 0, 0.0
-        # a token with advantage 0 adds exactly 0 to the PPO loss (and its gradient); without a KL term
-        # it is skipped here, after the weights were computed over all episodes, so the loss is unchanged
-        items = [(s, w) for s, w in zip(samples, weights) if s.advantage != 0.0 or self.ref_model is not None]
+        weights = loss_token_weights([s.episode_id for s in samples], [s.num_loss_tokens for s in samples],
+                                     alg.loss_agg_mode, alg.loss_scale_factor,
+                                     max(len(s.response_ids) for s in samples) if samples else None)
+        stats = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "weight_sum",
+                               "_entropy", "_logprob_diff", "_tokens"), 0.0)
+        items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
         for micro in _micro_batches(items, alg.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                               batch["temperature"], with_entropy=True)
+                                               batch["temperatures"], batch["top_ps"], with_entropy=True)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
-                                            batch["temperature"])
+                                            batch["temperatures"], batch["top_ps"])
             loss, s = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["weights"],
-                                    alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef)
+                                    alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
             loss.backward()
-            for k in ("pg_loss", "kl", "clip_frac", "ratio_mean"):
-                stats[k] += s[k]
+            for k, v in s.items():
+                stats[k] += v
             stats["loss"] += float(loss.detach())
-            with torch.no_grad():
-                stats["entropy"] += float((batch["weights"] * entropy).sum())
-                mass += float(batch["weights"].sum())
-                if first_pass:
-                    m = batch["loss_mask"].bool()
-                    diff_sum += float((logprobs.detach() - batch["old_logprobs"]).abs()[m].sum())
-                    diff_n += int(m.sum())
-        for k in ("clip_frac", "ratio_mean", "entropy"):  # weighted means over the tokens actually trained
-            stats[k] = stats[k] / mass if mass > 0 else 0.0
-        if first_pass and diff_n:
-            stats["logprob_diff"] = diff_sum / diff_n
-        stats["_tokens"] = sum(s.num_loss_tokens for s, _ in items)
+            for k, v in _first_pass_sums(logprobs.detach(), entropy, batch).items():
+                stats[k] += v
         return stats
+
+    @torch.no_grad()
+    def measure(self, samples: list[Sample]) -> dict[str, float]:
+        """entropy and logprob_diff of the forwarded loss tokens of `samples` under the current weights
+        (token means, no gradient): the rollout-vs-trainer agreement before an update moves anything."""
+        sums = {"_entropy": 0.0, "_logprob_diff": 0.0, "_tokens": 0.0}
+        items = [(s, 1.0) for s in samples if self._forwarded(s)]
+        self.model.eval()
+        for micro in _micro_batches(items, self.cfg.algorithm.micro_batch_tokens):
+            batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
+            logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                               batch["temperatures"], batch["top_ps"], with_entropy=True)
+            for k, v in _first_pass_sums(logprobs, entropy, batch).items():
+                sums[k] += v
+        n = sums["_tokens"]
+        return {"entropy": sums["_entropy"] / n if n else 0.0, "logprob_diff": sums["_logprob_diff"] / n if n else 0.0}
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
@@ -165,28 +192,46 @@ class DebugBackbone:
         self.engine.close()
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: torch.Tensor,
-                   with_entropy: bool = False):
-    """log pi(x_t | x_<t) of every token, under logits / temperature.
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperatures: torch.Tensor,
+                   top_ps: torch.Tensor | None = None, with_entropy: bool = False):
+    """log pi(x_t | x_<t) of every token under the distribution it was sampled from, token by token.
+
+    Each position is scored with its own temperature and top_p through `ajet.sampling_dist.processed_logprobs`
+    (the engine records old logprobs under the same function), so a sample that merges calls made at
+    different temperatures gets ratio 1 on fresh data. A temperature of 0 (a greedy call, trained only
+    under `algorithm.train_greedy_calls`) is scored at T = 1.
 
     Args:
         input_ids: `[batch, seq]` right-padded sequences.
         attention_mask: `[batch, seq]` 1 on real tokens.
-        temperature: `[batch, 1]` the sampling temperature of each sequence.
+        temperatures: `[batch, seq]` temperature that sampled token t (1.0 on prompt and padding);
+            `[batch, 1]` applies one temperature to a whole row.
+        top_ps: like temperatures, the nucleus mass (None: 1.0, no truncation).
     Returns:
         (logprobs, entropy): `[batch, seq]` each; position t holds the value for token t (predicted from
-        position t-1); position 0 is 0. entropy is None unless with_entropy.
+        position t-1); position 0 is 0. A token outside its nucleus gets -inf. entropy (nats, of the
+        processed distribution) is None unless with_entropy.
     """
+    B, S = input_ids.shape
+    temps = temperatures.expand(B, S)[:, 1:]                                    # [B, S-1] for tokens 1..S-1
+    temps = torch.where(temps > 0, temps, torch.ones_like(temps))               # greedy: scored at T = 1
+    tops = None if top_ps is None else top_ps.expand(B, S)[:, 1:]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, S, V]
-    logits = logits[:, :-1, :].float() / temperature.unsqueeze(-1)                                # [B, S-1, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = processed_logprobs(logits[:, :-1, :], temps, tops)                               # [B, S-1, V]
     lp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)                                 # [B, S-1]
     lp = torch.nn.functional.pad(lp, (1, 0))
     ent = None
     if with_entropy:
         with torch.no_grad():
-            ent = torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))
+            ent = torch.nn.functional.pad(entropy(logp_all), (1, 0))
     return lp, ent
+
+
+def _first_pass_sums(logprobs: torch.Tensor, ent: torch.Tensor, batch: dict) -> dict[str, float]:
+    """Sums over the loss tokens of one micro-batch: entropy, |trainer - engine| logprob, token count."""
+    m = batch["loss_mask"].bool()
+    return {"_entropy": float(ent[m].sum()), "_logprob_diff": float((logprobs - batch["old_logprobs"]).abs()[m].sum()),
+            "_tokens": float(m.sum())}
 
 
 def _collate(samples: list[Sample], weights: list[float], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -194,6 +239,7 @@ def _collate(samples: list[Sample], weights: list[float], pad_id: int, device) -
     S = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     B = len(samples)
     out = {k: torch.zeros((B, S), dtype=torch.float32) for k in ("old_logprobs", "advantages", "weights", "loss_mask")}
+    out.update({k: torch.ones((B, S), dtype=torch.float32) for k in ("temperatures", "top_ps")})
     input_ids = torch.full((B, S), pad_id, dtype=torch.long)
     attn = torch.zeros((B, S), dtype=torch.long)
     for i, (s, w) in enumerate(zip(samples, weights)):
@@ -205,8 +251,9 @@ def _collate(samples: list[Sample], weights: list[float], pad_id: int, device) -
         out["old_logprobs"][i, P:P + R] = torch.tensor(s.old_logprobs, dtype=torch.float32)
         out["advantages"][i, P:P + R] = s.advantage
         out["weights"][i, P:P + R] = w * mask
-    out.update(input_ids=input_ids, attention_mask=attn,
-               temperature=torch.tensor([[s.temperature] for s in samples], dtype=torch.float32))
+        out["temperatures"][i, P:P + R] = torch.tensor(s.temperatures, dtype=torch.float32)
+        out["top_ps"][i, P:P + R] = torch.tensor(s.top_ps, dtype=torch.float32)
+    out.update(input_ids=input_ids, attention_mask=attn)
     return {k: v.to(device) for k, v in out.items()}
 
 

@@ -1,0 +1,176 @@
+"""The learning signal end to end on the real tiny model: per-token sampling distributions (engine == trainer
+logprobs on an episode at two temperatures), greedy calls, the GRPO baseline, and the update's accounting
+(every episode trained, logprob_diff measured before any weight moves)."""
+
+import copy
+
+import openai
+import pytest
+import torch
+
+from ajet.backbones.debug.backbone import DebugBackbone, _collate, token_logprobs
+from ajet.config import AjetConfig
+from ajet.grpo import assign_advantages, grpo_advantages
+from ajet.llm_call import LLMCall, SamplingParams
+from ajet.proxy.server import ProxyServer
+from ajet.tracker import merge_calls
+from ajet.tracker.sample import Sample
+
+
+def _backbone(model_dir, **algorithm):
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": model_dir, "device": "cpu"},
+                     algorithm={"micro_batch_tokens": 256, **algorithm})
+    return DebugBackbone(cfg)
+
+
+@pytest.fixture(scope="module")
+def backbone(tiny_model_dir):
+    bb = _backbone(tiny_model_dir)
+    yield bb
+    bb.close()
+
+
+def _trainer_logprobs(bb, samples):
+    """`[num_samples][response_len]` the trainer's logprob of every response token (no grad)."""
+    batch = _collate(samples, [1.0] * len(samples), bb.tokenizer.pad_token_id, bb.device)
+    with torch.no_grad():
+        lp, _ = token_logprobs(bb.model, batch["input_ids"], batch["attention_mask"], batch["temperatures"],
+                               batch["top_ps"])
+    return [lp[i, len(s.prompt_ids):len(s.input_ids)].tolist() for i, s in enumerate(samples)]
+
+
+def _on_policy(bb, samples):
+    """Set each sample's old logprobs to the current policy's (as a fresh rollout would record them)."""
+    for s, lp in zip(samples, _trainer_logprobs(bb, samples)):
+        s.old_logprobs = [x if m else 0.0 for x, m in zip(lp, s.loss_mask)]
+    return samples
+
+
+# ---- item 1: each token is scored under the distribution of the call that sampled it ----------------------
+def test_engine_and_trainer_logprobs_agree_on_an_episode_at_two_temperatures(backbone):
+    proxy = ProxyServer(backbone.engine, backbone.tokenizer, SamplingParams(temperature=1.0, max_tokens=10),
+                        sampling_policy="client", max_model_len=1024).start()
+    try:
+        ep = proxy.open_episode("ep-temps")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        messages = [{"role": "user", "content": "Say something."}]
+        for temperature in (0.3, 1.0):
+            r = client.chat.completions.create(model="policy", messages=messages, temperature=temperature, max_tokens=10)
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    assert [c.sampling.temperature for c in calls] == [0.3, 1.0]
+    (sample,) = merge_calls(calls, "g")   # token-in-token-out: the two calls chain into one sample
+    n0, n1 = len(calls[0].completion_ids), len(calls[1].completion_ids)
+    bridge = len(sample.response_ids) - n0 - n1
+    assert sample.temperatures == [0.3] * n0 + [1.0] * bridge + [1.0] * n1
+    (trainer,) = _trainer_logprobs(backbone, [sample])
+    sampled = [i for i, m in enumerate(sample.loss_mask) if m]
+    assert len(sampled) == n0 + n1
+    engine = torch.tensor([sample.old_logprobs[i] for i in sampled])
+    torch.testing.assert_close(torch.tensor([trainer[i] for i in sampled]), engine, rtol=0, atol=1e-4)
+    # and the update's own measurement agrees: ratio 1 on fresh data
+    sample.advantage = 1.0
+    assert backbone.measure([sample])["logprob_diff"] < 1e-4
+
+
+def _call(i, prompt, completion, temperature=1.0, top_p=1.0, tag="default"):
+    return LLMCall(call_id=f"c{i}", episode_id="ep", agent_tag=tag, index=i, messages=[], tools=None,
+                   prompt_ids=prompt, completion_ids=completion, completion_logprobs=[-0.5] * len(completion),
+                   finish_reason="stop", response_message={"role": "assistant", "content": ""},
+                   sampling=SamplingParams(temperature=temperature, top_p=top_p), policy_version=0)
+
+
+def test_sample_temperature_and_top_p_come_from_the_call_that_sampled_each_token():
+    c0 = _call(0, [1, 2, 3], [10, 11], temperature=0.3, top_p=0.9)
+    c1 = _call(1, [1, 2, 3, 10, 11, 50, 51], [12, 13, 14], temperature=1.2, top_p=1.0)
+    c2 = _call(2, [1, 2, 3], [10, 20], temperature=0.7, top_p=0.5)   # resampled after [10]: forks
+    c3 = _call(3, [1, 2, 3, 10, 20, 60], [21], temperature=0.5)        # continues the fork
+    main, fork = merge_calls([c0, c1, c2, c3], "g")
+    assert main.temperatures == [0.3, 0.3, 1.0, 1.0, 1.2, 1.2, 1.2]
+    assert main.top_ps == [0.9, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert fork.response_ids == [20, 60, 21] and fork.loss_mask == [1, 0, 1]
+    assert fork.temperatures == [0.7, 1.0, 0.5] and fork.top_ps == [0.5, 1.0, 1.0]
+
+
+def test_greedy_calls_are_recorded_but_not_trained_unless_configured(backbone):
+    c0 = _call(0, [5, 6, 7], [10, 11], temperature=0.0)
+    c1 = _call(1, [5, 6, 7, 10, 11, 40], [12, 13], temperature=1.0)
+    (s,) = merge_calls([c0, c1], "g")
+    assert s.response_ids == [10, 11, 40, 12, 13] and s.loss_mask == [0, 0, 0, 1, 1]
+    assert s.flags["greedy_tokens"] == 2 and s.temperatures[:2] == [0.0, 0.0]
+    (t,) = merge_calls([c0, c1], "g", train_greedy_calls=True)
+    assert t.loss_mask == [1, 1, 0, 1, 1]
+    # trained greedy tokens are scored at T = 1 (temperature 0 is not a distribution)
+    at_one = copy.deepcopy(t)
+    at_one.temperatures = [1.0] * len(t.response_ids)
+    assert _trainer_logprobs(backbone, [t]) == _trainer_logprobs(backbone, [at_one])
+
+
+# ---- item 2: the GRPO baseline counts every trainable episode --------------------------------------------
+def _s(ep, group="g", tag="default"):
+    return Sample(episode_id=ep, group_id=group, agent_tag=tag, call_ids=["c"], prompt_ids=[1], response_ids=[2],
+                  loss_mask=[1], old_logprobs=[-1.0], policy_versions=[0])
+
+
+def test_baseline_counts_episodes_that_produced_no_trained_sample():
+    rewards = {"e1": 1.0, "e2": 0.0, "e3": 0.0, "e4": 1.0}
+    groups = {"e1": "g", "e2": "g", "e3": "g", "e4": "g"}   # e3, e4: no trained sample (e.g. a non-target agent)
+    samples = [_s("e1"), _s("e2")]
+    assign_advantages(samples, rewards, groups, eps=1e-6)
+    want = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), ["g"] * 4)
+    assert [s.advantage for s in samples] == pytest.approx(want[:2].tolist())
+    # per-agent-tag groups: every episode of the task joins each tag's group
+    samples = [_s("e1", "g:a", "a"), _s("e2", "g:a", "a"), _s("e1", "g:b", "b")]
+    assign_advantages(samples, rewards, groups, eps=1e-6)
+    assert [s.advantage for s in samples] == pytest.approx([want[0].item(), want[1].item(), want[0].item()])
+
+
+# ---- items 5 and 9: the update trains every episode and measures drift before weights move ----------------
+def _episodes(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, 200, (6,), generator=g).tolist()
+        resp = torch.randint(3, 200, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        out.append(Sample(episode_id=f"e{i}", group_id="g", agent_tag="default", call_ids=["c"], prompt_ids=prompt,
+                          response_ids=resp, loss_mask=[1] * len(resp), old_logprobs=[0.0] * len(resp),
+                          policy_versions=[0] * len(resp), temperatures=[0.6 + 0.1 * (i % 3)] * len(resp),
+                          advantage=1.0 if i % 2 else -1.0))
+    return out
+
+
+def test_update_trains_every_episode_and_measures_logprob_diff_before_weights_move(tiny_model_dir):
+    bb = _backbone(tiny_model_dir, mini_batches=3, ppo_epochs=2, lr=1e-2)
+    try:
+        samples = _on_policy(bb, _episodes(6, seed=0))
+        entropy_before = bb.measure(samples)["entropy"]
+        seen = []
+        real = bb.accumulate_gradients
+        bb.accumulate_gradients = lambda mb: seen.append(sorted(s.episode_id for s in mb)) or real(mb)
+        stats = bb.update(samples)
+    finally:
+        bb.close()
+    assert stats["optimizer_steps"] == 6.0 and len(seen) == 6
+    # each epoch covers every episode exactly once, spread over the 3 mini-batches
+    for epoch in (seen[:3], seen[3:]):
+        assert sorted(e for mb in epoch for e in mb) == [f"e{i}" for i in range(6)]
+    # fresh on-policy data: later mini-batches' drift (lr 1e-2) is not reported as rollout/trainer disagreement
+    assert stats["logprob_diff"] < 1e-5
+    assert stats["entropy"] == pytest.approx(entropy_before, rel=1e-5)
+
+
+def test_each_episode_of_a_mini_batch_contributes_its_share(backbone):
+    samples = _on_policy(backbone, _episodes(3, seed=1))
+
+    def grads(ss):
+        backbone.model.zero_grad(set_to_none=True)
+        backbone.accumulate_gradients(ss)
+        g = torch.cat([p.grad.flatten() for p in backbone.model.parameters() if p.grad is not None]).clone()
+        backbone.model.zero_grad(set_to_none=True)
+        return g
+
+    each = [grads([s]) for s in samples]
+    assert all(g.abs().sum() > 0 for g in each)   # on-policy: no token is clipped away
+    torch.testing.assert_close(grads(samples), sum(each) / 3, rtol=1e-4, atol=1e-7)
