@@ -28,14 +28,14 @@ class SlowWorkflow(Workflow):
         if mode == "mixed" and n % 4 == 1:
             return WorkflowOutput(reward=math.nan)
         if mode == "mixed" and n % 4 == 2:
-            await asyncio.sleep(30)           # hangs past episode_timeout_s
+            await asyncio.sleep(120)          # hangs past episode_timeout_s
         if mode == "all_fail":
             raise ValueError("always broken")
         return WorkflowOutput(reward=float(len(text) % 3), final_answer=text)
 '''
 
 
-def _setup(tmp_path, tiny_model_dir, steps=4, extra="", episode_timeout_s=2):
+def _setup(tmp_path, tiny_model_dir, steps=4, extra="", episode_timeout_s=10):
     (tmp_path / "wf.py").write_text(WORKFLOW)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "query": f"q {i}"}) + "\n" for i in range(12)))
     (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
