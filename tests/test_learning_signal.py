@@ -174,3 +174,15 @@ def test_each_episode_of_a_mini_batch_contributes_its_share(backbone):
     each = [grads([s]) for s in samples]
     assert all(g.abs().sum() > 0 for g in each)   # on-policy: no token is clipped away
     torch.testing.assert_close(grads(samples), sum(each) / 3, rtol=1e-4, atol=1e-7)
+
+
+def test_algorithm_config_names_the_loss_choices():
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"},
+                     algorithm={"norm_adv_by_std": False, "loss_agg_mode": "seq-mean-token-sum-norm",
+                                "loss_scale_factor": 96})            # Dr. GRPO: both changes
+    assert cfg.algorithm.clip_ratio_c == 3.0 and cfg.algorithm.train_greedy_calls is False
+    assert AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}).algorithm.loss_agg_mode \
+        == "seq-mean-token-mean"
+    for bad in ({"loss_agg_mode": "seq-mean"}, {"clip_ratio_c": 1.0}, {"loss_scale_factor": 0}):
+        with pytest.raises(Exception, match=next(iter(bad))):
+            AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}, algorithm=bad)
