@@ -47,27 +47,28 @@ def _on_policy(bb, samples):
 
 
 # ---- item 1: each token is scored under the distribution of the call that sampled it ----------------------
-def test_engine_and_trainer_logprobs_agree_on_an_episode_at_two_temperatures(backbone):
+def test_engine_and_trainer_logprobs_agree_on_an_episode_at_two_temperatures_and_a_nucleus(backbone):
     proxy = ProxyServer(backbone.engine, backbone.tokenizer, SamplingParams(temperature=1.0, max_tokens=10),
                         sampling_policy="client", max_model_len=1024).start()
     try:
         ep = proxy.open_episode("ep-temps")
         client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
         messages = [{"role": "user", "content": "Say something."}]
-        for temperature in (0.3, 1.0):
-            r = client.chat.completions.create(model="policy", messages=messages, temperature=temperature, max_tokens=10)
+        for temperature, top_p in ((0.3, 1.0), (1.0, 1.0), (0.8, 0.7)):
+            r = client.chat.completions.create(model="policy", messages=messages, temperature=temperature,
+                                               top_p=top_p, max_tokens=10)
             messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Again."}]
         calls = proxy.close_episode(ep)
     finally:
         proxy.stop()
-    assert [c.sampling.temperature for c in calls] == [0.3, 1.0]
-    (sample,) = merge_calls(calls, "g")   # token-in-token-out: the two calls chain into one sample
-    n0, n1 = len(calls[0].completion_ids), len(calls[1].completion_ids)
-    bridge = len(sample.response_ids) - n0 - n1
-    assert sample.temperatures == [0.3] * n0 + [1.0] * bridge + [1.0] * n1
-    (trainer,) = _trainer_logprobs(backbone, [sample])
+    assert [(c.sampling.temperature, c.sampling.top_p) for c in calls] == [(0.3, 1.0), (1.0, 1.0), (0.8, 0.7)]
+    (sample,) = merge_calls(calls, "g")   # token-in-token-out: the three calls chain into one sample
+    n0, n1, n2 = (len(c.completion_ids) for c in calls)
     sampled = [i for i, m in enumerate(sample.loss_mask) if m]
-    assert len(sampled) == n0 + n1
+    assert len(sampled) == n0 + n1 + n2
+    assert [sample.temperatures[i] for i in sampled] == [0.3] * n0 + [1.0] * n1 + [0.8] * n2
+    assert [sample.top_ps[i] for i in sampled] == [1.0] * (n0 + n1) + [0.7] * n2
+    (trainer,) = _trainer_logprobs(backbone, [sample])
     engine = torch.tensor([sample.old_logprobs[i] for i in sampled])
     torch.testing.assert_close(torch.tensor([trainer[i] for i in sampled]), engine, rtol=0, atol=1e-4)
     # and the update's own measurement agrees: ratio 1 on fresh data
@@ -174,3 +175,15 @@ def test_each_episode_of_a_mini_batch_contributes_its_share(backbone):
     each = [grads([s]) for s in samples]
     assert all(g.abs().sum() > 0 for g in each)   # on-policy: no token is clipped away
     torch.testing.assert_close(grads(samples), sum(each) / 3, rtol=1e-4, atol=1e-7)
+
+
+def test_algorithm_config_names_the_loss_choices():
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"},
+                     algorithm={"norm_adv_by_std": False, "loss_agg_mode": "seq-mean-token-sum-norm",
+                                "loss_scale_factor": 96})            # Dr. GRPO: both changes
+    assert cfg.algorithm.clip_ratio_c == 3.0 and cfg.algorithm.train_greedy_calls is False
+    assert AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}).algorithm.loss_agg_mode \
+        == "seq-mean-token-mean"
+    for bad in ({"loss_agg_mode": "seq-mean"}, {"clip_ratio_c": 1.0}, {"loss_scale_factor": 0}):
+        with pytest.raises(Exception, match=next(iter(bad))):
+            AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}, algorithm=bad)
