@@ -734,10 +734,12 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
     """The validated request. Raises ProxyError 400 for anything malformed (not JSON, not an object, lone
     surrogates, a schema violation: the message names the field and quotes at most ~200 characters of the
     offending value)."""
+    fallback = False
     try:   # orjson for speed; the standard parser for what it refuses (it gives the precise error, or accepts)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
+            fallback = True
             data = json.loads(raw)
     except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, >4300-digit ints, nesting
         raise ProxyError(400, f"the request body is not valid JSON: {_cut(str(exc), 200)}",
@@ -750,8 +752,8 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
             and (where := _too_deep_path(data, MAX_JSON_DEPTH))):
         raise ProxyError(400, f"{where}: the value is nested more than {MAX_JSON_DEPTH} levels deep (objects and "
                               "arrays): flatten it", param=where, code="invalid_value")
-    if ((b"\\ud" in raw or b"\\uD" in raw) and _SURROGATE_ESCAPE.search(raw)
-            and (where := _lone_surrogate_path(data)) is not None):
+    # lone surrogates: orjson refuses them, so only a body the standard parser accepted can hold one
+    if fallback and _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
         raise ProxyError(400, f"{where}: the string holds a lone UTF-16 surrogate (\\ud800-\\udfff escape), "
                               "which is not valid Unicode text", param=where, code="invalid_value")
     try:
