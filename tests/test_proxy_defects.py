@@ -39,39 +39,49 @@ def tokenizer(tiny_model_dir):
 
 
 # ---- 13: the event loop keeps serving while a huge request is prepared --------------------------------
+def _latencies_while(http, url: str, work) -> list[float]:
+    """Seconds per chat call to `url`, made one after another while `work()` runs in a thread."""
+    thread = threading.Thread(target=work)
+    thread.start()
+    latencies, deadline = [], time.monotonic() + 120
+    while thread.is_alive() and time.monotonic() < deadline:
+        t = time.perf_counter()
+        assert_ok(http.post(url, json={"model": "m", "messages": USER}))
+        latencies.append(time.perf_counter() - t)
+    thread.join()
+    return latencies
+
+
 def test_a_7mib_request_does_not_stall_other_episodes(tokenizer):
-    """Another episode's calls, made while a 7 MiB request is parsed, validated, rendered and found too
-    long, keep a p99 within 5x their median (before: all waited while the event loop tokenized it, tens
-    of seconds)."""
+    """Another episode's calls, made while 7 MiB requests are parsed, validated, rendered and found too
+    long, keep a p99 within 5x their median (before: all waited while the event loop tokenized them, tens
+    of seconds). The machine is shared, so a measurement disturbed by other processes is taken again
+    (at most 3 times); an event loop that does the work itself fails every time."""
     words = " ".join(f"w{i % 997}" for i in range(1_450_000))            # ~7 MiB of text
     big = json.dumps({"model": "m", "messages": [{"role": "user", "content": words}]}).encode()
     assert 6.5 * 2**20 < len(big) < 7.5 * 2**20
     with running(tokenizer, max_model_len=4096) as (proxy, _, ep, http):
-        other = proxy.open_episode("other")
-        url = chat_url(other)
-        body = {"model": "m", "messages": USER}
+        url = chat_url(proxy.open_episode("other"))
         for _ in range(20):                                                # warm up
-            assert_ok(http.post(url, json=body))
-        result: dict = {}
+            assert_ok(http.post(url, json={"model": "m", "messages": USER}))
+        seen = []
+        for _attempt in range(3):
+            answers: list[httpx.Response] = []
 
-        def send_big():   # three times, so that enough small calls overlap them for a p99
-            with httpx.Client(timeout=120) as h:
-                result["r"] = [h.post(chat_url(ep), content=big) for _ in range(3)]
+            def send_big():   # three times, so that enough small calls overlap them for a p99
+                with httpx.Client(timeout=120) as h:
+                    answers.extend(h.post(chat_url(ep), content=big) for _ in range(3))
 
-        thread = threading.Thread(target=send_big)
-        thread.start()
-        latencies, deadline = [], time.monotonic() + 120
-        while thread.is_alive() and time.monotonic() < deadline:
-            t = time.perf_counter()
-            assert_ok(http.post(url, json=body))
-            latencies.append(time.perf_counter() - t)
-        thread.join()
-        for r in result["r"]:
-            assert_error(r, 400, "context_length_exceeded")
-    assert len(latencies) >= 20, latencies                                  # the loop served calls meanwhile
-    median = statistics.median(latencies)
-    p99 = sorted(latencies)[int(0.99 * (len(latencies) - 1))]
-    assert p99 <= 5 * median, (p99, median, len(latencies))
+            latencies = _latencies_while(http, url, send_big)
+            for r in answers:
+                assert_error(r, 400, "context_length_exceeded")
+            assert len(latencies) >= 20, latencies                          # the loop served calls meanwhile
+            median = statistics.median(latencies)
+            p99 = sorted(latencies)[int(0.99 * (len(latencies) - 1))]
+            seen.append((p99, median, len(latencies)))
+            if p99 <= 5 * median:
+                return
+    pytest.fail(f"p99 above 5x the median in every attempt (p99 s, median s, calls): {seen}")
 
 
 def test_an_over_long_prompt_is_rejected_before_it_is_tokenized(tokenizer):
