@@ -106,12 +106,12 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 def _to_call(body: str) -> dict[str, Any] | None:
     try:  # the first JSON value; text the model wrote after it (before </tool_call>) is ignored
         obj, _ = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+    except (json.JSONDecodeError, RecursionError):   # RecursionError: nested too deeply to parse or dump
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
     return {"id": "call_" + secrets.token_hex(12), "type": "function",
             "function": {"name": obj["name"], "arguments": args}}

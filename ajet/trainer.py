@@ -207,6 +207,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         "reward/max": max(rewards) if rewards else float("nan"),
         "rollout/calls": len(calls),
         "rollout/calls_per_episode": len(calls) / len(ok) if ok else 0.0,
+        "rollout/strict_violations": sum(len(c.strict_violations) for c in calls),
         "rollout/generated_tokens": generated_tokens,
         "rollout/tokens_per_s": generated_tokens / rollout_s if rollout_s > 0 else 0.0,
         "time/rollout_s": rollout_s,

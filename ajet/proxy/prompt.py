@@ -37,6 +37,15 @@ class Prompt:
     render_reason: str | None
 
 
+class PromptTooLong(ValueError):
+    """The prompt certainly exceeds the token limit: `min_tokens` is a lower bound on its length, known from
+    its text before tokenizing it."""
+
+    def __init__(self, min_tokens: int):
+        super().__init__(f"the prompt is at least {min_tokens} tokens")
+        self.min_tokens = min_tokens
+
+
 class PromptBuilder:
     """Renders OpenAI-format messages into prompt ids with the model's chat template.
 
@@ -49,6 +58,21 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.end_of_turn = tokenizer.eos_token
         self.end_of_turn_id = tokenizer.eos_token_id
+        # the longest text one token can stand for, in UTF-8 bytes of its vocabulary string (which is never
+        # shorter than the text it decodes to: byte-level BPE maps each byte to one character, SentencePiece
+        # writes a space as 3-byte "▁", byte fallback as "<0x..>"), so a text of C characters is at least
+        # C / max_token_bytes tokens
+        self.max_token_bytes = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._normalizer = getattr(backend, "normalizer", None)   # applied first when the tokenizer has one
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, from the text's length alone (no tokenizing): the
+        tokenizer's normalizer (if any) runs first, as in encoding, then each token covers at most
+        `max_token_bytes` bytes. Used to reject an over-long prompt before tokenizing it."""
+        if self._normalizer is not None:
+            text = self._normalizer.normalize_str(text)
+        return -(-len(text) // self.max_token_bytes)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool = True) -> str:
@@ -61,20 +85,24 @@ class PromptBuilder:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def build(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-              history: list[LLMCall], rendered: dict[str, str] | None = None) -> Prompt:
+              history: list[LLMCall], rendered: dict[str, str] | None = None,
+              max_tokens: int | None = None) -> Prompt:
         """Prompt ids for `messages`, extending the latest call in `history` that they continue.
 
         `rendered` maps call ids to their `Prompt.text` (a cache the caller keeps per episode; saves
-        rendering the parent's messages again)."""
+        rendering the parent's messages again). Raises PromptTooLong when the prompt certainly has more
+        than `max_tokens` tokens (a lower bound from the rendered text, checked before tokenizing it)."""
         parent, reason = find_parent(messages, tools, history)
         if parent is None:
             text = self.render(messages, tools)
+            self._check_bound(0, text, max_tokens)
             return Prompt(self.encode(text), text, None, reason)
         k = len(parent.messages)
         prev_text = (rendered or {}).get(parent.call_id) or self.render(parent.messages, tools)  # the parent's prompt
         turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
         full_text = self.render(messages, tools)                                 # + the new turns
         if not (turn_text.startswith(prev_text) and full_text.startswith(turn_text)):
+            self._check_bound(0, full_text, max_tokens)
             return Prompt(self.encode(full_text), full_text, None, "template_not_append_only")
         reply = turn_text[len(prev_text):]   # the reply as the template renders it, e.g. "text<|im_end|>\n"
         cut = reply.rfind(self.end_of_turn)  # the last one: the reply's text may spell the token out
@@ -84,7 +112,14 @@ class PromptBuilder:
         sampled = list(parent.completion_ids)
         if cut >= 0 and (not sampled or sampled[-1] != self.end_of_turn_id):
             sampled.append(self.end_of_turn_id)    # cut by max_tokens or a stop string: close the turn
+        self._check_bound(len(parent.prompt_ids) + len(sampled), bridge, max_tokens)
         return Prompt(list(parent.prompt_ids) + sampled + self.encode(bridge), full_text, parent.call_id, None)
+
+    def _check_bound(self, known: int, text: str, max_tokens: int | None) -> None:
+        """Raise PromptTooLong when `known` tokens plus `text`'s lower bound already exceed `max_tokens`."""
+        if max_tokens is not None and known + len(text) // self.max_token_bytes > max_tokens:
+            if (n := known + self.min_tokens(text)) > max_tokens:
+                raise PromptTooLong(n)
 
 
 def find_parent(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -121,12 +156,11 @@ def _tool_calls(msg: dict[str, Any], ignore_ids: bool) -> list[tuple]:
     for tc in msg.get("tool_calls") or []:
         fn = tc.get("function", {})
         args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        out.append((None if ignore_ids else tc.get("id"), fn.get("name"), _canon(args)))
+        try:   # arguments compare as JSON (spacing aside); a string that is not JSON, or too deep, as text
+            args = _canon(json.loads(args) if isinstance(args, str) else args)
+        except (ValueError, RecursionError):
+            args = args if isinstance(args, str) else repr(args)
+        out.append((None if ignore_ids else tc.get("id"), fn.get("name"), args))
     return out
 
 

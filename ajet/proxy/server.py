@@ -15,6 +15,8 @@ naming what is wrong (never echoing more than ~200 characters of it), an engine 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
@@ -40,13 +43,16 @@ from starlette.routing import Route
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
 from ajet.engine import Engine
 from ajet.llm_call import Completion, LLMCall, SamplingParams, TokenDelta
-from ajet.proxy.prompt import PromptBuilder
+from ajet.proxy.prompt import Prompt, PromptBuilder, PromptTooLong
 from ajet.proxy.stream import IncrementalContent, chunk, cut_at_stop, sse, tool_call_chunks
 from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice, short_repr
+from ajet.proxy.strict import StrictTools
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
+MAX_JSON_DEPTH = 100                 # nesting levels a request body may have (deeper: a 400, never a RecursionError)
+PREPARE_WORKERS = 2                  # threads that parse, render and tokenize requests off the event loop
 
 
 @dataclass
@@ -69,6 +75,7 @@ class _Choice:
     finish_reason: str
     started: float
     ended: float
+    strict_violations: list[str] = field(default_factory=list)
     call: LLMCall | None = None
 
 
@@ -79,7 +86,7 @@ class _Turn:
     `events` (streaming requests only) receives `(choice_index, TokenDelta)` as tokens are sampled,
     `(choice_index, _Choice)` when a choice ends, and None when the task is done. `forced` is the
     tool-call opening `tool_choice` fixed, `parse_tools` whether tool calls are parsed out of the text,
-    `stop` the stop strings generation used."""
+    `stop` the stop strings generation used, `strict` the validators of the request's `strict: true` tools."""
 
     response_id: str
     created: int
@@ -88,6 +95,7 @@ class _Turn:
     forced: str
     parse_tools: bool
     stop: tuple[str, ...]
+    strict: StrictTools | None = None
     task: asyncio.Future | None = None
     events: asyncio.Queue | None = None
 
@@ -99,6 +107,33 @@ class _Turn:
     def failed(self) -> bool:
         return self.task.done() and (self.task.cancelled() or self.task.exception() is not None)
 
+    def error(self) -> ProxyError | None:
+        """The error body of a finished generation that failed, else None. A generation cancelled because
+        its episode was closed is a 404 `episode_closed`; an unexpected exception (a bug) a 500."""
+        if self.task.cancelled():
+            return _episode_closed()
+        exc = self.task.exception()
+        if exc is None or isinstance(exc, ProxyError):
+            return exc
+        log.error("proxy: unexpected %s in a generation", type(exc).__name__, exc_info=exc)
+        return ProxyError(500, f"internal error in the ajet proxy ({type(exc).__name__}); see the proxy's log",
+                          "server_error", code="internal_error")
+
+    async def result(self) -> list[_Choice]:
+        """The generation's choices, awaited without cancelling it when the waiting request is cancelled (the
+        client went away: the generation still finishes and is recorded, and a retry gets its result).
+        Raises the ProxyError of a failed generation (see `error`)."""
+        try:
+            return await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            if self.task.cancelled():          # the episode was closed, not this request
+                raise self.error() from None
+            raise
+        except ProxyError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug: its 500 body, logged
+            raise self.error() from None
+
 
 @dataclass
 class _Episode:
@@ -108,6 +143,21 @@ class _Episode:
     turns: dict[str, _Turn] = field(default_factory=dict)   # request key -> its generation (for retries)
     rendered: dict[str, str] = field(default_factory=dict)   # call id -> its rendered prompt text (a cache)
     open: bool = True
+
+
+@dataclass
+class _Prepared:
+    """What the prepare thread makes of a request body: the validated request, its retry key, and (unless
+    it repeats an earlier request) its prompt."""
+
+    req: ChatCompletionRequest
+    key: str
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt: Prompt | None = None
+    prompt_ids: list[int] | None = None
+    forced: str = ""
+    strict: StrictTools | None = None
 
 
 class ProxyError(Exception):
@@ -152,6 +202,9 @@ class ProxyServer:
         accepted_models: the `model` names accepted besides `model_name`; None (the default) accepts any
             name. With a set, other names get a 404 `model_not_found` listing the accepted ones.
         retry_after_s: the `Retry-After` (seconds) of the 503 answered when the engine fails.
+
+    Parsing, rendering and tokenizing a request run in a pool of `PREPARE_WORKERS` threads, never on the
+    event loop, so that a request near the body limit does not stall other episodes' calls.
     """
 
     def __init__(self, engine: Engine, tokenizer, defaults: SamplingParams, sampling_policy: str = "config",
@@ -173,7 +226,10 @@ class ProxyServer:
         self.retry_after_s = retry_after_s
         self.port: int | None = None
         self._episodes: dict[str, _Episode] = {}   # token -> episode
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()   # recently closed tokens
         self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None    # the server's event loop, once started
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="ajet-prepare")
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = self._build_app()
@@ -205,6 +261,7 @@ class ProxyServer:
         if self._server is not None:
             self._server.should_exit = True
             self._thread.join(timeout=10)
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def url(self) -> str:
@@ -219,15 +276,37 @@ class ProxyServer:
         return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token)
 
     def close_episode(self, endpoint: EpisodeEndpoint) -> list[LLMCall]:
-        """Stop accepting calls for the episode (later ones get 404) and return its calls in order."""
+        """Stop accepting calls for the episode and return its calls in order.
+
+        Later calls get a 404; a call still being generated is cancelled and its client gets a 404
+        `episode_closed` body (or error event, when streaming). Safe from any thread: the close runs on the
+        proxy's event loop, so no call is recorded after the list is returned. Closing twice is harmless:
+        the second close returns [] (the first returned the calls). Raises KeyError for a token this proxy
+        never opened."""
         with self._lock:
-            ep = self._episodes.pop(endpoint.api_key)
-        ep.open = False
-        for turn in ep.turns.values():     # generations nobody waits for any more
-            if turn.task is not None and not turn.task.done():
-                turn.task.get_loop().call_soon_threadsafe(turn.task.cancel)
-        ep.turns.clear()
+            ep = self._episodes.pop(endpoint.api_key, None)
+            if ep is None:
+                if endpoint.api_key in self._closed:
+                    return []
+                raise KeyError(f"episode {endpoint.episode_id!r} was never opened on this proxy")
+            self._closed[endpoint.api_key] = None
+            while len(self._closed) > 100_000:          # remember the recent ones (tokens only)
+                self._closed.popitem(last=False)
+        loop = self._loop
+        if loop is None or not loop.is_running() or _running_loop() is loop:
+            self._close_on_loop(ep)
+        else:
+            asyncio.run_coroutine_threadsafe(_call(self._close_on_loop, ep), loop).result(timeout=30)
         return ep.calls
+
+    @staticmethod
+    def _close_on_loop(ep: _Episode) -> None:
+        """Mark `ep` closed and cancel its generations nobody waits for any more (on the event loop)."""
+        ep.open = False
+        for turn in ep.turns.values():
+            if turn.task is not None and not turn.task.done():
+                turn.task.cancel()
+        ep.turns.clear()
 
     def _episode(self, token: str | None) -> _Episode:
         with self._lock:
@@ -265,9 +344,14 @@ class ProxyServer:
                   for prefix in ("/ep/{token}", "/ep/{token}/agent/{tag}", "")
                   for path, fn, method in (("/v1/chat/completions", chat, "POST"), ("/v1/models", models, "GET"),
                                            ("/v1/responses", responses, "POST"))]
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            self._loop = asyncio.get_running_loop()   # close_episode runs its close here
+            yield
+
         return Starlette(routes=routes, middleware=[Middleware(_CatchAll)],   # any other exception: a 500 body
                          exception_handlers={ProxyError: lambda _req, exc: exc.response(),
-                                             StarletteHTTPException: http_error})
+                                             StarletteHTTPException: http_error}, lifespan=lifespan)
 
     def _models(self) -> dict[str, Any]:
         names = [self.model_name] + sorted((self.accepted_models or set()) - {self.model_name})
@@ -290,32 +374,63 @@ class ProxyServer:
         """
         t0 = time.perf_counter()
         raw = await _read_body(request, self.max_body_bytes)
+        retry, idempotency_key = _is_retry(request), request.headers.get("idempotency-key", "")
+        # parse, validate, render and tokenize in the prepare pool: the event loop keeps serving other calls
+        prep = await asyncio.get_running_loop().run_in_executor(
+            self._prepare_pool, self._prepare, ep, raw, agent_tag, idempotency_key, retry)
+        req = prep.req
+        earlier = ep.turns.get(prep.key) if retry else None
+        if earlier is not None and not earlier.failed:
+            return await self._replay(earlier, req)
+        if prep.prompt is None:       # a retry whose first attempt finished meanwhile, or failed: build it now
+            prep = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool, self._prepare, ep, raw, agent_tag, idempotency_key, False)
+        if not ep.open:
+            raise _episode_closed()
+        turn = ep.turns[prep.key] = self._start_turn(ep, prep, agent_tag, t0)
+        if req.stream:
+            return await self._stream(turn, req, turn.events)
+        return _json(self._completion_body(turn, await turn.result(), req))
+
+    def _prepare(self, ep: _Episode, raw: bytes, agent_tag: str, idempotency_key: str, retry: bool) -> _Prepared:
+        """Everything a request needs before generation, run in the prepare pool (off the event loop):
+        parse and validate the body, its retry key and, unless it repeats a request the episode already
+        received, its prompt ids (token-in-token-out). Raises ProxyError 400 for bad input, including a
+        prompt longer than the context (rejected from a lower bound on its tokens before tokenizing when
+        the bound already exceeds it)."""
         req = _parse(raw)
         self._check_model(req.model)
         _reject_unsupported(req)
-        key = _request_key(request, raw, agent_tag)
-        earlier = ep.turns.get(key) if _is_retry(request) else None
-        if earlier is not None and not earlier.failed:
-            return await self._replay(earlier, req)
-        turn = ep.turns[key] = self._start_turn(ep, req, agent_tag, t0)
-        if req.stream:
-            return await self._stream(turn, req, turn.events)
-        return _json(self._completion_body(turn, await _shielded(turn.task), req))
+        key = _request_key(raw, agent_tag, idempotency_key)
+        prep = _Prepared(req, key)
+        if retry and key in ep.turns:
+            return prep
+        prep.messages, prep.tools = req.wire_messages(), req.wire_tools()
+        try:
+            prep.strict = StrictTools.of(prep.tools)
+        except ValueError as exc:
+            raise ProxyError(400, _printable(str(exc)), param="tools", code="invalid_value") from None
+        history = [c for c in list(ep.calls) if c.agent_tag == agent_tag]
+        try:
+            prep.prompt = self.prompts.build(prep.messages, prep.tools, history, ep.rendered,
+                                             max_tokens=self.max_model_len - 1)
+        except PromptTooLong as exc:
+            raise _context_exceeded(f"at least {exc.min_tokens}", self.max_model_len) from None
+        prep.forced = _forced_tool_call(req)          # tool_choice required/named: the call's opening is given
+        ids = prep.prompt.ids
+        prep.prompt_ids = ids + self.prompts.encode(prep.forced) if prep.forced else ids
+        if len(prep.prompt_ids) + 1 > self.max_model_len:
+            raise _context_exceeded(str(len(prep.prompt_ids)), self.max_model_len)
+        return prep
 
-    def _start_turn(self, ep: _Episode, req: ChatCompletionRequest, agent_tag: str, t0: float) -> _Turn:
-        """Build the prompt (token-in-token-out) and start generating the request's `n` choices in a task
-        that records them when all are done, whether or not the client is still there."""
-        messages, tools = req.wire_messages(), req.wire_tools()
-        prompt = self.prompts.build(messages, tools, [c for c in ep.calls if c.agent_tag == agent_tag], ep.rendered)
-        forced = _forced_tool_call(req)          # tool_choice required/named: the call's opening is given
-        prompt_ids = prompt.ids + self.prompts.encode(forced) if forced else prompt.ids
-        if len(prompt_ids) + 1 > self.max_model_len:
-            raise ProxyError(400, f"the prompt is {len(prompt_ids)} tokens; this model's context holds "
-                                  f"{self.max_model_len}: shorten the conversation", param="messages",
-                             code="context_length_exceeded")
+    def _start_turn(self, ep: _Episode, prep: _Prepared, agent_tag: str, t0: float) -> _Turn:
+        """Start generating the request's `n` choices in a task that records them when all are done, whether
+        or not the client is still there."""
+        req, messages, tools, prompt, prompt_ids, forced = (prep.req, prep.messages, prep.tools, prep.prompt,
+                                                             prep.prompt_ids, prep.forced)
         sampling = self._sampling(req)
         turn = _Turn(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.n or 1, bool(req.stream), forced,
-                     _parses_tools(req), sampling.stop)
+                     _parses_tools(req), sampling.stop, prep.strict)
 
         async def generate(i: int) -> _Choice:
             # choice i of n: its own seed (seed + i) so that seeded choices differ yet replay exactly
@@ -339,7 +454,7 @@ class ProxyServer:
         async def run() -> list[_Choice]:
             choices = await asyncio.gather(*(generate(i) for i in range(turn.n)))
             if not ep.open:
-                raise ProxyError(404, "the episode finished while this call was running", code="episode_not_found")
+                raise _episode_closed()
             for c in choices:
                 c.call = LLMCall(
                     call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag=agent_tag,
@@ -348,6 +463,7 @@ class ProxyServer:
                     finish_reason=c.finish_reason, response_message=c.message, sampling=c.params,
                     policy_version=c.completion.policy_version, prompt_parent=prompt.parent_call_id,
                     prompt_render_reason=prompt.render_reason, forced_text=forced,
+                    strict_violations=c.strict_violations,
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
                              "total_s": time.perf_counter() - t0})
                 ep.calls.append(c.call)
@@ -371,7 +487,8 @@ class ProxyServer:
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else completion.finish_reason
-        return _Choice(i, completion, params, message, finish, started, time.perf_counter())
+        violations = turn.strict.violations(tool_calls) if turn.strict is not None else []
+        return _Choice(i, completion, params, message, finish, started, time.perf_counter(), violations)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -379,7 +496,7 @@ class ProxyServer:
     async def _replay(self, turn: _Turn, req: ChatCompletionRequest):
         """Answer a client's retry from the generation its first attempt started (waiting for it to finish),
         streamed or not as the retry asks."""
-        choices = await _shielded(turn.task)
+        choices = await turn.result()
         if not req.stream:
             return _json(self._completion_body(turn, choices, req))
         events: asyncio.Queue = asyncio.Queue()
@@ -392,8 +509,8 @@ class ProxyServer:
         """An SSE response sending content as it is sampled. Errors before the first event keep their HTTP
         status (400, 503, ...); later ones end the stream with an OpenAI-style `{"error": ...}` event."""
         first = await events.get()
-        if first is None and turn.task.exception() is not None:
-            raise turn.task.exception()
+        if first is None and turn.error() is not None:
+            raise turn.error()
         return StreamingResponse(self._sse(turn, req, events, first), media_type="text/event-stream")
 
     async def _sse(self, turn: _Turn, req: ChatCompletionRequest, events: asyncio.Queue, first):
@@ -433,10 +550,7 @@ class ProxyServer:
                 yield "".join(out)              # one write per wake-up, however many chunks
                 out = []
             event = await events.get()
-        if turn.task.exception() is not None:
-            exc = turn.task.exception()
-            err = exc if isinstance(exc, ProxyError) else ProxyError(500, "internal error in the ajet proxy",
-                                                                       "server_error", code="internal_error")
+        if (err := turn.error()) is not None:   # the engine failed, or the episode was closed, mid-stream
             out.append(sse(err.body()))
         else:
             if req.stream_options and req.stream_options.include_usage:
@@ -575,12 +689,31 @@ def _lone_surrogate_path(data: Any) -> str | None:
             for k, x in v.items():
                 p = f"{path}.{k}" if path else str(k)
                 if not _utf8_ok(k):
-                    return _cut(p, 200)
+                    return _printable(_cut(p, 200))
                 stack.append((p, x))
         elif isinstance(v, list):
             stack.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
         elif isinstance(v, str) and not _utf8_ok(v):
-            return _cut(path, 200)
+            return _printable(_cut(path, 200))
+    return None
+
+
+def _printable(text: str) -> str:
+    """`text` with lone surrogates written as `\\udXXX` escapes (so that it can be sent as UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _too_deep_path(data: Any, limit: int) -> str | None:
+    """The dotted path of the first value nested deeper than `limit` objects/arrays, else None (iterative:
+    no recursion however deep `data` is)."""
+    stack: list[tuple[str, Any, int]] = [("", data, 0)]
+    while stack:
+        path, v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= limit:
+                return _printable(_cut(path, 200))
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend(((f"{path}.{k}" if path else str(k)), x, depth + 1) for k, x in items)
     return None
 
 
@@ -601,17 +734,26 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
     """The validated request. Raises ProxyError 400 for anything malformed (not JSON, not an object, lone
     surrogates, a schema violation: the message names the field and quotes at most ~200 characters of the
     offending value)."""
+    fallback = False
     try:   # orjson for speed; the standard parser for what it refuses (it gives the precise error, or accepts)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
+            fallback = True
             data = json.loads(raw)
     except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, >4300-digit ints, nesting
         raise ProxyError(400, f"the request body is not valid JSON: {_cut(str(exc), 200)}",
                          code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ProxyError(400, "the request body must be a JSON object", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
+    # nesting: a small body's bracket count bounds its depth, so only one with many brackets is walked (a
+    # large one is walked at once: few values, or the walk costs little beside parsing them)
+    if ((len(raw) > 2**20 or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH)
+            and (where := _too_deep_path(data, MAX_JSON_DEPTH))):
+        raise ProxyError(400, f"{where}: the value is nested more than {MAX_JSON_DEPTH} levels deep (objects and "
+                              "arrays): flatten it", param=where, code="invalid_value")
+    # lone surrogates: orjson refuses them, so only a body the standard parser accepted can hold one
+    if fallback and _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
         raise ProxyError(400, f"{where}: the string holds a lone UTF-16 surrogate (\\ud800-\\udfff escape), "
                               "which is not valid Unicode text", param=where, code="invalid_value")
     try:
@@ -688,15 +830,31 @@ def _is_retry(request: Request) -> bool:
     return (count.isdigit() and int(count) > 0) or "idempotency-key" in request.headers
 
 
-def _request_key(request: Request, raw: bytes, agent_tag: str) -> str:
+def _request_key(raw: bytes, agent_tag: str, idempotency_key: str) -> str:
     """What identifies a request among its episode's requests: the agent, the idempotency key if any, and
     the exact body (a retry sends the same bytes)."""
     h = hashlib.blake2b(raw, digest_size=16)
-    h.update(agent_tag.encode() + b"\0" + request.headers.get("idempotency-key", "").encode())
+    h.update(agent_tag.encode() + b"\0" + idempotency_key.encode())
     return h.hexdigest()
 
 
-async def _shielded(task: asyncio.Future):
-    """Await `task` without cancelling it when the waiting request is cancelled (the client went away): the
-    generation still finishes and is recorded, and a retry of the request gets its result."""
-    return await asyncio.shield(task)
+def _episode_closed() -> ProxyError:
+    return ProxyError(404, "the episode was closed while this call was running (the workflow returned or timed "
+                           "out before its agent finished): nothing was recorded", code="episode_closed")
+
+
+def _context_exceeded(n_tokens: str, max_model_len: int) -> ProxyError:
+    return ProxyError(400, f"the prompt is {n_tokens} tokens; this model's context holds {max_model_len}: "
+                           "shorten the conversation", param="messages", code="context_length_exceeded")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _call(fn, *args):
+    """`fn(*args)` as a coroutine (to run a plain function on another thread's event loop)."""
+    return fn(*args)
