@@ -1,6 +1,11 @@
-"""`ajet` command line. Only argparse is imported until a command runs, so `ajet --help` is instant.
+"""`ajet` command line: a small dispatch of subcommands, one module each. Only argparse is imported until a
+command runs, so `ajet --help` is instant.
 
-    ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug [--exp-dir DIR] [--steps N]
+    ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--resume]     train (the default)
+    ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
+    ajet doctor --model MODEL                                                         chat-template check
+
+To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -9,18 +14,32 @@ import argparse
 import sys
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
-        epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
-               "Also: ajet doctor --model MODEL (checks the chat template)",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of every command that trains (train, serve)."""
     p.add_argument("--conf", required=True, metavar="YAML", help="experiment config file")
     p.add_argument("--backbone", choices=["debug", "verl", "trinity"],
                    help="RL backend: debug (one process, CPU or one GPU), verl (Ray+FSDP+vLLM), trinity")
     p.add_argument("--exp-dir", metavar="DIR", help="where metrics, trajectories and checkpoints go")
     p.add_argument("--steps", type=int, metavar="N", help="override trainer.total_steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _run_flags(argparse.ArgumentParser(
+        prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
+        epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
+               "Also: ajet serve --conf X.yaml (train agents that run anywhere; docs/serve.md)\n"
+               "      ajet doctor --model MODEL (checks the chat template)",
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = _run_flags(argparse.ArgumentParser(
+        prog="ajet serve", description="Serve the recording proxy and the episode API; train continuously on "
+                                       "the episodes clients run (docs/serve.md)."))
+    p.add_argument("--host", help="bind address (serve.host; default 127.0.0.1; other hosts need serve.secret)")
+    p.add_argument("--port", type=int, help="port (serve.port; 0 picks a free one)")
     return p
 
 
@@ -32,34 +51,57 @@ def doctor_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load(args: argparse.Namespace, **extra):
+    from ajet.config import load_config
+
+    overrides = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
+                 "trainer.resume": args.resume or None, **extra}
+    return load_config(args.conf, {k: v for k, v in overrides.items() if v is not None})
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ajet.trainer import run
+
+    run(_load(args))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ajet.serve import serve
+
+    serve(_load(args, **{"serve.host": args.host, "serve.port": args.port}))
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from ajet.doctor import main as doctor
+
+    try:
+        return doctor(args.model, args.chat_template)
+    except OSError as exc:   # an unreadable model folder or template file
+        print(f"ajet: error: {exc}", file=sys.stderr)
+        return 2
+
+
+SUBCOMMANDS = {"serve": (_serve_parser, _serve), "doctor": (doctor_parser, _doctor)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv`, load the config, train (or `ajet doctor ...`). Returns the exit status (2 for user errors)."""
+    """Parse `argv` and run the command. Returns the exit status (2 for user errors, printed without a
+    traceback)."""
     argv = sys.argv[1:] if argv is None else argv
-    from_doctor = bool(argv) and argv[0] == "doctor"
-    args = (doctor_parser() if from_doctor else build_parser()).parse_args(argv[1:] if from_doctor else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        make_parser, command = SUBCOMMANDS[argv[0]]
+        args = make_parser().parse_args(argv[1:])
+    else:
+        command, args = _train, build_parser().parse_args(argv)
     from ajet.errors import AjetError
 
-    if from_doctor:
-        from ajet.doctor import main as doctor
-
-        try:
-            return doctor(args.model, args.chat_template)
-        except (AjetError, OSError) as exc:
-            print(f"ajet: error: {exc}", file=sys.stderr)
-            return 2
-
-    overrides = {k: v for k, v in (("backbone", args.backbone), ("trainer.exp_dir", args.exp_dir),
-                                   ("trainer.total_steps", args.steps),
-                                   ("trainer.resume", args.resume or None)) if v is not None}
     try:
-        from ajet.config import load_config
-        from ajet.trainer import run
-
-        run(load_config(args.conf, overrides))
+        return command(args)
     except AjetError as exc:
         print(f"ajet: error: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 def _entry() -> None:  # console-script entry point

@@ -113,16 +113,46 @@ class TrainerConfig(_Section):
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
 
 
+class CommandWorkflowConfig(_Section):
+    """A workflow that is the user's own program, started once per episode (see ajet/rollout/command.py).
+
+    command: argv, e.g. [python, agent.py] (run in the config file's folder, or `cwd` relative to it).
+    env: extra environment variables. timeout_s: kill its process group after this many seconds
+    (None: only `rollout.episode_timeout_s` applies).
+    """
+
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = {}
+    timeout_s: float | None = Field(None, gt=0)
+    cwd: str | None = None
+
+
+class ServeConfig(_Section):
+    """`ajet serve`: the training server that clients anywhere run episodes against (docs/serve.md).
+
+    host: bind address (a non-loopback host needs `secret`). port: 0 picks a free one. secret: the
+    bearer token of the episode API (None: generated and printed at start; also AJET_SECRET).
+    episode_idle_timeout_s: an episode with no call or heartbeat for this long is abandoned and its task
+    handed to the next client.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8765, ge=0, le=65535)
+    secret: str | None = Field(None, min_length=16)
+    episode_idle_timeout_s: float = Field(300.0, gt=0)
+
+
 class AjetConfig(_Section):
     """The whole experiment.
 
     workflow: `module:Class` or `path/to/file.py:Class` (relative paths resolve against the YAML file's
-    folder, then the working directory). judge: same form naming a function
-    `judge(task, output) -> float`, used when the workflow returns no reward.
+    folder, then the working directory), or `{command: [...], env: {...}, timeout_s: ...}` for a program
+    run per episode; `ajet serve` needs none (its clients run the episodes). judge: same form naming a
+    function `judge(task, output) -> float`, used when the workflow returns no reward.
     """
 
     experiment_name: str = "ajet"
-    workflow: str
+    workflow: str | CommandWorkflowConfig | None = None
     judge: str | None = None
     model: ModelConfig = ModelConfig()
     data: DataConfig
@@ -130,6 +160,7 @@ class AjetConfig(_Section):
     proxy: ProxyConfig = ProxyConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    serve: ServeConfig = ServeConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths

@@ -27,6 +27,8 @@ class Episode:
         error: traceback text when the workflow raised or timed out, else None.
         samples: training samples built by the context tracker.
         duration_s: wall-clock seconds the workflow ran.
+        attempt: the trainer attempt that ran and stored it (its key in trajectories.sqlite with
+            `episode_id`; an episode that a resumed `ajet serve` adopts keeps its first attempt's number).
     """
 
     episode_id: str
@@ -39,6 +41,7 @@ class Episode:
     error: str | None = None
     samples: list[Sample] = field(default_factory=list)
     duration_s: float = 0.0
+    attempt: int = 0
 
     @property
     def ok(self) -> bool:
@@ -63,3 +66,19 @@ class Episode:
             "calls": [c.to_dict() for c in self.calls],
             "samples": [s.to_dict() for s in self.samples],
         }
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Episode:
+        """The episode of a stored `to_dict()` record (samples are left out: the tracker rebuilds them from
+        the calls). `record["attempt"]`, when present, sets `attempt`."""
+        from ajet.llm_call import LLMCall, SamplingParams
+        from ajet.task import Task
+        from ajet.workflow import WorkflowOutput
+
+        out = record.get("output")
+        return cls(episode_id=record["episode_id"], task=Task(**record["task"]), group_id=record["group_id"],
+                   repeat_index=record["repeat_index"],
+                   calls=[LLMCall(**{**c, "sampling": SamplingParams(**c["sampling"])}) for c in record["calls"]],
+                   output=None if out is None else WorkflowOutput(reward=record.get("reward"), **out),
+                   reward=record.get("reward"), error=record.get("error"), duration_s=record.get("duration_s", 0.0),
+                   attempt=record.get("attempt", 0))

@@ -1,40 +1,48 @@
-"""The training loop: roll out -> merge into samples -> GRPO advantages -> backbone update -> log.
+"""The training loop, the only one: a rollout source yields finished episodes -> merge into samples ->
+GRPO advantages -> backbone update -> ledger -> log -> checkpoint.
 
-    for step in 1..total_steps:
-        tasks    = sampler.next_batch(tasks_per_step)
-        episodes = rollout(workflow, tasks x num_repeat)         # through the proxy, recorded
+    source = make_source(ctx)                                 # in-process workflow, or `ajet serve`'s clients
+    for step in first_step..total_steps:
+        episodes = source.collect(step)                       # complete GRPO groups, each committed to the store
         samples  = merge_calls(episode.calls) for each episode   # context tracker
         advantage per episode = GRPO over its task group          # shared by the episode's samples
         backbone.update(samples)                                  # the engine serves the new weights
+        store.mark_trained(step, attempt, episodes)               # the ledger: which update used which episode
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ajet import checkpoint
 from ajet.config import AjetConfig, resolve_path
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
 from ajet.faults import kill_point
-from ajet.importing import load_object
 from ajet.llm_call import SamplingParams
 from ajet.task_reader import read_jsonl_tasks
-from ajet.task_sampler import TaskSampler
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
 
+if TYPE_CHECKING:
+    from ajet.rollout import RolloutContext, RolloutSource
 
-def run(cfg: AjetConfig) -> Path:
+
+def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] | None = None,
+        port: int = 0) -> Path:
     """Train as `cfg` says; returns the experiment folder (metrics.jsonl, trajectories.jsonl,
     trajectories.sqlite, checkpoints/). With `trainer.resume`, continues from the newest checkpoint.
 
+    Args:
+        cfg: the experiment.
+        make_source: builds the rollout source from a `RolloutContext` (default: the in-process workflow,
+            `InProcessRollout.from_context`; `ajet serve` passes its episode queue).
+        port: the proxy's port (0: a free one).
     Raises:
         AjetError subclasses for config, workflow-loading or backbone problems (before any training), and
         when `trainer.max_failed_steps` steps in a row produce no usable episode.
@@ -45,7 +53,8 @@ def run(cfg: AjetConfig) -> Path:
     from ajet.grpo import assign_advantages
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
-    from ajet.rollout import rollout
+    from ajet.rollout import RolloutContext
+    from ajet.rollout.in_process import InProcessRollout
     from ajet.tracker import merge_calls
     from ajet.trajectory_store import TrajectoryStore
 
@@ -53,34 +62,43 @@ def run(cfg: AjetConfig) -> Path:
     _check_exp_dir(exp_dir, cfg.trainer.resume)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-
     tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
-    workflow = load_object(cfg.workflow, cfg.config_dir)()
-    judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
     backbone_cls = load_backbone(cfg.backbone)
-    sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     # resume: continue after the newest checkpoint (or from scratch when the run died before its first);
     # what the interrupted attempt logged after that checkpoint is dropped, what it stored stays, marked
     # abandoned by this attempt's `resumed_from_step`
     resume_from = checkpoint.latest(exp_dir) if cfg.trainer.resume else None
-    resumed_step = 0
-    if resume_from is not None:
-        state = checkpoint.load_trainer_state(resume_from)
-        resumed_step = state["step"]
-        sampler.set_position(*state["sampler"])
+    state = checkpoint.load_trainer_state(resume_from) if resume_from is not None else None
+    resumed_step = state["step"] if state else 0
+    first_step, total = resumed_step + 1, cfg.trainer.total_steps
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    store = TrajectoryStore(exp_dir / "trajectories.sqlite")
+    attempt = store.begin_attempt(resumed_step)   # from the store: never repeats, even after a kill before any commit
+    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
+    progress: list[Callable[..., None]] = [lambda *_: None]
+
+    def record(step: int, ep: Episode) -> None:   # every finished episode: durable before training uses it
+        store.add_episode(step, ep.attempt, ep.to_dict())
+        kill_point("rollout", step)
+        progress[0]()
+
+    ctx = RolloutContext(cfg, tasks, store, attempt, first_step, record, log.console)
+    try:
+        source = (make_source or InProcessRollout.from_context)(ctx)   # loads the workflow: fails before the model
+    except BaseException:
+        store.close()
+        log.close()
+        raise
+    if state is not None:
+        source.load_state_dict(state["rollout"])
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
     if cfg.trainer.resume:
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
-    first_step = resumed_step + 1
-    store = TrajectoryStore(exp_dir / "trajectories.sqlite")
-    attempt = store.begin_attempt(resumed_step)   # from the store: never repeats, even after a kill before any commit
+    (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
-    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
     log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
                       f"tasks={len(tasks)} -> {exp_dir}")
     t_load = time.perf_counter()
@@ -95,22 +113,20 @@ def run(cfg: AjetConfig) -> Path:
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
                         sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len,
                         host=cfg.proxy.host, max_body_bytes=cfg.proxy.max_body_bytes,
-                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s).start()
+                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s)
+    proxy.port = port
+    source.bind(proxy)
+    proxy.start()
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
-    total, failed_in_a_row = cfg.trainer.total_steps, 0
+    failed_in_a_row = 0
     try:
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
             with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
-                def finished(ep: Episode, step=step, advance=advance) -> None:
-                    store.add_episode(step, attempt, ep.to_dict())   # durable before training uses it
-                    kill_point("rollout", step)
-                    advance()
-
-                episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
-                                               proxy, judge, step, r.max_concurrency, r.episode_timeout_s,
-                                               on_episode_done=finished, attempt=attempt))
+                progress[0] = advance
+                episodes = source.collect(step)
+                progress[0] = lambda *_: None
             kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
             trainable = _trainable(episodes, r.failed_episode_policy)
@@ -129,12 +145,14 @@ def run(cfg: AjetConfig) -> Path:
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
             train = backbone.update(samples)
             kill_point("update", step)
-            store.mark_trained(step, attempt, [(e.episode_id, attempt) for e in trainable])
+            store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable])
             kill_point("trained", step)
+            source.step_done(step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
+            metrics.update(source.metrics())
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["policy_version"] = backbone.engine.policy_version
             log.log(step, metrics)
@@ -145,9 +163,10 @@ def run(cfg: AjetConfig) -> Path:
             log.console.print(_console_line(step, total, metrics))
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
                 checkpoint.save(exp_dir, step, backbone, {
-                    "step": step, "attempt": attempt, "sampler": (sampler.epoch, sampler.offset),
+                    "step": step, "attempt": attempt, "rollout": source.state_dict(step),
                     "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     finally:
+        source.close()
         proxy.stop()
         backbone.close()
         store.close()
@@ -238,5 +257,7 @@ def _console_line(step: int, total: int, m: dict[str, Any]) -> str:
             f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f} | calls {m['rollout/calls']} -> samples "
             f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x, {m['tracker/forks']} forks, tokens "
             f"{m['tracker/token_ratio']:.2f}x fewer) | gen {m['rollout/tokens_per_s']:.0f} tok/s | "
-            f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s")
+            f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s"
+            + (f" | clients {m['serve/clients']}, running {m['serve/running']}, abandoned {m['serve/abandoned']}"
+               if "serve/clients" in m else ""))
 

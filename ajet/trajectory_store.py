@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -65,11 +66,12 @@ class TrajectoryStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable across process crashes
         self._db.executescript(_SCHEMA)
+        self._write = threading.Lock()   # one transaction at a time (`ajet serve` commits from many threads)
 
     def begin_attempt(self, resumed_from_step: int) -> int:
         """Register a new start of the trainer and return its attempt number (0, 1, 2, ...: one more than
         any attempt this store has seen, whether or not that attempt committed an episode)."""
-        with self._db:
+        with self._write, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             row = self._db.execute("SELECT MAX(m) FROM (SELECT MAX(attempt) AS m FROM attempts "
                                    "UNION ALL SELECT MAX(attempt) FROM episodes)").fetchone()
@@ -84,7 +86,7 @@ class TrajectoryStore:
             sqlite3.IntegrityError: the same (episode_id, attempt) was stored before.
         """
         calls = record.get("calls", [])
-        with self._db:  # one transaction
+        with self._write, self._db:  # one transaction
             self._db.execute("BEGIN")
             self._db.execute("INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
                              (record["episode_id"], step, attempt, record["task"]["task_id"], record.get("reward"),
@@ -95,7 +97,7 @@ class TrajectoryStore:
     def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]]) -> None:
         """Record, in one transaction, that the update of `step` run by `attempt` trained on `episodes`,
         given as (episode_id, the attempt that stored the episode)."""
-        with self._db:
+        with self._write, self._db:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
                                  [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
@@ -138,12 +140,11 @@ class TrajectoryStore:
                         "abandoned": not trained_in and discarded(st, att)})
         return out
 
-    def untrained(self, after_step: int) -> list[dict[str, Any]]:
-        """Records of ok episodes stored under a step > `after_step` that no live update used, oldest first:
-        what a resumed `ajet serve` adopts instead of asking clients to run them again."""
+    def untrained(self) -> list[dict[str, Any]]:
+        """Records (with their `attempt`) of the ok episodes that no live update used, oldest first: what a
+        resumed `ajet serve` adopts instead of asking clients to run them again."""
         fates = {(e["episode_id"], e["attempt"]): e for e in self.ledger()}
-        rows = self._db.execute("SELECT episode_id, attempt, record FROM episodes WHERE step > ? ORDER BY rowid",
-                                (after_step,))
+        rows = self._db.execute("SELECT episode_id, attempt, record FROM episodes ORDER BY rowid")
         out = []
         for eid, att, record in rows:
             fate = fates[(eid, att)]

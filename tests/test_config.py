@@ -52,8 +52,8 @@ def test_wrong_type_and_bad_value_name_the_key(tmp_path):
 def test_missing_file_missing_key_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match="missing required key `workflow`"):
-        load_config(_write(tmp_path, "data: {train_path: x}\n"))
+    with pytest.raises(ConfigError, match="missing required key `data`"):
+        load_config(_write(tmp_path, "workflow: wf.py:W\n"))
     with pytest.raises(ConfigError, match=r"conf.yaml:\d+: invalid YAML"):
         load_config(_write(tmp_path, "workflow: [unclosed\n"))
     with pytest.raises(ConfigError, match="top level must be a mapping"):

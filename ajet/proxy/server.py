@@ -241,7 +241,7 @@ class ProxyServer:
         # Nagle holds each response body behind its headers for a delayed ACK (~40 ms a request)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
+        sock.bind((self.host, self.port or 0))   # `port` set before start (ajet serve), else a free one
         self.port = sock.getsockname()[1]
         # "auto": uvloop and httptools (the `uvicorn[standard]` extras ajet depends on) when importable
         config = uvicorn.Config(self.app, log_level="warning", loop="auto", http="auto", access_log=False,

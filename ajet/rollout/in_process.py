@@ -1,4 +1,5 @@
-"""Running episodes: one workflow execution per (task, repeat), each behind its own proxy endpoint.
+"""The in-process rollout source: one workflow execution per (task, repeat), each behind its own proxy
+endpoint, all in this process (`ajet --conf`).
 
 A workflow that raises, hangs past the timeout or yields a non-finite reward is recorded with the
 reason (traceback text) and left out of training; the other episodes go on.
@@ -11,11 +12,17 @@ import inspect
 import math
 import time
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
+from ajet.config import CommandWorkflowConfig
 from ajet.episode import Episode
+from ajet.errors import ConfigError
+from ajet.importing import load_object
 from ajet.proxy.server import ProxyServer
+from ajet.rollout import RolloutContext
+from ajet.rollout.command import CommandWorkflow
 from ajet.task import Task
+from ajet.task_sampler import TaskSampler
 from ajet.workflow import Tuner, Workflow, WorkflowOutput
 
 Judge = Callable[[Task, WorkflowOutput], float]
@@ -67,7 +74,8 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
         "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run.
     """
     sem = asyncio.Semaphore(max_concurrency)
-    episodes = [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}", repeat_index=r)
+    episodes = [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
+                        repeat_index=r, attempt=attempt)
                 for ti, task in enumerate(tasks) for r in range(num_repeat)]
 
     async def _one(ep: Episode) -> Episode:
@@ -78,3 +86,54 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
         return ep
 
     return list(await asyncio.gather(*(_one(ep) for ep in episodes)))
+
+
+class InProcessRollout:
+    """The rollout source of `ajet --conf`: runs the workflow on `tasks_per_step` tasks x `num_repeat` per step,
+    in this process (the tasks in `TaskSampler` order, so a resumed run sees the same data)."""
+
+    def __init__(self, ctx: RolloutContext, workflow: Workflow, judge: Judge | None):
+        self.ctx, self.workflow, self.judge = ctx, workflow, judge
+        self.sampler = TaskSampler(ctx.tasks, ctx.cfg.data.shuffle, ctx.cfg.trainer.seed)
+        self.proxy: ProxyServer | None = None
+
+    @classmethod
+    def from_context(cls, ctx: RolloutContext) -> InProcessRollout:
+        """Load the config's workflow (a class, or a command) and judge.
+
+        Raises:
+            ConfigError: the workflow or judge cannot be loaded.
+        """
+        cfg = ctx.cfg
+        if cfg.workflow is None:
+            raise ConfigError("the config names no `workflow` (a `file.py:Class`, a `module:Class`, or "
+                              "`{command: [...]}`); `ajet serve` runs without one")
+        workflow = (CommandWorkflow(cfg.workflow, cfg.config_dir) if isinstance(cfg.workflow, CommandWorkflowConfig)
+                    else load_object(cfg.workflow, cfg.config_dir)())
+        judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+        return cls(ctx, workflow, judge)
+
+    def bind(self, proxy: ProxyServer) -> None:
+        self.proxy = proxy
+
+    def collect(self, step: int) -> list[Episode]:
+        r = self.ctx.cfg.rollout
+        tasks = self.sampler.next_batch(self.ctx.cfg.trainer.tasks_per_step)
+        return asyncio.run(rollout(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
+                                   r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
+                                   attempt=self.ctx.attempt))
+
+    def step_done(self, step: int) -> None:
+        pass
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        return {"sampler": (self.sampler.epoch, self.sampler.offset)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.set_position(*state["sampler"])
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass

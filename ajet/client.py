@@ -1,0 +1,329 @@
+"""The Python client of `ajet serve`'s episode API (sync and async, on httpx).
+
+    from ajet.client import AjetClient
+
+    client = AjetClient("http://127.0.0.1:8765", secret="...")     # or AJET_URL / AJET_SECRET
+    while True:
+        with client.episode() as ep:            # begin: the server hands out the next task
+            llm = ep.openai()                   # openai.OpenAI bound to this episode's recording endpoint
+            r = llm.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}])
+            ep.finish(reward=score(r))          # or ep.finish(final_answer=...) and the server's judge scores it
+
+An exception inside the block ends the episode as failed (its traceback is recorded, it is never trained
+on) and is re-raised; leaving the block without `finish` does the same. Lost connections and 503s are
+retried with exponential backoff for up to `retry_for_s` seconds (a restarting server is waited for).
+`begin` raises `RunFinished` once the server has trained all its steps; `finish` raises `EpisodeGone` when
+the server no longer knows the episode (it was abandoned after going idle, or the server restarted).
+`AsyncAjetClient` has the same methods as coroutines (`async with client.episode() as ep:`).
+
+Wire protocol (JSON over HTTP; every control call carries `Authorization: Bearer <secret>`):
+
+    POST /ajet/v1/episodes                {"client_id", "task"?, "group_id"?}   -> episode
+    POST /ajet/v1/episodes/{id}/finish    {"reward"?, "final_answer"?, "metadata"?, "metrics"?} | {"error"}
+    POST /ajet/v1/episodes/{id}/abort     {"reason"?}
+    POST /ajet/v1/episodes/{id}/heartbeat {}
+    GET  /ajet/v1/status
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import httpx
+
+API = "/ajet/v1"
+_RETRY_STATUS = {502, 503, 504}
+
+
+class AjetClientError(Exception):
+    """The server refused a call (a 4xx); `status` and `code` are the HTTP status and the error code."""
+
+    def __init__(self, status: int, code: str | None, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+class RunFinished(AjetClientError):
+    """The server has trained all its steps and hands out no more episodes."""
+
+
+class EpisodeGone(AjetClientError):
+    """The server no longer knows the episode (abandoned after going idle, aborted, or the server restarted)."""
+
+
+@dataclass
+class _EpisodeData:
+    episode_id: str
+    base_url: str
+    api_key: str
+    model: str
+    task: dict[str, Any]
+    group_id: str
+    idle_timeout_s: float
+    policy_version: int
+    finished: bool = field(default=False, repr=False)
+
+
+class Episode(_EpisodeData):
+    """A running episode (sync). Attributes: `episode_id`, `task` (dict: task_id, query, answer, metadata),
+    `base_url` / `api_key` (OpenAI-compatible, record every call), `model`, `group_id`, `idle_timeout_s`
+    (the server abandons the episode after this long without a call or heartbeat), `policy_version`."""
+
+    _client: AjetClient
+
+    def openai(self, **kwargs):
+        """An `openai.OpenAI` client bound to this episode (kwargs go to its constructor)."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def finish(self, reward: float | None = None, final_answer: str | None = None,
+               metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        """End the episode with `reward` (or with `final_answer` only, for the server's judge to score).
+
+        Raises:
+            AjetClientError: the server refused it (non-finite reward, no reward and no judge, ...).
+            EpisodeGone: the server no longer knows the episode.
+        """
+        out = self._client._end(self.episode_id, "finish", _finish_body(reward, final_answer, metadata, metrics))
+        self.finished = True
+        return out
+
+    def fail(self, error: str) -> dict[str, Any]:
+        """End the episode as failed (recorded with `error`, never trained on)."""
+        out = self._client._end(self.episode_id, "finish", {"error": error})
+        self.finished = True
+        return out
+
+    def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
+        """Give the episode up: recorded with `reason`, never trained on; its task goes to another client."""
+        out = self._client._end(self.episode_id, "abort", {"reason": reason})
+        self.finished = True
+        return out
+
+    def heartbeat(self) -> None:
+        """Tell the server the episode is alive (needed only for work longer than `idle_timeout_s` without
+        model calls)."""
+        self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {})
+
+
+class AsyncEpisode(_EpisodeData):
+    """A running episode (async); see `Episode`."""
+
+    _client: AsyncAjetClient
+
+    def openai(self, **kwargs):
+        """An `openai.AsyncOpenAI` client bound to this episode."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    async def finish(self, reward: float | None = None, final_answer: str | None = None,
+                     metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
+        out = await self._client._end(self.episode_id, "finish", _finish_body(reward, final_answer, metadata, metrics))
+        self.finished = True
+        return out
+
+    async def fail(self, error: str) -> dict[str, Any]:
+        out = await self._client._end(self.episode_id, "finish", {"error": error})
+        self.finished = True
+        return out
+
+    async def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
+        out = await self._client._end(self.episode_id, "abort", {"reason": reason})
+        self.finished = True
+        return out
+
+    async def heartbeat(self) -> None:
+        await self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {})
+
+
+def _finish_body(reward, final_answer, metadata, metrics) -> dict[str, Any]:
+    body: dict[str, Any] = {"reward": reward, "final_answer": final_answer, "metadata": metadata or {},
+                            "metrics": metrics or {}}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _settings(url: str | None, secret: str | None, client_id: str | None) -> tuple[str, str | None, str]:
+    url = (url or os.environ.get("AJET_URL") or "").rstrip("/")
+    if not url:
+        raise ValueError("no server URL: pass AjetClient(url) or set AJET_URL (printed by `ajet serve`)")
+    return (url, secret if secret is not None else os.environ.get("AJET_SECRET"),
+            client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+
+def _error(resp: httpx.Response) -> AjetClientError:
+    try:
+        err = resp.json()["error"]
+        code, message = err.get("code"), err.get("message", "")
+    except Exception:  # noqa: BLE001 - a body that is not ours (a proxy in between, say)
+        code, message = None, resp.text[:300]
+    cls = RunFinished if code == "run_finished" else EpisodeGone if resp.status_code in (404, 410) else AjetClientError
+    return cls(resp.status_code, code, message)
+
+
+def _backoff(attempt: int) -> float:
+    return min(0.2 * 2 ** attempt, 5.0)
+
+
+class AjetClient:
+    """Synchronous client of `ajet serve`.
+
+    Args:
+        url: the server's base URL (default: `AJET_URL`).
+        secret: the server's secret (default: `AJET_SECRET`).
+        client_id: a name for this client in the server's status (default: host-pid-random).
+        retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds.
+        timeout_s: per-request timeout, seconds.
+    """
+
+    def __init__(self, url: str | None = None, secret: str | None = None, client_id: str | None = None,
+                 retry_for_s: float = 120.0, timeout_s: float = 60.0):
+        self.url, self.secret, self.client_id = _settings(url, secret, client_id)
+        self.retry_for_s = retry_for_s
+        headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
+        """One API call with retries. A retried call answered with an error code in `done_codes` (the first
+        try went through before the connection broke) counts as success."""
+        deadline, attempt = time.monotonic() + self.retry_for_s, 0
+        while True:
+            try:
+                resp = self._http.request(method, path, json=body)
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+            else:
+                if resp.status_code < 400:
+                    return resp.json()
+                if resp.status_code not in _RETRY_STATUS or time.monotonic() > deadline:
+                    err = _error(resp)
+                    if attempt > 0 and err.code in done_codes:
+                        return {"status": err.code}
+                    raise err
+            wait = _backoff(attempt)
+            attempt += 1
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic()) + 0.05))
+
+    def _end(self, episode_id: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
+                          done_codes=("episode_already_finished",))
+
+    def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> Episode:
+        """Begin an episode: the server's next task, or your own `task` ({"query", "answer"?, "task_id"?,
+        "metadata"?}) in GRPO group `group_id`. Waits (retrying) while the server has no task to hand out.
+
+        Raises:
+            RunFinished: the run is over. AjetClientError: the server refused the request.
+        """
+        body = {"client_id": self.client_id, "task": task, "group_id": group_id}
+        data = self._call("POST", f"{API}/episodes", {k: v for k, v in body.items() if v is not None})
+        ep = Episode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
+        ep._client = self
+        return ep
+
+    @contextlib.contextmanager
+    def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> Iterator[Episode]:
+        """`with client.episode() as ep:` begin; an exception in the block (or no `finish`) fails the episode."""
+        ep = self.begin(task, group_id)
+        try:
+            yield ep
+        except BaseException:
+            if not ep.finished:
+                with contextlib.suppress(AjetClientError, httpx.TransportError):
+                    ep.fail(traceback.format_exc())
+            raise
+        if not ep.finished:
+            ep.fail("the client left the episode block without calling finish()")
+
+    def status(self) -> dict[str, Any]:
+        """The run's status: policy_version, step, total_steps, finished, episodes (running, finished,
+        abandoned...), clients."""
+        return self._call("GET", f"{API}/status")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AjetClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncAjetClient:
+    """Asynchronous client of `ajet serve` (same arguments and methods as `AjetClient`, as coroutines)."""
+
+    def __init__(self, url: str | None = None, secret: str | None = None, client_id: str | None = None,
+                 retry_for_s: float = 120.0, timeout_s: float = 60.0):
+        self.url, self.secret, self.client_id = _settings(url, secret, client_id)
+        self.retry_for_s = retry_for_s
+        headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+                    done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
+        deadline, attempt = time.monotonic() + self.retry_for_s, 0
+        while True:
+            try:
+                resp = await self._http.request(method, path, json=body)
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+            else:
+                if resp.status_code < 400:
+                    return resp.json()
+                if resp.status_code not in _RETRY_STATUS or time.monotonic() > deadline:
+                    err = _error(resp)
+                    if attempt > 0 and err.code in done_codes:
+                        return {"status": err.code}
+                    raise err
+            wait = _backoff(attempt)
+            attempt += 1
+            await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic()) + 0.05))
+
+    async def _end(self, episode_id: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
+                                done_codes=("episode_already_finished",))
+
+    async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> AsyncEpisode:
+        body = {"client_id": self.client_id, "task": task, "group_id": group_id}
+        data = await self._call("POST", f"{API}/episodes", {k: v for k, v in body.items() if v is not None})
+        ep = AsyncEpisode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
+        ep._client = self
+        return ep
+
+    @contextlib.asynccontextmanager
+    async def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> AsyncIterator[AsyncEpisode]:
+        ep = await self.begin(task, group_id)
+        try:
+            yield ep
+        except BaseException:
+            if not ep.finished:
+                with contextlib.suppress(AjetClientError, httpx.TransportError):
+                    await ep.fail(traceback.format_exc())
+            raise
+        if not ep.finished:
+            await ep.fail("the client left the episode block without calling finish()")
+
+    async def status(self) -> dict[str, Any]:
+        return await self._call("GET", f"{API}/status")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAjetClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

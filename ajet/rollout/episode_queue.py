@@ -1,0 +1,379 @@
+"""Episodes that `ajet serve` clients begin and finish over HTTP: a rollout source for the one trainer loop.
+
+The server hands tasks out in GRPO-group order: every task drawn from the dataset opens a group of
+`rollout.num_repeat` places, and a client's `begin` gets the first free place of the oldest group that
+still needs episodes, opening the next group (at most two steps' worth ahead of training) when none does.
+A client may instead bring its own task and group id. `finish` closes the episode's proxy endpoint, takes
+its recorded calls, scores it (the client's reward, else the judge on its final answer), commits it to the
+store and puts it into its group. The trainer's `collect(step)` waits for `trainer.tasks_per_step`
+complete groups and takes them, oldest first.
+
+An episode that makes no call (and sends no heartbeat) for `serve.episode_idle_timeout_s`, or that its
+client aborts, is *abandoned*: stored with the reason, never trained on, and its place handed to the next
+client, so the group still completes.
+
+After a restart with `--resume`, the groups that were open at the checkpoint are opened again, and every
+finished episode that no live update used is put back into its group (matched by group id; see
+`TrajectoryStore.untrained`), so nothing a client finished is lost or trained twice.
+
+Thread model: the HTTP handlers call `begin` / `finish` / `abort` / `heartbeat` from worker threads, the
+trainer calls `collect` from its own; one lock guards the state, a condition wakes `collect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import math
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ajet.episode import Episode
+from ajet.task import Task
+from ajet.task_sampler import TaskSampler
+from ajet.workflow import WorkflowOutput
+
+
+class EpisodeApiError(Exception):
+    """A refused episode-API call: HTTP `status`, machine-readable `code`, and a message saying what to fix."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.retry_after_s = status, code, message, retry_after_s
+
+
+@dataclass
+class _Group:
+    """One GRPO group: `num_repeat` places for episodes of one task."""
+
+    order: int                       # hand-out order among all groups (oldest first)
+    group_id: str
+    task: Task
+    own: bool                        # brought by a client, not drawn from the dataset
+    finished: dict[int, Episode] = field(default_factory=dict)      # repeat index -> finished episode
+    running: dict[int, str] = field(default_factory=dict)           # repeat index -> running episode id
+    handouts: int = 0
+
+
+@dataclass
+class _Running:
+    episode_id: str
+    group: _Group
+    repeat: int
+    endpoint: Any                    # the proxy's EpisodeEndpoint
+    client_id: str
+    began: float                     # time.monotonic()
+    last_seen: float                 # time.monotonic() of begin, the last call or heartbeat
+    in_flight: int = 0               # proxy requests being served now
+
+
+@dataclass
+class _Client:
+    begun: int = 0
+    finished: int = 0
+    abandoned: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class EpisodeQueue:
+    """The rollout source of `ajet serve` (see the module docstring).
+
+    Args:
+        tasks: the dataset the server hands out (drawn in `TaskSampler` order).
+        num_repeat: episodes per GRPO group.
+        tasks_per_step: groups per training step.
+        total_steps: the run's last step (no groups are opened beyond it).
+        first_step: the step the trainer collects first (1, or the checkpoint's step + 1).
+        attempt: this trainer attempt (in episode ids and the store).
+        record: `record(step, episode)`: commits a finished or abandoned episode to the store.
+        judge: `judge(task, WorkflowOutput) -> float` for episodes finished without a reward, or None.
+        idle_timeout_s: abandon an episode after this long without a call or heartbeat, seconds.
+        shuffle, seed: the task order (as `data.shuffle`, `trainer.seed`).
+    """
+
+    def __init__(self, tasks: list[Task], num_repeat: int, tasks_per_step: int, total_steps: int, first_step: int,
+                 attempt: int, record: Callable[[int, Episode], None], judge: Callable | None = None,
+                 idle_timeout_s: float = 300.0, shuffle: bool = True, seed: int = 0):
+        self.num_repeat, self.tasks_per_step, self.total_steps = num_repeat, tasks_per_step, total_steps
+        self.attempt, self.record, self.judge, self.idle_timeout_s = attempt, record, judge, idle_timeout_s
+        self.sampler = TaskSampler(tasks, shuffle, seed)
+        self.proxy = None
+        self.collecting_step = first_step                # the step new episodes are stored under
+        self.trained_step = first_step - 1
+        self.finished_run = False
+        self._next_gid = 0                               # dataset groups opened so far (ids "g<gid>:<task_id>")
+        self._order = itertools.count()
+        self._groups: dict[str, _Group] = {}             # open groups by group id, not yet taken by collect
+        self._running: dict[str, _Running] = {}          # by episode id
+        self._by_token: dict[str, _Running] = {}         # by the episode's proxy api_key
+        self._ended: dict[str, str] = {}                 # episode id -> "finished" | "abandoned: ..." | "aborted: ..."
+        self._adoptable: dict[str, list[Episode]] = {}   # finished, untrained episodes of an earlier attempt
+        self._clients: dict[str, _Client] = {}
+        self.counts = {"begun": 0, "finished": 0, "failed": 0, "abandoned": 0, "aborted": 0, "adopted": 0}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+
+    # ---- wiring -----------------------------------------------------------------------------------
+    def bind(self, proxy) -> None:
+        """Use `proxy` (a `ProxyServer`) to open and close episode endpoints."""
+        self.proxy = proxy
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after `step` needs to hand out the same groups again: the sampler position, the
+        group counter and the groups open now (their tasks; their finished episodes are in the store)."""
+        with self._lock:
+            return {"sampler": (self.sampler.epoch, self.sampler.offset), "next_gid": self._next_gid,
+                    "open_groups": [{"group_id": g.group_id, "task": g.task.to_dict(), "own": g.own}
+                                    for g in sorted(self._groups.values(), key=lambda g: g.order)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (before any client connects)."""
+        self.sampler.set_position(*state["sampler"])
+        self._next_gid = state["next_gid"]
+        for g in state["open_groups"]:
+            self._open(g["group_id"], Task(**g["task"]), g["own"])
+
+    def adopt(self, records: list[dict[str, Any]]) -> None:
+        """Put finished, never-trained episodes of an earlier attempt (`TrajectoryStore.untrained()`) back
+        into their groups: now when the group is open, else when it opens again."""
+        with self._lock:
+            for rec in records:
+                self._adoptable.setdefault(rec["group_id"], []).append(Episode.from_dict(rec))
+            for g in self._groups.values():
+                self._fill_from_adoptable(g)
+
+    # ---- the episode API (called from the HTTP handlers' worker threads) --------------------------
+    def begin(self, client_id: str, task: dict[str, Any] | None = None, group_id: str | None = None) -> dict[str, Any]:
+        """Hand out the next place (or one in the client's own group). Returns the episode's wire form.
+
+        Raises:
+            EpisodeApiError: 410 `run_finished`; 503 `no_task_available` (every open group's places are
+                taken and training must catch up: retry after a second); 409 `group_full` for an own group
+                that already has `num_repeat` episodes.
+        """
+        with self._lock:
+            self._reap_idle()
+            client = self._clients.setdefault(client_id, _Client())
+            client.last_seen = time.monotonic()
+            if self.finished_run:
+                raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
+            group, repeat = self._place(task, group_id)
+            group.handouts += 1
+            eid = f"a{self.attempt}-{f'own{group.order}' if group.own else group.group_id.split(':')[0]}-r{repeat}"
+            if eid in self._ended:                       # this place was handed out before and abandoned
+                eid += f"-h{group.handouts}"
+            endpoint = self.proxy.open_episode(eid)
+            now = time.monotonic()
+            run = _Running(eid, group, repeat, endpoint, client_id, now, now)
+            group.running[repeat] = eid
+            self._running[eid], self._by_token[endpoint.api_key] = run, run
+            client.begun += 1
+            self.counts["begun"] += 1
+            return {"episode_id": eid, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
+                    "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
+                    "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
+
+    def finish(self, episode_id: str, reward: float | None = None, final_answer: str | None = None,
+               metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
+               error: str | None = None) -> dict[str, Any]:
+        """End a running episode with a reward (or a final answer for the judge), or with an error.
+
+        Raises:
+            EpisodeApiError: 404 unknown episode, 409 already finished, 410 abandoned or aborted, 400 a
+                non-finite reward or no reward without a judge (the episode stays running: send it again).
+        """
+        if reward is not None and not math.isfinite(reward):
+            raise EpisodeApiError(400, "invalid_reward", f"reward must be a finite number, got {reward!r}")
+        if error is None and reward is None and self.judge is None:
+            raise EpisodeApiError(400, "missing_reward", "send `reward` (this server has no judge to score a "
+                                                         "final_answer); the episode is still running")
+        with self._lock:
+            run = self._take(episode_id)
+        calls = self.proxy.close_episode(run.endpoint)
+        ep = Episode(episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls, attempt=self.attempt,
+                     duration_s=time.monotonic() - run.began)
+        if error is not None:
+            ep.error = f"the client reported an error:\n{error}"
+        else:
+            ep.output = WorkflowOutput(reward=reward, final_answer=final_answer, metadata=metadata or {},
+                                       metrics=metrics or {})
+            try:
+                score = reward if reward is not None else self.judge(ep.task, ep.output)
+                ep.reward = float(asyncio.run(score) if inspect.isawaitable(score) else score)
+                if not math.isfinite(ep.reward):
+                    raise ValueError(f"the judge returned a non-finite reward: {ep.reward}")
+            except Exception:  # noqa: BLE001 - a broken judge fails the episode, never the server
+                ep.reward, ep.error = None, traceback.format_exc()
+        self.record(self.collecting_step, ep)            # durable before the client hears "finished"
+        with self._changed:
+            del run.group.running[run.repeat]
+            run.group.finished[run.repeat] = ep
+            self._ended[episode_id] = "finished"
+            self._clients[run.client_id].finished += 1
+            self.counts["finished" if ep.ok else "failed"] += 1
+            self._changed.notify_all()
+        return {"episode_id": episode_id, "status": "finished", "reward": ep.reward, "calls": len(calls),
+                "error": ep.error is not None}
+
+    def abort(self, episode_id: str, reason: str) -> dict[str, Any]:
+        """Give a running episode up (recorded, never trained on; its place goes to the next client)."""
+        with self._lock:
+            run = self._take(episode_id)
+        self._drop(run, f"aborted: {reason}")
+        return {"episode_id": episode_id, "status": "aborted"}
+
+    def heartbeat(self, episode_id: str) -> dict[str, Any]:
+        with self._lock:
+            run = self._running.get(episode_id)
+            if run is None:
+                self._raise_ended(episode_id)
+            run.last_seen = time.monotonic()
+            return {"episode_id": episode_id, "status": "running"}
+
+    def activity(self, token: str, delta: int) -> None:
+        """A proxy request of the episode with api_key `token` started (+1) or ended (-1)."""
+        with self._lock:
+            run = self._by_token.get(token)
+            if run is not None:
+                run.in_flight += delta
+                run.last_seen = time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        """The run's state for dashboards and waiting clients."""
+        now = time.monotonic()
+        with self._lock:
+            return {"policy_version": self.proxy.engine.policy_version if self.proxy else 0,
+                    "step": self.trained_step, "total_steps": self.total_steps, "finished": self.finished_run,
+                    "episodes": {"running": len(self._running), **self.counts},
+                    "groups": {"open": len(self._groups),
+                               "complete": sum(1 for g in self._groups.values() if len(g.finished) == self.num_repeat)},
+                    "clients": {cid: {"begun": c.begun, "finished": c.finished, "abandoned": c.abandoned,
+                                      "idle_s": round(now - c.last_seen, 1)} for cid, c in self._clients.items()}}
+
+    # ---- the trainer's side -----------------------------------------------------------------------
+    def collect(self, step: int) -> list[Episode]:
+        """Block until `tasks_per_step` groups are complete; take them (oldest first) and return their
+        episodes `[tasks_per_step * num_repeat]`, grouped. Idle episodes are abandoned while waiting."""
+        with self._changed:
+            self.collecting_step = step
+            while True:
+                self._reap_idle()
+                done = sorted((g for g in self._groups.values() if len(g.finished) == self.num_repeat),
+                              key=lambda g: g.order)
+                if len(done) >= self.tasks_per_step:
+                    break
+                self._changed.wait(timeout=0.5)
+            taken = done[: self.tasks_per_step]
+            for g in taken:
+                del self._groups[g.group_id]
+            self.collecting_step = step + 1
+            return [g.finished[r] for g in taken for r in range(self.num_repeat)]
+
+    def step_done(self, step: int) -> None:
+        """The update of `step` is applied; after the last step, `begin` answers 410 `run_finished`."""
+        with self._lock:
+            self.trained_step = step
+            self.finished_run = step >= self.total_steps
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            return {"serve/abandoned": self.counts["abandoned"] + self.counts["aborted"],
+                    "serve/running": len(self._running), "serve/clients": len(self._clients),
+                    "serve/adopted": self.counts["adopted"]}
+
+    def close(self) -> None:
+        with self._lock:
+            self.finished_run = True
+
+    # ---- internals (called with the lock held) -----------------------------------------------------
+    def _place(self, task: dict[str, Any] | None, group_id: str | None) -> tuple[_Group, int]:
+        if task is not None or group_id is not None:
+            return self._own_place(task, group_id)
+        for g in sorted(self._groups.values(), key=lambda g: g.order):
+            if not g.own and (free := self._free(g)) is not None:
+                return g, free
+        dataset_groups = sum(1 for g in self._groups.values() if not g.own)
+        if self._next_gid >= self.total_steps * self.tasks_per_step or dataset_groups >= 2 * self.tasks_per_step:
+            raise EpisodeApiError(503, "no_task_available", "every open group's episodes are handed out; training "
+                                  "is catching up, retry shortly", retry_after_s=1.0)
+        (task_,) = self.sampler.next_batch(1)
+        g = self._open(f"g{self._next_gid}:{task_.task_id}", task_, own=False)
+        self._next_gid += 1
+        return g, self._free(g)
+
+    def _own_place(self, task: dict[str, Any] | None, group_id: str | None) -> tuple[_Group, int]:
+        g = self._groups.get(group_id) if group_id is not None else None
+        if g is None:
+            if task is None:
+                raise EpisodeApiError(400, "missing_task", f"group {group_id!r} is not open here: send its `task`")
+            g = self._open(group_id or f"own{next(self._order)}:{task['task_id']}", Task(**task), own=True)
+        free = self._free(g)
+        if free is None:
+            raise EpisodeApiError(409, "group_full", f"group {g.group_id!r} already has {self.num_repeat} episodes "
+                                                     "(rollout.num_repeat) running or finished")
+        return g, free
+
+    def _free(self, g: _Group) -> int | None:
+        return next((r for r in range(self.num_repeat) if r not in g.finished and r not in g.running), None)
+
+    def _open(self, group_id: str, task: Task, own: bool) -> _Group:
+        g = self._groups[group_id] = _Group(next(self._order), group_id, task, own)
+        self._fill_from_adoptable(g)
+        return g
+
+    def _fill_from_adoptable(self, g: _Group) -> None:
+        for ep in self._adoptable.pop(g.group_id, []):
+            free = self._free(g)
+            if free is None:
+                break
+            ep.repeat_index = free
+            g.finished[free] = ep
+            self.counts["adopted"] += 1
+        self._changed.notify_all()
+
+    def _take(self, episode_id: str) -> _Running:
+        run = self._running.pop(episode_id, None)
+        if run is None:
+            self._raise_ended(episode_id)
+        del self._by_token[run.endpoint.api_key]
+        return run                    # its place stays taken until the caller finishes or drops it
+
+    def _raise_ended(self, episode_id: str) -> None:
+        ended = self._ended.get(episode_id)
+        if ended is None:
+            raise EpisodeApiError(404, "episode_not_found", f"no running episode {episode_id!r} on this server "
+                                  "(ids come from POST /ajet/v1/episodes; a restarted server forgets running ones)")
+        if ended == "finished":
+            raise EpisodeApiError(409, "episode_already_finished", f"episode {episode_id!r} is already finished")
+        raise EpisodeApiError(410, "episode_abandoned", f"episode {episode_id!r} was {ended}; its task went to "
+                                                        "another client, begin a new episode")
+
+    def _reap_idle(self) -> None:
+        now = time.monotonic()
+        idle = [r for r in self._running.values() if r.in_flight == 0 and now - r.last_seen > self.idle_timeout_s]
+        for run in idle:
+            self._take(run.episode_id)
+            self._lock.release()      # closing the proxy endpoint and storing run outside the lock
+            try:
+                self._drop(run, f"abandoned: no call or heartbeat for {self.idle_timeout_s:g}s "
+                                f"(client {run.client_id})")
+            finally:
+                self._lock.acquire()
+
+    def _drop(self, run: _Running, reason: str) -> None:
+        """Store an abandoned or aborted episode (never trained on) and free its place (lock not held)."""
+        calls = self.proxy.close_episode(run.endpoint)
+        ep = Episode(run.episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls,
+                     error=reason, attempt=self.attempt)
+        self.record(self.collecting_step, ep)
+        with self._changed:
+            del run.group.running[run.repeat]
+            self._ended[run.episode_id] = reason
+            kind = "aborted" if reason.startswith("aborted") else "abandoned"
+            self.counts[kind] += 1
+            self._clients[run.client_id].abandoned += 1
+            self._changed.notify_all()

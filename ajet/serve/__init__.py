@@ -1,0 +1,81 @@
+"""`ajet serve`: one HTTP server holding the recording proxy and the episode API, training continuously on
+the episodes that clients anywhere begin and finish (docs/serve.md).
+
+    ajet serve --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8765] [--resume]
+
+The training loop is the one in ajet/trainer.py; this module only plugs in its rollout source, the
+`EpisodeQueue` (ajet/rollout/episode_queue.py), and mounts the episode API (api.py) beside the proxy's
+routes on the proxy's own uvicorn server.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+from pathlib import Path
+
+from ajet.config import AjetConfig
+from ajet.errors import ConfigError
+from ajet.rollout import RolloutContext
+from ajet.rollout.episode_queue import EpisodeQueue
+
+
+class ServeSource(EpisodeQueue):
+    """The episode queue, plus what serving it needs: the API mounted on the proxy's app, and (on resume)
+    the earlier attempts' finished-but-untrained episodes adopted back into their groups."""
+
+    def __init__(self, ctx: RolloutContext, secret: str):
+        from ajet.importing import load_object
+
+        cfg = ctx.cfg
+        judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+        super().__init__(ctx.tasks, cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
+                         ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s,
+                         cfg.data.shuffle, cfg.trainer.seed)
+        self.ctx, self.secret = ctx, secret
+
+    def bind(self, proxy) -> None:
+        from ajet.serve.api import build_api, compose
+
+        super().bind(proxy)
+        if self.ctx.cfg.trainer.resume:
+            self.adopt(self.ctx.store.untrained())
+            if self.counts["adopted"]:
+                self.ctx.console.print(f"adopted {self.counts['adopted']} finished, untrained episodes of earlier attempts")
+        proxy.app = compose(proxy.app, build_api(self, self.secret), self.activity)
+
+
+def serve(cfg: AjetConfig) -> Path:
+    """Run `ajet serve` until `trainer.total_steps` steps are trained; returns the experiment folder.
+
+    Raises:
+        ConfigError: a non-loopback `serve.host` without a secret (`serve.secret` or AJET_SECRET), or any
+            config problem `ajet.trainer.run` raises.
+    """
+    from ajet.trainer import run
+
+    host = cfg.serve.host
+    secret = cfg.serve.secret or os.environ.get("AJET_SECRET") or None
+    if not _is_loopback(host) and secret is None:
+        raise ConfigError(f"serve.host {host!r} is reachable from other machines: set serve.secret (or AJET_SECRET) "
+                          f"to a long random string first, or keep the default host 127.0.0.1")
+    generated = secret is None
+    secret = secret or secrets.token_urlsafe(24)
+    cfg.proxy.host = host
+
+    def make_source(ctx: RolloutContext) -> ServeSource:
+        ctx.console.print(f"episode API secret: {secret if generated else '(from serve.secret / AJET_SECRET)'}; "
+                          f"clients: AJET_URL=http://{host}:<port shown below> AJET_SECRET=<secret>")
+        return ServeSource(ctx, secret)
+
+    return run(cfg, make_source, port=cfg.serve.port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
