@@ -170,8 +170,35 @@ def _error(resp: httpx.Response) -> AjetClientError:
     return cls(resp.status_code, code, message)
 
 
-def _backoff(attempt: int) -> float:
-    return min(0.2 * 2 ** attempt, 5.0)
+def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadline: float,
+                done_codes: tuple[str, ...]) -> dict[str, Any] | float:
+    """The answer's JSON when the call succeeded, else the seconds to wait before retrying it.
+
+    Retries connection errors and 502/503/504 (exponential backoff from 0.2 s, at most 5 s, at most the
+    server's `Retry-After`) until `deadline`. A retried call answered with an error code in `done_codes`
+    (its first try went through before the connection broke) counts as success.
+
+    Raises:
+        httpx.TransportError: the server stayed unreachable until `deadline`.
+        AjetClientError (or RunFinished, EpisodeGone): any other refusal.
+    """
+    now = time.monotonic()
+    if isinstance(resp, httpx.TransportError):
+        if now > deadline:
+            raise resp
+        return min(0.2 * 2 ** attempt, 5.0)
+    if resp.status_code < 400:
+        return resp.json()
+    if resp.status_code not in _RETRY_STATUS or now > deadline:
+        err = _error(resp)
+        if attempt > 0 and err.code in done_codes:
+            return {"status": err.code}
+        raise err
+    try:
+        cap = float(resp.headers.get("retry-after", 5.0))
+    except ValueError:
+        cap = 5.0
+    return min(0.2 * 2 ** attempt, 5.0, cap)
 
 
 class AjetClient:
@@ -194,26 +221,18 @@ class AjetClient:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
               done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
-        """One API call with retries. A retried call answered with an error code in `done_codes` (the first
-        try went through before the connection broke) counts as success."""
+        """One API call, retried on connection errors and 502/503/504 (see `_retry_wait`)."""
         deadline, attempt = time.monotonic() + self.retry_for_s, 0
         while True:
             try:
                 resp = self._http.request(method, path, json=body)
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-            else:
-                if resp.status_code < 400:
-                    return resp.json()
-                if resp.status_code not in _RETRY_STATUS or time.monotonic() > deadline:
-                    err = _error(resp)
-                    if attempt > 0 and err.code in done_codes:
-                        return {"status": err.code}
-                    raise err
-            wait = _backoff(attempt)
+            except httpx.TransportError as exc:
+                resp = exc
+            wait = _retry_wait(resp, attempt, deadline, done_codes)
+            if isinstance(wait, dict):
+                return wait
             attempt += 1
-            time.sleep(min(wait, max(0.0, deadline - time.monotonic()) + 0.05))
+            time.sleep(wait)
 
     def _end(self, episode_id: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
@@ -277,20 +296,13 @@ class AsyncAjetClient:
         while True:
             try:
                 resp = await self._http.request(method, path, json=body)
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-            else:
-                if resp.status_code < 400:
-                    return resp.json()
-                if resp.status_code not in _RETRY_STATUS or time.monotonic() > deadline:
-                    err = _error(resp)
-                    if attempt > 0 and err.code in done_codes:
-                        return {"status": err.code}
-                    raise err
-            wait = _backoff(attempt)
+            except httpx.TransportError as exc:
+                resp = exc
+            wait = _retry_wait(resp, attempt, deadline, done_codes)
+            if isinstance(wait, dict):
+                return wait
             attempt += 1
-            await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic()) + 0.05))
+            await asyncio.sleep(wait)
 
     async def _end(self, episode_id: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,

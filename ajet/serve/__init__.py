@@ -13,12 +13,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
+import time
 from pathlib import Path
 
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.rollout import RolloutContext
 from ajet.rollout.episode_queue import EpisodeQueue
+
+
+GRACE_S = 2.0   # seconds the finished server keeps answering before it stops
 
 
 class ServeSource(EpisodeQueue):
@@ -44,6 +48,13 @@ class ServeSource(EpisodeQueue):
             if self.counts["adopted"]:
                 self.ctx.console.print(f"adopted {self.counts['adopted']} finished, untrained episodes of earlier attempts")
         proxy.app = compose(proxy.app, build_api(self, self.secret), self.activity)
+
+    def close(self) -> None:
+        """Answer `begin` with 410 `run_finished` for a moment before the server stops, so that clients
+        waiting for a task learn that the run is over instead of finding the server gone."""
+        super().close()
+        if self.status()["clients"]:
+            time.sleep(GRACE_S)
 
 
 def serve(cfg: AjetConfig) -> Path:

@@ -1,0 +1,193 @@
+"""`ajet serve` with real processes on 127.0.0.1 and the tiny model: two Python clients and a Node.js client
+train it two steps while a SIGKILL'd client's episode is abandoned and its task completes elsewhere; bad
+input to the episode API gets a 4xx; the server killed with SIGKILL resumes and trains every episode that
+was finished before the kill exactly once."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ajet.trajectory_store import TrajectoryStore
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENTS = ROOT / "tutorial" / "serve_agents"
+SECRET = "test-secret-0123456789abcdef"
+
+STUCK_CLIENT = '''
+import sys, time
+from ajet.client import AjetClient
+ep = AjetClient(sys.argv[1], secret=sys.argv[2]).begin()
+print(ep.episode_id, flush=True)
+time.sleep(600)                      # never calls, never finishes: killed by the test
+'''
+
+
+def _setup(tmp_path, tiny_model_dir, idle_s=8, steps=2):
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "query": f"What is {i} plus 1?",
+                                                              "answer": str(i + 1)}) + "\n" for i in range(12)))
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        model: {{path: "{tiny_model_dir}", max_model_len: 256}}
+        data: {{train_path: tasks.jsonl}}
+        rollout: {{num_repeat: 2, max_tokens: 4}}
+        algorithm: {{lr: 1.0e-3}}
+        trainer: {{total_steps: {steps}, tasks_per_step: 2, save_freq: 1, tensorboard: false}}
+        serve: {{episode_idle_timeout_s: {idle_s}}}
+    """))
+    return tmp_path / "conf.yaml"
+
+
+class Server:
+    """`ajet serve` in a subprocess; `url` once its 'proxy on' line is printed."""
+
+    def __init__(self, conf: Path, exp: Path, *extra: str):
+        env = {**os.environ, "AJET_SECRET": SECRET}
+        env.pop("AJET_TEST_KILL_AT", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--conf", str(conf), "--exp-dir", str(exp),
+                                      "--port", "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, cwd=conf.parent, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._ready.wait(180), "ajet serve did not start:\n" + self.output()
+        assert self.url, self.output()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "proxy on http://" in line and not self.url:
+                self.url = line.split("proxy on ")[1].split()[0]
+                self._ready.set()
+        self._ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def http(self, secret: str = SECRET) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30)
+
+
+def _client(server: Server, script: list[str], retry_s: float = 30, max_episodes: int = 1000) -> subprocess.Popen:
+    env = {**os.environ, "AJET_URL": server.url, "AJET_SECRET": SECRET, "AJET_RETRY_S": str(retry_s),
+           "AJET_MAX_EPISODES": str(max_episodes)}
+    return subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+
+def _finished_by_clients(procs) -> list[dict[str, float]]:
+    """Per client process: {episode_id: reward} of the episodes it finished."""
+    out = []
+    for p in procs:
+        stdout, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        out.append({row["episode_id"]: row["reward"] for row in map(json.loads, stdout.splitlines())})
+    return out
+
+
+def _check_ledger(exp: Path, steps: int, tasks_per_step: int = 2, num_repeat: int = 2):
+    """Every ok episode is trained exactly once by a live update; each step trained complete groups."""
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    ledger, records = store.ledger(), {(r["episode_id"]): r for r in store.episodes()}
+    store.close()
+    for e in ledger:
+        if e["ok"]:
+            assert len(e["trained_in"]) == 1, e
+        else:
+            assert e["trained_in"] == [], e
+    per_step = {}
+    for e in ledger:
+        for step, _ in e["trained_in"]:
+            per_step.setdefault(step, []).append(records[e["episode_id"]])
+    assert sorted(per_step) == list(range(1, steps + 1))
+    for step, recs in per_step.items():
+        groups = {}
+        for r in recs:
+            groups.setdefault(r["group_id"], []).append(r["repeat_index"])
+        assert len(groups) == tasks_per_step and all(sorted(v) == list(range(num_repeat)) for v in groups.values())
+    return ledger, records
+
+
+def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(tiny_model_dir, tmp_path):
+    conf, exp = _setup(tmp_path, tiny_model_dir), tmp_path / "exp"
+    server = Server(conf, exp)
+    try:
+        http = server.http()
+        # a client that begins an episode and is SIGKILLed: abandoned after the idle timeout
+        (tmp_path / "stuck.py").write_text(STUCK_CLIENT)
+        stuck = subprocess.Popen([sys.executable, str(tmp_path / "stuck.py"), server.url, SECRET],
+                                 stdout=subprocess.PIPE, text=True)
+        stuck_id = stuck.stdout.readline().strip()
+        os.kill(stuck.pid, signal.SIGKILL)
+        stuck.wait()
+
+        # bad input: 4xx with a clear message, and the server goes on
+        assert server.http("wrong-secret").get("/ajet/v1/status").status_code == 401
+        r = http.post("/ajet/v1/episodes", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = http.post("/ajet/v1/episodes/nope/finish", json={"reward": 1.0})
+        assert r.status_code == 404 and "no running episode 'nope'" in r.json()["error"]["message"]
+        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", content=b'{"reward": NaN}')
+        assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
+        r = http.post("/ajet/v1/episodes", json={"client_id": "x", "colour": "red"})
+        assert r.status_code == 400 and "colour" in r.json()["error"]["message"]
+
+        # 8 places in 2 steps; the Python clients stop after 3 episodes each, so the Node client (when node
+        # is on PATH) must run some for the run to finish
+        node = shutil.which("node")
+        clients = [_client(server, [sys.executable, str(AGENTS / "python_agent.py")], max_episodes=3 if node else 1000)
+                   for _ in range(2)]
+        if node:
+            clients.append(_client(server, [node, str(AGENTS / "node_agent.mjs")]))
+        # double finish: one episode of our own, finished twice
+        ep = http.post("/ajet/v1/episodes", json={"client_id": "test"}).json()
+        chat = httpx.post(ep["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {ep['api_key']}"},
+                          json={"model": ep["model"], "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+        assert chat.status_code == 200
+        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}).status_code == 200
+        r = http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "episode_already_finished"
+
+        deadline = time.monotonic() + 120
+        while http.get("/ajet/v1/status").json()["episodes"]["abandoned"] < 1:
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+            time.sleep(0.5)
+        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", json={"reward": 1.0})     # finish after abandon
+        assert r.status_code == 410 and r.json()["error"]["code"] == "episode_abandoned", r.text
+
+        per_client = _finished_by_clients(clients)
+        assert all(per_client), per_client                 # every client ran episodes (Node too, when present)
+        rewards = {k: v for c in per_client for k, v in c.items()}
+        rewards[ep["episode_id"]] = 0.5
+        assert server.proc.wait(timeout=120) == 0, server.output()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    out = server.output()
+    assert "step 2/2" in out
+
+    ledger, records = _check_ledger(exp, steps=2)
+    stuck_rec = records[stuck_id]
+    assert stuck_rec["error"].startswith("abandoned: no call or heartbeat for 8s")
+    trained_groups = {records[e["episode_id"]]["group_id"] for e in ledger if e["trained_in"]}
+    assert stuck_rec["group_id"] in trained_groups          # its task completed through another client
+    for eid, reward in rewards.items():                     # rewards landed on the right episodes
+        assert records[eid]["reward"] == reward
+    for rec in records.values():                            # calls recorded under their own episode, merged exactly
+        assert all(c["episode_id"] == rec["episode_id"] for c in rec["calls"])
+    rows = [json.loads(line) for line in (exp / "trajectories.jsonl").read_text().splitlines()]
+    for row in rows:
+        (call,), (sample,) = row["calls"], row["samples"]
+        assert sample["prompt_ids"] == call["prompt_ids"] and sample["response_ids"] == call["completion_ids"]
+    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert metrics[-1]["serve/clients"] == 4 + bool(shutil.which("node"))   # stuck, test, 2 Python, Node
+    assert metrics[-1]["serve/abandoned"] == 1
