@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -49,11 +50,11 @@ def _setup(tmp_path, tiny_model_dir, idle_s=8, steps=2):
 class Server:
     """`ajet serve` in a subprocess; `url` once its 'proxy on' line is printed."""
 
-    def __init__(self, conf: Path, exp: Path, *extra: str):
+    def __init__(self, conf: Path, exp: Path, *extra: str, port: int = 0):
         env = {**os.environ, "AJET_SECRET": SECRET}
         env.pop("AJET_TEST_KILL_AT", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--conf", str(conf), "--exp-dir", str(exp),
-                                      "--port", "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, cwd=conf.parent, text=True)
         self.lines: list[str] = []
         self._ready = threading.Event()
@@ -191,3 +192,38 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
     assert [m["policy_version"] for m in metrics] == [1, 2]
     assert metrics[-1]["serve/clients"] == 4 + bool(shutil.which("node"))   # stuck, test, 2 Python, Node
     assert metrics[-1]["serve/abandoned"] == 1
+
+
+def test_server_sigkill_then_resume_trains_every_finished_episode_once(tiny_model_dir, tmp_path):
+    conf, exp = _setup(tmp_path, tiny_model_dir, idle_s=60), tmp_path / "exp"
+    with socket.socket() as s:                              # one port for both servers: the clients keep their URL
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = Server(conf, exp, port=port)
+    clients = [_client(server, [sys.executable, str(AGENTS / "python_agent.py")], retry_s=240) for _ in range(2)]
+    try:
+        http, deadline = server.http(), time.monotonic() + 120
+        while http.get("/ajet/v1/status").json()["episodes"]["finished"] < 3:
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.2)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        assert server.proc.wait(timeout=30) == -signal.SIGKILL
+        store = TrajectoryStore(exp / "trajectories.sqlite")
+        before = {e["episode_id"] for e in store.ledger() if e["ok"]}
+        store.close()
+        assert len(before) >= 3
+
+        server = Server(conf, exp, "--resume", port=port)
+        per_client = _finished_by_clients(clients)           # they retried through the restart and went on
+        assert server.proc.wait(timeout=120) == 0, server.output()
+    finally:
+        for p in [server.proc, *clients]:
+            if p.poll() is None:
+                p.kill()
+    assert "step 2/2" in server.output()
+    ledger, records = _check_ledger(exp, steps=2)
+    trained = {e["episode_id"] for e in ledger if e["trained_in"]}
+    assert before <= trained                                  # every episode finished before the kill: trained once
+    assert {r["attempt"] for r in ledger} == {0, 1}
+    finished_after = {k for c in per_client for k in c}
+    assert finished_after and all(records[k]["reward"] == c[k] for c in per_client for k in c)

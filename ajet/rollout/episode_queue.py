@@ -296,14 +296,16 @@ class EpisodeQueue:
         for g in sorted(self._groups.values(), key=lambda g: g.order):
             if not g.own and (free := self._free(g)) is not None:
                 return g, free
-        dataset_groups = sum(1 for g in self._groups.values() if not g.own)
-        if self._next_gid >= self.total_steps * self.tasks_per_step or dataset_groups >= 2 * self.tasks_per_step:
-            raise EpisodeApiError(503, "no_task_available", "every open group's episodes are handed out; training "
-                                  "is catching up, retry shortly", retry_after_s=1.0)
-        (task_,) = self.sampler.next_batch(1)
-        g = self._open(f"g{self._next_gid}:{task_.task_id}", task_, own=False)
-        self._next_gid += 1
-        return g, self._free(g)
+        while True:   # open the next group (one that earlier attempts' episodes fill completely: the one after)
+            dataset_groups = sum(1 for g in self._groups.values() if not g.own)
+            if self._next_gid >= self.total_steps * self.tasks_per_step or dataset_groups >= 2 * self.tasks_per_step:
+                raise EpisodeApiError(503, "no_task_available", "every open group's episodes are handed out; "
+                                      "training is catching up, retry shortly", retry_after_s=1.0)
+            (task_,) = self.sampler.next_batch(1)
+            g = self._open(f"g{self._next_gid}:{task_.task_id}", task_, own=False)
+            self._next_gid += 1
+            if (free := self._free(g)) is not None:
+                return g, free
 
     def _own_place(self, task: dict[str, Any] | None, group_id: str | None) -> tuple[_Group, int]:
         g = self._groups.get(group_id) if group_id is not None else None
