@@ -18,7 +18,7 @@ the server no longer knows the episode (it was abandoned after going idle, or th
 
 Wire protocol (JSON over HTTP; every control call carries `Authorization: Bearer <secret>`):
 
-    POST /ajet/v1/episodes                {"client_id", "task"?, "group_id"?}   -> episode
+    POST /ajet/v1/episodes                {"client_id", "dataset"?, "task"?, "group_id"?}   -> episode
     POST /ajet/v1/episodes/{id}/finish    {"reward"?, "final_answer"?, "metadata"?, "metrics"?} | {"error"}
     POST /ajet/v1/episodes/{id}/abort     {"reason"?}
     POST /ajet/v1/episodes/{id}/heartbeat {}
@@ -67,6 +67,7 @@ class _EpisodeData:
     model: str
     task: dict[str, Any]
     group_id: str
+    dataset: str | None
     idle_timeout_s: float
     policy_version: int
     finished: bool = field(default=False, repr=False)
@@ -238,23 +239,26 @@ class AjetClient:
         return self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
                           done_codes=("episode_already_finished",))
 
-    def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> Episode:
-        """Begin an episode: the server's next task, or your own `task` ({"query", "answer"?, "task_id"?,
-        "metadata"?}) in GRPO group `group_id`. Waits (retrying) while the server has no task to hand out.
+    def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
+              dataset: str | None = None) -> Episode:
+        """Begin an episode: the server's next task (of `dataset`, in a multi-task run), or your own `task`
+        ({"query", "answer"?, "task_id"?, "metadata"?}) in GRPO group `group_id`. Waits (retrying) while the
+        server has no task to hand out.
 
         Raises:
             RunFinished: the run is over. AjetClientError: the server refused the request.
         """
-        body = {"client_id": self.client_id, "task": task, "group_id": group_id}
+        body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
         data = self._call("POST", f"{API}/episodes", {k: v for k, v in body.items() if v is not None})
         ep = Episode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
         ep._client = self
         return ep
 
     @contextlib.contextmanager
-    def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> Iterator[Episode]:
+    def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
+                dataset: str | None = None) -> Iterator[Episode]:
         """`with client.episode() as ep:` begin; an exception in the block (or no `finish`) fails the episode."""
-        ep = self.begin(task, group_id)
+        ep = self.begin(task, group_id, dataset)
         try:
             yield ep
         except BaseException:
@@ -308,16 +312,18 @@ class AsyncAjetClient:
         return await self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
                                 done_codes=("episode_already_finished",))
 
-    async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> AsyncEpisode:
-        body = {"client_id": self.client_id, "task": task, "group_id": group_id}
+    async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
+                    dataset: str | None = None) -> AsyncEpisode:
+        body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
         data = await self._call("POST", f"{API}/episodes", {k: v for k, v in body.items() if v is not None})
         ep = AsyncEpisode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
         ep._client = self
         return ep
 
     @contextlib.asynccontextmanager
-    async def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None) -> AsyncIterator[AsyncEpisode]:
-        ep = await self.begin(task, group_id)
+    async def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
+                      dataset: str | None = None) -> AsyncIterator[AsyncEpisode]:
+        ep = await self.begin(task, group_id, dataset)
         try:
             yield ep
         except BaseException:

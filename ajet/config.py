@@ -10,7 +10,7 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ajet.errors import ConfigError
 
@@ -35,12 +35,40 @@ class ModelConfig(_Section):
     max_model_len: int = Field(4096, gt=0, description="prompt + completion limit, tokens")
 
 
-class DataConfig(_Section):
-    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer})."""
+class DatasetConfig(_Section):
+    """One dataset of a multi-task run: `name` (prefixes its task ids: `name/task_id`), `path` (JSONL),
+    `weight` (relative share of the GRPO groups drawn from it), `max_tasks`."""
 
-    train_path: str
+    name: str = Field(min_length=1, pattern=r"^[^/:\s]+$")
+    path: str
+    weight: float = Field(1.0, gt=0)
+    max_tasks: int | None = Field(None, gt=0)
+
+
+class DataConfig(_Section):
+    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer}); or
+    train: several datasets `[{name, path, weight}]` in one run (each GRPO group's task comes from one
+    dataset, drawn by weight; `ajet serve` clients may ask for the dataset they serve). Exactly one of
+    the two."""
+
+    train_path: str | None = None
+    train: list[DatasetConfig] | None = Field(None, min_length=1)
     shuffle: bool = True
     max_tasks: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.train_path is None) == (self.train is None):
+            raise ValueError("give exactly one of `data.train_path` (one JSONL file) and `data.train` (a list of "
+                             "{name, path, weight})")
+        names = [d.name for d in self.train or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names in `data.train` must differ, got {names}")
+        return self
+
+    def datasets(self) -> list[DatasetConfig]:
+        """The training datasets (one named "train" for `train_path`)."""
+        return self.train or [DatasetConfig(name="train", path=self.train_path, max_tasks=self.max_tasks)]
 
 
 class RolloutConfig(_Section):

@@ -16,6 +16,7 @@ import logging
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -25,6 +26,7 @@ from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
+from ajet.task import Task
 from ajet.task_reader import read_jsonl_tasks
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
@@ -62,7 +64,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     _check_exp_dir(exp_dir, cfg.trainer.resume)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
+    datasets = _read_datasets(cfg)
     backbone_cls = load_backbone(cfg.backbone)
 
     # resume: continue after the newest checkpoint (or from scratch when the run died before its first);
@@ -83,7 +85,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         kill_point("rollout", step)
         progress[0]()
 
-    ctx = RolloutContext(cfg, tasks, store, attempt, first_step, record, log.console)
+    ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, log.console)
     try:
         source = (make_source or InProcessRollout.from_context)(ctx)   # loads the workflow: fails before the model
     except BaseException:
@@ -100,7 +102,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
-                      f"tasks={len(tasks)} -> {exp_dir}")
+                      f"tasks={' + '.join(f'{len(t)} ({n})' for n, t in datasets.items())} -> {exp_dir}")
     t_load = time.perf_counter()
     backbone = backbone_cls(cfg)
     if resume_from is not None:
@@ -172,6 +174,23 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         store.close()
         log.close()
     return exp_dir
+
+
+def _read_datasets(cfg: AjetConfig) -> dict[str, list[Task]]:
+    """name -> tasks of every training dataset. In a multi-task run (`data.train`), each task id becomes
+    `name/task_id` (ids stay unique across datasets) and its metadata gets `dataset: name`.
+
+    Raises:
+        ConfigError: a task file is missing or malformed (see `read_jsonl_tasks`).
+    """
+    out = {}
+    for d in cfg.data.datasets():
+        tasks = read_jsonl_tasks(resolve_path(cfg, d.path), d.max_tasks)
+        if cfg.data.train is not None:
+            tasks = [replace(t, task_id=f"{d.name}/{t.task_id}", metadata={**t.metadata, "dataset": d.name})
+                     for t in tasks]
+        out[d.name] = tasks
+    return out
 
 
 def _check_exp_dir(exp_dir: Path, resume: bool) -> None:

@@ -73,10 +73,11 @@ def _serve_side(tok, tasks, n_clients: int, episodes: int, calls: int) -> float:
     from ajet.proxy.server import ProxyServer
     from ajet.rollout.episode_queue import EpisodeQueue
     from ajet.serve.api import build_api, compose
+    from ajet.task_sampler import MultiTaskSampler
 
     per_client = episodes // n_clients
     total = per_client * n_clients
-    queue = EpisodeQueue(tasks, num_repeat=4, tasks_per_step=4, total_steps=10**6, first_step=1, attempt=0,
+    queue = EpisodeQueue(MultiTaskSampler({"train": tasks}), num_repeat=4, tasks_per_step=4, total_steps=10**6, first_step=1, attempt=0,
                          record=lambda step, ep: None, idle_timeout_s=600)
     proxy = ProxyServer(InstantEngine(tok), tok, SamplingParams(max_tokens=64))
     queue.bind(proxy)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ajet.episode import Episode
     from ajet.proxy.server import ProxyServer
     from ajet.task import Task
+    from ajet.task_sampler import MultiTaskSampler
     from ajet.trajectory_store import TrajectoryStore
 
 
@@ -27,7 +28,7 @@ class RolloutContext:
 
     Attributes:
         cfg: the experiment config.
-        tasks: the training tasks.
+        datasets: name -> tasks of each training dataset (one, "train", unless `data.train` lists several).
         store: the trajectory store (read it to adopt earlier attempts' episodes; write through `record`).
         attempt: this trainer attempt's number.
         first_step: the step collected first (1, or the checkpoint's step + 1).
@@ -36,12 +37,20 @@ class RolloutContext:
     """
 
     cfg: AjetConfig
-    tasks: list[Task]
+    datasets: dict[str, list[Task]]
     store: TrajectoryStore
     attempt: int
     first_step: int
     record: Callable[[int, Episode], None]
     console: Any
+
+    def sampler(self) -> MultiTaskSampler:
+        """A fresh task sampler over the datasets (weights, shuffle and seed from the config)."""
+        from ajet.task_sampler import MultiTaskSampler
+
+        d = self.cfg.data
+        return MultiTaskSampler(self.datasets, {x.name: x.weight for x in d.datasets()}, d.shuffle,
+                                self.cfg.trainer.seed)
 
 
 class RolloutSource(Protocol):

@@ -1,9 +1,10 @@
 """Episodes that `ajet serve` clients begin and finish over HTTP: a rollout source for the one trainer loop.
 
-The server hands tasks out in GRPO-group order: every task drawn from the dataset opens a group of
+The server hands tasks out in GRPO-group order: every task drawn from a dataset opens a group of
 `rollout.num_repeat` places, and a client's `begin` gets the first free place of the oldest group that
 still needs episodes, opening the next group (at most two steps' worth ahead of training) when none does.
-A client may instead bring its own task and group id. `finish` closes the episode's proxy endpoint, takes
+A client may ask for tasks of one dataset (a multi-task run: its groups never mix datasets), or bring its
+own task and group id. `finish` closes the episode's proxy endpoint, takes
 its recorded calls, scores it (the client's reward, else the judge on its final answer), commits it to the
 store and puts it into its group. The trainer's `collect(step)` waits for `trainer.tasks_per_step`
 complete groups and takes them, oldest first.
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 from ajet.episode import Episode
 from ajet.task import Task
-from ajet.task_sampler import TaskSampler
+from ajet.task_sampler import MultiTaskSampler
 from ajet.workflow import WorkflowOutput
 
 
@@ -53,7 +54,9 @@ class _Group:
     order: int                       # hand-out order among all groups (oldest first)
     group_id: str
     task: Task
-    own: bool                        # brought by a client, not drawn from the dataset
+    own: bool                        # brought by a client, not drawn from a dataset
+    dataset: str | None = None       # the dataset it was drawn from
+    label: str = ""                  # its part of episode ids: "g3" (one dataset), "math-g3", "own7"
     finished: dict[int, Episode] = field(default_factory=dict)      # repeat index -> finished episode
     running: dict[int, str] = field(default_factory=dict)           # repeat index -> running episode id
     handouts: int = 0
@@ -83,7 +86,7 @@ class EpisodeQueue:
     """The rollout source of `ajet serve` (see the module docstring).
 
     Args:
-        tasks: the dataset the server hands out (drawn in `TaskSampler` order).
+        sampler: the datasets the server hands out (`MultiTaskSampler`; its state is checkpointed).
         num_repeat: episodes per GRPO group.
         tasks_per_step: groups per training step.
         total_steps: the run's last step (no groups are opened beyond it).
@@ -92,20 +95,20 @@ class EpisodeQueue:
         record: `record(step, episode)`: commits a finished or abandoned episode to the store.
         judge: `judge(task, WorkflowOutput) -> float` for episodes finished without a reward, or None.
         idle_timeout_s: abandon an episode after this long without a call or heartbeat, seconds.
-        shuffle, seed: the task order (as `data.shuffle`, `trainer.seed`).
     """
 
-    def __init__(self, tasks: list[Task], num_repeat: int, tasks_per_step: int, total_steps: int, first_step: int,
-                 attempt: int, record: Callable[[int, Episode], None], judge: Callable | None = None,
-                 idle_timeout_s: float = 300.0, shuffle: bool = True, seed: int = 0):
+    def __init__(self, sampler: MultiTaskSampler, num_repeat: int, tasks_per_step: int, total_steps: int,
+                 first_step: int, attempt: int, record: Callable[[int, Episode], None], judge: Callable | None = None,
+                 idle_timeout_s: float = 300.0):
         self.num_repeat, self.tasks_per_step, self.total_steps = num_repeat, tasks_per_step, total_steps
         self.attempt, self.record, self.judge, self.idle_timeout_s = attempt, record, judge, idle_timeout_s
-        self.sampler = TaskSampler(tasks, shuffle, seed)
+        self.sampler = sampler
+        self.multi = len(sampler.samplers) > 1
         self.proxy = None
         self.collecting_step = first_step                # the step new episodes are stored under
         self.trained_step = first_step - 1
         self.finished_run = False
-        self._next_gid = 0                               # dataset groups opened so far (ids "g<gid>:<task_id>")
+        self._gids = {name: 0 for name in sampler.samplers}   # groups opened per dataset (ids "g<k>:<task_id>")
         self._order = itertools.count()
         self._groups: dict[str, _Group] = {}             # open groups by group id, not yet taken by collect
         self._running: dict[str, _Running] = {}          # by episode id
@@ -126,16 +129,18 @@ class EpisodeQueue:
         """What a checkpoint after `step` needs to hand out the same groups again: the sampler position, the
         group counter and the groups open now (their tasks; their finished episodes are in the store)."""
         with self._lock:
-            return {"sampler": (self.sampler.epoch, self.sampler.offset), "next_gid": self._next_gid,
-                    "open_groups": [{"group_id": g.group_id, "task": g.task.to_dict(), "own": g.own}
+            return {"sampler": self.sampler.state(), "gids": dict(self._gids),
+                    "open_groups": [{"group_id": g.group_id, "task": g.task.to_dict(), "own": g.own,
+                                     "dataset": g.dataset, "label": g.label}
                                     for g in sorted(self._groups.values(), key=lambda g: g.order)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved (before any client connects)."""
-        self.sampler.set_position(*state["sampler"])
-        self._next_gid = state["next_gid"]
-        for g in state["open_groups"]:
-            self._open(g["group_id"], Task(**g["task"]), g["own"])
+        with self._lock:
+            self.sampler.set_state(state["sampler"])
+            self._gids.update(state["gids"])
+            for g in state["open_groups"]:
+                self._open(g["group_id"], Task(**g["task"]), g["own"], g["dataset"], g["label"])
 
     def adopt(self, records: list[dict[str, Any]]) -> None:
         """Put finished, never-trained episodes of an earlier attempt (`TrajectoryStore.untrained()`) back
@@ -147,23 +152,28 @@ class EpisodeQueue:
                 self._fill_from_adoptable(g)
 
     # ---- the episode API (called from the HTTP handlers' worker threads) --------------------------
-    def begin(self, client_id: str, task: dict[str, Any] | None = None, group_id: str | None = None) -> dict[str, Any]:
-        """Hand out the next place (or one in the client's own group). Returns the episode's wire form.
+    def begin(self, client_id: str, task: dict[str, Any] | None = None, group_id: str | None = None,
+              dataset: str | None = None) -> dict[str, Any]:
+        """Hand out the next place (of `dataset`'s groups when given; or one in the client's own group).
+        Returns the episode's wire form.
 
         Raises:
             EpisodeApiError: 410 `run_finished`; 503 `no_task_available` (every open group's places are
                 taken and training must catch up: retry after a second); 409 `group_full` for an own group
-                that already has `num_repeat` episodes.
+                that already has `num_repeat` episodes; 400 `unknown_dataset`.
         """
+        if dataset is not None and dataset not in self._gids:
+            raise EpisodeApiError(400, "unknown_dataset", f"no dataset {dataset!r} here; the datasets are "
+                                                          + ", ".join(sorted(self._gids)))
         with self._lock:
             self._reap_idle()
             client = self._clients.setdefault(client_id, _Client())
             client.last_seen = time.monotonic()
             if self.finished_run:
                 raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
-            group, repeat = self._place(task, group_id)
+            group, repeat = self._place(task, group_id, dataset)
             group.handouts += 1
-            eid = f"a{self.attempt}-{f'own{group.order}' if group.own else group.group_id.split(':')[0]}-r{repeat}"
+            eid = f"a{self.attempt}-{group.label}-r{repeat}"
             if eid in self._ended:                       # this place was handed out before and abandoned
                 eid += f"-h{group.handouts}"
             endpoint = self.proxy.open_episode(eid)
@@ -175,6 +185,7 @@ class EpisodeQueue:
             self.counts["begun"] += 1
             return {"episode_id": eid, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
                     "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
+                    "dataset": group.dataset,
                     "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
 
     def finish(self, episode_id: str, reward: float | None = None, final_answer: str | None = None,
@@ -248,6 +259,7 @@ class EpisodeQueue:
         with self._lock:
             return {"policy_version": self.proxy.engine.policy_version if self.proxy else 0,
                     "step": self.trained_step, "total_steps": self.total_steps, "finished": self.finished_run,
+                    "datasets": sorted(self._gids),
                     "episodes": {"running": len(self._running), **self.counts},
                     "groups": {"open": len(self._groups),
                                "complete": sum(1 for g in self._groups.values() if len(g.finished) == self.num_repeat)},
@@ -290,20 +302,22 @@ class EpisodeQueue:
             self.finished_run = True
 
     # ---- internals (called with the lock held) -----------------------------------------------------
-    def _place(self, task: dict[str, Any] | None, group_id: str | None) -> tuple[_Group, int]:
+    def _place(self, task: dict[str, Any] | None, group_id: str | None, dataset: str | None) -> tuple[_Group, int]:
         if task is not None or group_id is not None:
             return self._own_place(task, group_id)
         for g in sorted(self._groups.values(), key=lambda g: g.order):
-            if not g.own and (free := self._free(g)) is not None:
+            if not g.own and dataset in (None, g.dataset) and (free := self._free(g)) is not None:
                 return g, free
         while True:   # open the next group (one that earlier attempts' episodes fill completely: the one after)
             dataset_groups = sum(1 for g in self._groups.values() if not g.own)
-            if self._next_gid >= self.total_steps * self.tasks_per_step or dataset_groups >= 2 * self.tasks_per_step:
+            if sum(self._gids.values()) >= self.total_steps * self.tasks_per_step or \
+                    dataset_groups >= 2 * self.tasks_per_step:
                 raise EpisodeApiError(503, "no_task_available", "every open group's episodes are handed out; "
                                       "training is catching up, retry shortly", retry_after_s=1.0)
-            (task_,) = self.sampler.next_batch(1)
-            g = self._open(f"g{self._next_gid}:{task_.task_id}", task_, own=False)
-            self._next_gid += 1
+            name, task_ = self.sampler.next_task(dataset)
+            k = self._gids[name]     # per dataset, so ids after a restart do not depend on the datasets' interleaving
+            self._gids[name] += 1
+            g = self._open(f"g{k}:{task_.task_id}", task_, False, name, f"{name}-g{k}" if self.multi else f"g{k}")
             if (free := self._free(g)) is not None:
                 return g, free
 
@@ -312,7 +326,7 @@ class EpisodeQueue:
         if g is None:
             if task is None:
                 raise EpisodeApiError(400, "missing_task", f"group {group_id!r} is not open here: send its `task`")
-            g = self._open(group_id or f"own{next(self._order)}:{task['task_id']}", Task(**task), own=True)
+            g = self._open(group_id or f"own:{task['task_id']}", Task(**task), True)
         free = self._free(g)
         if free is None:
             raise EpisodeApiError(409, "group_full", f"group {g.group_id!r} already has {self.num_repeat} episodes "
@@ -322,8 +336,9 @@ class EpisodeQueue:
     def _free(self, g: _Group) -> int | None:
         return next((r for r in range(self.num_repeat) if r not in g.finished and r not in g.running), None)
 
-    def _open(self, group_id: str, task: Task, own: bool) -> _Group:
-        g = self._groups[group_id] = _Group(next(self._order), group_id, task, own)
+    def _open(self, group_id: str, task: Task, own: bool, dataset: str | None = None, label: str = "") -> _Group:
+        order = next(self._order)
+        g = self._groups[group_id] = _Group(order, group_id, task, own, dataset, label or f"own{order}")
         self._fill_from_adoptable(g)
         return g
 

@@ -22,7 +22,6 @@ from ajet.proxy.server import ProxyServer
 from ajet.rollout import RolloutContext
 from ajet.rollout.command import CommandWorkflow
 from ajet.task import Task
-from ajet.task_sampler import TaskSampler
 from ajet.workflow import Tuner, Workflow, WorkflowOutput
 
 Judge = Callable[[Task, WorkflowOutput], float]
@@ -90,11 +89,11 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
 
 class InProcessRollout:
     """The rollout source of `ajet --conf`: runs the workflow on `tasks_per_step` tasks x `num_repeat` per step,
-    in this process (the tasks in `TaskSampler` order, so a resumed run sees the same data)."""
+    in this process (the tasks in `MultiTaskSampler` order, so a resumed run sees the same data)."""
 
     def __init__(self, ctx: RolloutContext, workflow: Workflow, judge: Judge | None):
         self.ctx, self.workflow, self.judge = ctx, workflow, judge
-        self.sampler = TaskSampler(ctx.tasks, ctx.cfg.data.shuffle, ctx.cfg.trainer.seed)
+        self.sampler = ctx.sampler()
         self.proxy: ProxyServer | None = None
 
     @classmethod
@@ -127,10 +126,10 @@ class InProcessRollout:
         pass
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        return {"sampler": (self.sampler.epoch, self.sampler.offset)}
+        return {"sampler": self.sampler.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.set_position(*state["sampler"])
+        self.sampler.set_state(state["sampler"])
 
     def metrics(self) -> dict[str, Any]:
         return {}

@@ -34,9 +34,8 @@ class ServeSource(EpisodeQueue):
 
         cfg = ctx.cfg
         judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
-        super().__init__(ctx.tasks, cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
-                         ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s,
-                         cfg.data.shuffle, cfg.trainer.seed)
+        super().__init__(ctx.sampler(), cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
+                         ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s)
         self.ctx, self.secret = ctx, secret
 
     def bind(self, proxy) -> None:

@@ -1,7 +1,7 @@
 """The episode API of `ajet serve` (JSON over HTTP under `/ajet/v1`), and the one ASGI app that serves it
 beside the proxy's routes.
 
-    POST /ajet/v1/episodes                 begin: {"client_id"?, "task"?, "group_id"?} -> the episode
+    POST /ajet/v1/episodes                 begin: {"client_id"?, "dataset"?, "task"?, "group_id"?} -> the episode
     POST /ajet/v1/episodes/{id}/finish     {"reward"?, "final_answer"?, "metadata"?, "metrics"?} or {"error"}
     POST /ajet/v1/episodes/{id}/abort      {"reason"?}
     POST /ajet/v1/episodes/{id}/heartbeat  {}
@@ -50,6 +50,7 @@ class BeginIn(_Body):
     client_id: str = Field("anonymous", min_length=1, max_length=200)
     task: TaskIn | None = None
     group_id: str | None = Field(None, min_length=1, max_length=200)
+    dataset: str | None = Field(None, min_length=1, max_length=200)
 
 
 class FinishIn(_Body):
@@ -113,7 +114,7 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
     async def begin(request: Request) -> dict[str, Any]:
         b = await body(request, BeginIn)
         return await run_in_threadpool(queue.begin, b.client_id, None if b.task is None else b.task.model_dump(),
-                                       b.group_id)
+                                       b.group_id, b.dataset)
 
     async def finish(request: Request) -> dict[str, Any]:
         b = await body(request, FinishIn)

@@ -4,7 +4,7 @@
 //
 // Loop: begin an episode (the server hands out the next task), ask the model through the episode's
 // OpenAI-compatible base_url (every call is recorded for training), score the answer, finish with the
-// reward. Stops when the server says the run is finished (410 run_finished), or after AJET_MAX_EPISODES.
+// reward (AJET_DATASET: ask for tasks of that dataset only). Stops when the server says the run is finished (410 run_finished), or after AJET_MAX_EPISODES.
 // Prints one JSON line per finished episode: {"episode_id", "reward"}.
 
 const url = (process.env.AJET_URL || "http://127.0.0.1:8765").replace(/\/$/, "");
@@ -12,6 +12,7 @@ const secret = process.env.AJET_SECRET || "";
 const retryForMs = 1000 * Number(process.env.AJET_RETRY_S || 120);
 const maxEpisodes = Number(process.env.AJET_MAX_EPISODES || Infinity);
 const clientId = `node-${process.pid}`;
+const dataset = process.env.AJET_DATASET || undefined;        // a multi-task run: the dataset this agent serves
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // POST/GET to the episode API; retries lost connections and 503s; returns [status, body].
@@ -54,7 +55,7 @@ async function solve(ep) {
 
 let done = 0;
 while (done < maxEpisodes) {
-  const [status, ep] = await api("POST", "/episodes", { client_id: clientId });
+  const [status, ep] = await api("POST", "/episodes", { client_id: clientId, dataset });
   if (status === 410) break;                                       // run_finished
   if (status !== 200) throw new Error(`begin failed: ${status} ${JSON.stringify(ep)}`);
   try {

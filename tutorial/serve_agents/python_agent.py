@@ -2,7 +2,8 @@
 
     AJET_URL=http://127.0.0.1:8765 AJET_SECRET=... python tutorial/serve_agents/python_agent.py
 
-Prints one JSON line per finished episode: {"episode_id", "reward"}.
+Prints one JSON line per finished episode: {"episode_id", "reward"}. AJET_DATASET: ask for tasks of that
+dataset only (a multi-task run).
 """
 
 import json
@@ -19,7 +20,7 @@ def main() -> None:
     done, limit = 0, int(os.environ.get("AJET_MAX_EPISODES", "1000000"))
     while done < limit:
         try:
-            with client.episode() as ep:
+            with client.episode(dataset=os.environ.get("AJET_DATASET")) as ep:
                 r = ep.openai(max_retries=0).chat.completions.create(
                     model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}])
                 answer = r.choices[0].message.content or ""

@@ -1,0 +1,168 @@
+"""The episode queue's hand-out rules, without a server: GRPO-group order, groups never mixing datasets,
+an abandoned place handed out again, a client's own group, adoption after a restart, checkpointed state."""
+
+import json
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from ajet.rollout.episode_queue import EpisodeApiError, EpisodeQueue
+from ajet.task import Task
+from ajet.task_sampler import MultiTaskSampler
+
+
+@dataclass
+class _Endpoint:
+    episode_id: str
+    base_url: str
+    api_key: str
+
+
+class _Engine:
+    policy_version = 0
+
+
+class FakeProxy:
+    """Opens and closes endpoints like `ProxyServer`, recording no calls."""
+
+    model_name = "ajet-policy"
+    engine = _Engine()
+
+    def open_episode(self, eid):
+        return _Endpoint(eid, f"http://x/ep/tok-{eid}/v1", f"tok-{eid}")
+
+    def close_episode(self, endpoint):
+        return []
+
+
+def _queue(datasets=None, idle_timeout_s=300.0, stored=None, tasks_per_step=2, first_step=1, attempt=0):
+    datasets = datasets or {"train": [Task(f"t{i}", f"q{i}") for i in range(6)]}
+    stored = [] if stored is None else stored
+    q = EpisodeQueue(MultiTaskSampler(datasets, None, False, 0), num_repeat=2, tasks_per_step=tasks_per_step,
+                     total_steps=3, first_step=first_step, attempt=attempt,
+                     record=lambda step, ep: stored.append((step, ep)), idle_timeout_s=idle_timeout_s)
+    q.bind(FakeProxy())
+    return q, stored
+
+
+def test_places_are_handed_out_in_group_order_and_collected_oldest_first():
+    q, stored = _queue()
+    begun = [q.begin("c") for _ in range(4)]
+    assert [(b["group_id"], b["episode_id"]) for b in begun] == [
+        ("g0:t0", "a0-g0-r0"), ("g0:t0", "a0-g0-r1"), ("g1:t1", "a0-g1-r0"), ("g1:t1", "a0-g1-r1")]
+    for b in reversed(begun):
+        q.finish(b["episode_id"], reward=1.0)
+    episodes = q.collect(1)
+    assert [(e.group_id, e.repeat_index) for e in episodes] == [("g0:t0", 0), ("g0:t0", 1), ("g1:t1", 0), ("g1:t1", 1)]
+    assert [s for s, _ in stored] == [1] * 4
+    with pytest.raises(EpisodeApiError) as e:
+        q.finish(begun[0]["episode_id"], reward=1.0)
+    assert e.value.status == 409
+
+
+def test_an_idle_episode_is_abandoned_and_its_place_handed_out_again():
+    q, stored = _queue(idle_timeout_s=0.2)
+    a = q.begin("dies")
+    time.sleep(0.3)
+    b = q.begin("lives")                      # reaps `a`, then hands out its place again
+    assert b["group_id"] == a["group_id"] and b["episode_id"] == "a0-g0-r0-h2"
+    assert stored[0][1].episode_id == a["episode_id"] and stored[0][1].error.startswith("abandoned: no call")
+    with pytest.raises(EpisodeApiError) as e:
+        q.finish(a["episode_id"], reward=1.0)
+    assert (e.value.status, e.value.code) == (410, "episode_abandoned")
+    q.activity(b["api_key"], +1)              # a call in flight: never idle, however long it takes
+    time.sleep(0.3)
+    q.begin("other")
+    assert q.status()["episodes"]["abandoned"] == 1
+
+
+def test_datasets_never_mix_within_a_group_and_clients_choose_theirs():
+    q, _ = _queue({"math": [Task("math/m0", "1+1")], "code": [Task("code/c0", "print")]})
+    m = [q.begin("m", dataset="math") for _ in range(2)]
+    c = [q.begin("c", dataset="code") for _ in range(2)]
+    assert {b["group_id"] for b in m} == {"g0:math/m0"} and {b["dataset"] for b in m} == {"math"}
+    assert {b["group_id"] for b in c} == {"g0:code/c0"} and c[0]["episode_id"] == "a0-code-g0-r0"
+    with pytest.raises(EpisodeApiError) as e:
+        q.begin("x", dataset="poetry")
+    assert e.value.code == "unknown_dataset" and "code, math" in e.value.message
+
+
+def test_own_groups_and_bad_finishes():
+    q, _ = _queue()
+    a = q.begin("c", task={"task_id": "mine", "query": "2+2", "answer": "4", "metadata": {}}, group_id="G")
+    q.begin("c", group_id="G")
+    with pytest.raises(EpisodeApiError) as e:
+        q.begin("c", group_id="G")
+    assert e.value.code == "group_full"
+    with pytest.raises(EpisodeApiError) as e:
+        q.finish(a["episode_id"], reward=float("nan"))
+    assert e.value.code == "invalid_reward"
+    with pytest.raises(EpisodeApiError) as e:
+        q.finish(a["episode_id"])             # no reward, no judge: refused, the episode goes on running
+    assert e.value.code == "missing_reward"
+    assert q.finish(a["episode_id"], reward=0.0)["status"] == "finished"
+    with pytest.raises(EpisodeApiError) as e:
+        q.finish("nope", reward=1.0)
+    assert e.value.status == 404
+
+
+def test_a_restarted_queue_reopens_groups_and_adopts_finished_episodes():
+    q, stored = _queue()
+    first = [q.begin("c") for _ in range(3)]
+    q.finish(first[0]["episode_id"], reward=0.5)
+    q.finish(first[2]["episode_id"], reward=0.25)
+    state = q.state_dict(0)
+    records = [{**ep.to_dict(), "attempt": 0} for _, ep in stored]
+
+    q2, stored2 = _queue(attempt=1)
+    q2.load_state_dict(state)
+    q2.adopt(records)
+    b = [q2.begin("c") for _ in range(2)]
+    assert [x["episode_id"] for x in b] == ["a1-g0-r1", "a1-g1-r1"]   # only the places nobody finished
+    for x in b:
+        q2.finish(x["episode_id"], reward=1.0)
+    episodes = q2.collect(1)
+    assert [(e.episode_id, e.attempt, e.reward) for e in episodes] == [
+        ("a0-g0-r0", 0, 0.5), ("a1-g0-r1", 1, 1.0), ("a0-g1-r0", 0, 0.25), ("a1-g1-r1", 1, 1.0)]
+    assert q2.counts["adopted"] == 2 and len(stored2) == 2    # adopted episodes are not stored twice
+
+
+def test_collect_waits_for_complete_groups_while_clients_finish_in_threads():
+    q, _ = _queue(tasks_per_step=1)
+    got = []
+    t = threading.Thread(target=lambda: got.append(q.collect(1)))
+    t.start()
+    a, b = q.begin("c"), q.begin("c")
+    q.finish(a["episode_id"], reward=1.0)
+    time.sleep(0.2)
+    assert not got                            # one place of the group is still running
+    q.finish(b["episode_id"], error="tool crashed")
+    t.join(5)
+    (eps,) = got
+    assert [e.ok for e in eps] == [True, False] and "tool crashed" in eps[1].error
+
+
+def test_multi_task_config_and_reproducible_mix(tmp_path):
+    from ajet.config import load_config
+    from ajet.errors import ConfigError
+    from ajet.trainer import _read_datasets
+
+    for name in ("math", "code"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"query": f"{name} {i}"}) + "\n" for i in range(3)))
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(textwrap.dedent("""
+        workflow: wf.py:W
+        data: {train: [{name: math, path: math.jsonl, weight: 3}, {name: code, path: code.jsonl}]}
+    """))
+    datasets = _read_datasets(load_config(conf))
+    assert [t.task_id for t in datasets["code"]] == ["code/code-0", "code/code-1", "code/code-2"]
+    assert datasets["math"][0].metadata == {"dataset": "math"}
+    draws = [MultiTaskSampler(datasets, {"math": 3, "code": 1}, True, 7).next_batch(40) for _ in range(2)]
+    assert draws[0] == draws[1]                                   # the mix is reproducible
+    assert 20 < sum(t.metadata["dataset"] == "math" for t in draws[0]) < 40
+    conf.write_text("workflow: wf.py:W\ndata: {train_path: math.jsonl, train: [{name: a, path: math.jsonl}]}\n")
+    with pytest.raises(ConfigError, match="exactly one of `data.train_path`"):
+        load_config(conf)
