@@ -153,14 +153,6 @@ def _finish_body(reward, final_answer, metadata, metrics) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _settings(url: str | None, secret: str | None, client_id: str | None) -> tuple[str, str | None, str]:
-    url = (url or os.environ.get("AJET_URL") or "").rstrip("/")
-    if not url:
-        raise ValueError("no server URL: pass AjetClient(url) or set AJET_URL (printed by `ajet serve`)")
-    return (url, secret if secret is not None else os.environ.get("AJET_SECRET"),
-            client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-
-
 def _error(resp: httpx.Response) -> AjetClientError:
     try:
         err = resp.json()["error"]
@@ -202,8 +194,8 @@ def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadl
     return min(0.2 * 2 ** attempt, 5.0, cap)
 
 
-class AjetClient:
-    """Synchronous client of `ajet serve`.
+class _ClientBase:
+    """Settings shared by both clients.
 
     Args:
         url: the server's base URL (default: `AJET_URL`).
@@ -211,14 +203,30 @@ class AjetClient:
         client_id: a name for this client in the server's status (default: host-pid-random).
         retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds.
         timeout_s: per-request timeout, seconds.
+    Raises:
+        ValueError: no URL given and AJET_URL unset.
     """
+
+    _HTTP: type = httpx.Client
 
     def __init__(self, url: str | None = None, secret: str | None = None, client_id: str | None = None,
                  retry_for_s: float = 120.0, timeout_s: float = 60.0):
-        self.url, self.secret, self.client_id = _settings(url, secret, client_id)
-        self.retry_for_s = retry_for_s
+        url = (url or os.environ.get("AJET_URL") or "").rstrip("/")
+        if not url:
+            raise ValueError("no server URL: pass AjetClient(url) or set AJET_URL (printed by `ajet serve`)")
+        self.url, self.retry_for_s = url, retry_for_s
+        self.secret = secret if secret is not None else os.environ.get("AJET_SECRET")
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._http = self._HTTP(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def _begin_body(self, task, group_id, dataset) -> dict[str, Any]:
+        body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
+        return {k: v for k, v in body.items() if v is not None}
+
+
+class AjetClient(_ClientBase):
+    """Synchronous client of `ajet serve` (arguments: see `_ClientBase`)."""
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
               done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -248,8 +256,7 @@ class AjetClient:
         Raises:
             RunFinished: the run is over. AjetClientError: the server refused the request.
         """
-        body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
-        data = self._call("POST", f"{API}/episodes", {k: v for k, v in body.items() if v is not None})
+        data = self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
         ep = Episode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
         ep._client = self
         return ep
@@ -284,15 +291,10 @@ class AjetClient:
         self.close()
 
 
-class AsyncAjetClient:
+class AsyncAjetClient(_ClientBase):
     """Asynchronous client of `ajet serve` (same arguments and methods as `AjetClient`, as coroutines)."""
 
-    def __init__(self, url: str | None = None, secret: str | None = None, client_id: str | None = None,
-                 retry_for_s: float = 120.0, timeout_s: float = 60.0):
-        self.url, self.secret, self.client_id = _settings(url, secret, client_id)
-        self.retry_for_s = retry_for_s
-        headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+    _HTTP = httpx.AsyncClient
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
                     done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -314,8 +316,7 @@ class AsyncAjetClient:
 
     async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
                     dataset: str | None = None) -> AsyncEpisode:
-        body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
-        data = await self._call("POST", f"{API}/episodes", {k: v for k, v in body.items() if v is not None})
+        data = await self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
         ep = AsyncEpisode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
         ep._client = self
         return ep
