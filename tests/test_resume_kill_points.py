@@ -148,3 +148,29 @@ def test_resaving_a_checkpoint_step_is_atomic(tmp_path, monkeypatch, point):
     checkpoint.save(tmp_path, 1, _FakeBackbone("new"), {"step": 1})
     assert (checkpoint.latest(tmp_path) / "weights").read_text() == "new"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+def test_ledger_tells_live_rolled_back_and_abandoned_apart(tmp_path):
+    store = TrajectoryStore(tmp_path / "t.sqlite")
+
+    def ep(eid, reward=1.0):
+        return {"episode_id": eid, "task": {"task_id": "t"}, "reward": reward, "error": None, "calls": []}
+
+    a0 = store.begin_attempt(0)
+    store.add_episode(1, a0, ep("x1"))
+    store.mark_trained(1, a0, [("x1", a0)])                 # step 1 checkpointed below (a1 resumes from 1)
+    store.add_episode(2, a0, ep("x2"))
+    store.add_episode(2, a0, ep("y2"))
+    store.mark_trained(2, a0, [("x2", a0)])                 # update of step 2: killed before its checkpoint
+    a1 = store.begin_attempt(1)
+    assert (a0, a1) == (0, 1) and store.attempts() == [(0, 0), (1, 1)]
+    store.add_episode(2, a1, ep("z2"))
+    store.mark_trained(2, a1, [("z2", a1), ("y2", a0)])     # a resumed server adopts y2
+    fates = {e["episode_id"]: e for e in store.ledger()}
+    assert fates["x1"]["trained_in"] == [(1, 0)] and not fates["x1"]["abandoned"]
+    assert fates["x2"]["trained_in"] == [] and fates["x2"]["rolled_back"] == [(2, 0)] and fates["x2"]["abandoned"]
+    assert fates["y2"]["trained_in"] == [(2, 1)] and not fates["y2"]["abandoned"]
+    assert fates["z2"]["trained_in"] == [(2, 1)]
+    assert [r["episode_id"] for r in store.untrained()] == ["x2"]
+    assert TrajectoryStore(tmp_path / "t.sqlite").begin_attempt(1) == 2     # numbers come from the store
+    store.close()
