@@ -77,6 +77,9 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     exp_dir.mkdir(parents=True, exist_ok=True)
     store = TrajectoryStore(exp_dir / "trajectories.sqlite")
     attempt = store.begin_attempt(resumed_step)   # from the store: never repeats, even after a kill before any commit
+    if cfg.trainer.resume:   # before the logger opens them: it appends to whatever file is there
+        for name in ("metrics.jsonl", "trajectories.jsonl"):
+            checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
     log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
     progress: list[Callable[..., None]] = [lambda *_: None]
 
@@ -96,9 +99,6 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         source.load_state_dict(state["rollout"])
         random.setstate(state["python_rng"])
         torch.set_rng_state(state["torch_rng"])
-    if cfg.trainer.resume:
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
     (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "

@@ -94,7 +94,8 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_pat
 
 
 def test_broken_workflows_are_recorded_and_skipped(tiny_model_dir, tmp_path):
-    conf = _setup(tmp_path, tiny_model_dir, steps=2, extra="")
+    # the hanging workflow sleeps 30 s; 8 s lets the others finish their call on a loaded machine
+    conf = _setup(tmp_path, tiny_model_dir, steps=2, extra="", episode_timeout_s=8)
     exp = tmp_path / "exp"
     proc = _ajet(conf, exp, env={"WF_MODE": "mixed"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -16,6 +16,7 @@ from ajet.client import AjetClient, EpisodeGone, RunFinished
 
 
 def main() -> None:
+    openai.OpenAI(api_key="-", base_url="http://127.0.0.1:9").chat.completions   # load the SDK before any episode
     client = AjetClient(retry_for_s=float(os.environ.get("AJET_RETRY_S", "120")))
     done, limit = 0, int(os.environ.get("AJET_MAX_EPISODES", "1000000"))
     while done < limit:
@@ -30,8 +31,8 @@ def main() -> None:
             break
         except (EpisodeGone, openai.APIError):   # abandoned, or the server restarted: begin the next one
             continue
-        except httpx.TransportError:
-            break                    # the server stayed away longer than AJET_RETRY_S
+        except httpx.TransportError as exc:   # the server stayed away longer than AJET_RETRY_S
+            raise SystemExit(f"python_agent: the server at {client.url} is unreachable: {exc!r}")
         print(json.dumps({"episode_id": ep.episode_id, "reward": reward}), flush=True)
         done += 1
 
