@@ -161,13 +161,16 @@ class ServeConfig(_Section):
     host: bind address (a non-loopback host needs `secret`). port: 0 picks a free one. secret: the
     bearer token of the episode API (None: generated and printed at start; also AJET_SECRET).
     episode_idle_timeout_s: an episode with no call or heartbeat for this long is abandoned and its task
-    handed to the next client.
+    handed to the next client. local_workers: how many episodes of the config's `workflow` the server runs
+    itself at once (0: only remote clients run episodes).
     """
 
     host: str = "127.0.0.1"
     port: int = Field(8765, ge=0, le=65535)
     secret: str | None = Field(None, min_length=16)
     episode_idle_timeout_s: float = Field(300.0, gt=0)
+    local_workers: int = Field(0, ge=0, description="episodes the server runs itself with the config's "
+                                                     "`workflow` (a class or a command), beside remote clients")
 
 
 class AjetConfig(_Section):

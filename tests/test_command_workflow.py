@@ -147,3 +147,25 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail("the program's child outlived the timeout")
+
+
+def test_ajet_serve_runs_a_command_workflow_itself(tiny_model_dir, tmp_path):
+    (tmp_path / "agent.py").write_text(AGENT_SCRIPT)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "query": f"q {i}"}) + "\n" for i in range(4)))
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        workflow: {{command: [{json.dumps(sys.executable)}, agent.py], timeout_s: 120}}
+        model: {{path: "{tiny_model_dir}", max_model_len: 256}}
+        data: {{train_path: tasks.jsonl}}
+        rollout: {{num_repeat: 2, max_tokens: 5}}
+        trainer: {{total_steps: 1, tasks_per_step: 2, tensorboard: false}}
+        serve: {{port: 0, local_workers: 2}}
+    """))
+    proc = subprocess.run([sys.executable, "-m", "ajet", "serve", "--conf", str(tmp_path / "conf.yaml"),
+                           "--exp-dir", str(tmp_path / "exp")], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    store = TrajectoryStore(tmp_path / "exp" / "trajectories.sqlite")
+    episodes, ledger = store.episodes(), store.ledger()
+    store.close()
+    assert len(episodes) == 4 and all(e["error"] is None and len(e["calls"]) == 2 for e in episodes)
+    assert all(e["output"]["metadata"]["stderr"] == "agent log line\n" for e in episodes)
+    assert all(e["trained_in"] == [(1, 0)] for e in ledger)

@@ -112,7 +112,7 @@ def test_broken_workflows_are_recorded_and_skipped(tiny_model_dir, tmp_path):
 
 
 def test_steps_without_usable_episodes_stop_the_run(tiny_model_dir, tmp_path):
-    conf = _setup(tmp_path, tiny_model_dir, steps=5)
+    conf = _setup(tmp_path, tiny_model_dir, steps=5, episode_timeout_s=8)   # the call must finish before it raises
     proc = _ajet(conf, tmp_path / "exp", env={"WF_MODE": "all_fail"})
     assert proc.returncode == 2
     assert "3 steps in a row produced no usable episode" in proc.stderr and "always broken" in proc.stderr

@@ -27,6 +27,21 @@ from ajet.workflow import Tuner, Workflow, WorkflowOutput
 Judge = Callable[[Task, WorkflowOutput], float]
 
 
+async def execute_workflow(workflow: Workflow, task: Task, tuner: Tuner,
+                           timeout_s: float) -> tuple[WorkflowOutput | None, str | None]:
+    """`workflow.execute(task, tuner)` within `timeout_s` seconds: (its output, None), or (None, the error:
+    a traceback, or a TimeoutError line). Never raises for a broken workflow."""
+    try:
+        output = await asyncio.wait_for(workflow.execute(task, tuner), timeout=timeout_s)
+        if not isinstance(output, WorkflowOutput):
+            raise TypeError(f"{type(workflow).__name__}.execute must return WorkflowOutput, got {type(output).__name__}")
+        return output, None
+    except asyncio.TimeoutError:
+        return None, f"TimeoutError: the workflow ran longer than episode_timeout_s={timeout_s}"
+    except Exception:  # noqa: BLE001 - a broken workflow is recorded and skipped, never a crashed run
+        return None, traceback.format_exc()
+
+
 async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, judge: Judge | None,
                       timeout_s: float, model_name: str = "ajet-policy") -> Episode:
     """Run `workflow` on `episode.task`, filling in the episode's calls, output, reward or error."""
@@ -35,30 +50,33 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
                   episode_id=episode.episode_id)
     t0 = time.perf_counter()
     try:
-        output = await asyncio.wait_for(workflow.execute(episode.task, tuner), timeout=timeout_s)
-        if not isinstance(output, WorkflowOutput):
-            raise TypeError(f"{type(workflow).__name__}.execute must return WorkflowOutput, got {type(output).__name__}")
-        episode.output = output
-        reward = output.reward
-        if reward is None:
-            if judge is None:
-                raise ValueError("the workflow returned reward=None and the config names no `judge`")
-            reward = judge(episode.task, output)
-            if inspect.isawaitable(reward):
-                reward = await reward
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"reward is not finite: {reward}")
-        episode.reward = reward
-    except asyncio.TimeoutError:
-        episode.error = f"TimeoutError: the workflow ran longer than episode_timeout_s={timeout_s}"
-    except Exception:  # noqa: BLE001 - a broken workflow is recorded and skipped, never a crashed run
-        episode.error = traceback.format_exc()
+        episode.output, episode.error = await execute_workflow(workflow, episode.task, tuner, timeout_s)
+        if episode.error is None:
+            try:
+                episode.reward = await _score(episode.task, episode.output, judge)
+            except Exception:  # noqa: BLE001 - a broken judge or reward fails the episode only
+                episode.error = traceback.format_exc()
     finally:
         episode.duration_s = time.perf_counter() - t0
         episode.calls = proxy.close_episode(endpoint)
         await tuner.aclose()
     return episode
+
+
+async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> float:
+    """The episode's reward: the workflow's, else the judge's. Raises ValueError when there is none or it
+    is not finite."""
+    reward = output.reward
+    if reward is None:
+        if judge is None:
+            raise ValueError("the workflow returned reward=None and the config names no `judge`")
+        reward = judge(task, output)
+        if inspect.isawaitable(reward):
+            reward = await reward
+    reward = float(reward)
+    if not math.isfinite(reward):
+        raise ValueError(f"reward is not finite: {reward}")
+    return reward
 
 
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
@@ -87,6 +105,20 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
     return list(await asyncio.gather(*(_one(ep) for ep in episodes)))
 
 
+def load_workflow(cfg) -> Workflow:
+    """The config's workflow: an instance of its `Workflow` class, or a `CommandWorkflow`.
+
+    Raises:
+        ConfigError: no `workflow` in the config, or it cannot be loaded.
+    """
+    if cfg.workflow is None:
+        raise ConfigError("the config names no `workflow` (a `file.py:Class`, a `module:Class`, or "
+                          "`{command: [...]}`); only `ajet serve` runs without one")
+    if isinstance(cfg.workflow, CommandWorkflowConfig):
+        return CommandWorkflow(cfg.workflow, cfg.config_dir)
+    return load_object(cfg.workflow, cfg.config_dir)()
+
+
 class InProcessRollout:
     """The rollout source of `ajet --conf`: runs the workflow on `tasks_per_step` tasks x `num_repeat` per step,
     in this process (the tasks in `MultiTaskSampler` order, so a resumed run sees the same data)."""
@@ -104,13 +136,8 @@ class InProcessRollout:
             ConfigError: the workflow or judge cannot be loaded.
         """
         cfg = ctx.cfg
-        if cfg.workflow is None:
-            raise ConfigError("the config names no `workflow` (a `file.py:Class`, a `module:Class`, or "
-                              "`{command: [...]}`); `ajet serve` runs without one")
-        workflow = (CommandWorkflow(cfg.workflow, cfg.config_dir) if isinstance(cfg.workflow, CommandWorkflowConfig)
-                    else load_object(cfg.workflow, cfg.config_dir)())
         judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
-        return cls(ctx, workflow, judge)
+        return cls(ctx, load_workflow(cfg), judge)
 
     def bind(self, proxy: ProxyServer) -> None:
         self.proxy = proxy

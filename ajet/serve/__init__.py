@@ -37,6 +37,14 @@ class ServeSource(EpisodeQueue):
         super().__init__(ctx.sampler(), cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
                          ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s)
         self.ctx, self.secret = ctx, secret
+        self.workers = None
+        if cfg.serve.local_workers:
+            from ajet.rollout.in_process import load_workflow
+            from ajet.serve.local_workers import LocalWorkers
+
+            if cfg.workflow is None:
+                raise ConfigError("serve.local_workers needs a `workflow` (a class or {command: [...]}) to run")
+            self.workers = LocalWorkers(self, load_workflow(cfg), cfg.serve.local_workers, cfg.rollout.episode_timeout_s)
 
     def bind(self, proxy) -> None:
         from ajet.serve.api import build_api, compose
@@ -47,6 +55,11 @@ class ServeSource(EpisodeQueue):
             if self.counts["adopted"]:
                 self.ctx.console.print(f"adopted {self.counts['adopted']} finished, untrained episodes of earlier attempts")
         proxy.app = compose(proxy.app, build_api(self, self.secret), self.activity)
+
+    def collect(self, step: int):
+        if self.workers is not None and not self.workers.started:   # the proxy is serving by now
+            self.workers.start()
+        return super().collect(step)
 
     def close(self) -> None:
         """Answer `begin` with 410 `run_finished` for a moment before the server stops, so that clients
