@@ -94,8 +94,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_pat
 
 
 def test_broken_workflows_are_recorded_and_skipped(tiny_model_dir, tmp_path):
-    # the hanging workflow sleeps 30 s; 8 s lets the others finish their call on a loaded machine
-    conf = _setup(tmp_path, tiny_model_dir, steps=2, extra="", episode_timeout_s=8)
+    conf = _setup(tmp_path, tiny_model_dir, steps=2, extra="")
     exp = tmp_path / "exp"
     proc = _ajet(conf, exp, env={"WF_MODE": "mixed"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -112,7 +111,7 @@ def test_broken_workflows_are_recorded_and_skipped(tiny_model_dir, tmp_path):
 
 
 def test_steps_without_usable_episodes_stop_the_run(tiny_model_dir, tmp_path):
-    conf = _setup(tmp_path, tiny_model_dir, steps=5, episode_timeout_s=8)   # the call must finish before it raises
+    conf = _setup(tmp_path, tiny_model_dir, steps=5)
     proc = _ajet(conf, tmp_path / "exp", env={"WF_MODE": "all_fail"})
     assert proc.returncode == 2
     assert "3 steps in a row produced no usable episode" in proc.stderr and "always broken" in proc.stderr
