@@ -44,12 +44,13 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def progress(self, label: str, total: int) -> Iterator[Callable[..., None]]:
-        """A transient rich progress bar of `total` episodes; yields `advance(*_)` to call per episode."""
+        """A transient rich progress bar of `total` episodes; yields `advance(status=None)` to call per
+        episode (`status`: a line shown after the bar, e.g. `ajet serve`'s clients and policy version)."""
         bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("episodes"),
-                       TimeElapsedColumn(), console=self.console, transient=True)
-        task = bar.add_task(label, total=total)
+                       TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=self.console, transient=True)
+        task = bar.add_task(label, total=total, status="")
         with bar:
-            yield lambda *_: bar.advance(task)
+            yield lambda status=None: bar.update(task, advance=1, **({} if status is None else {"status": status}))
 
     def write_episode(self, step: int, record: dict[str, Any]) -> None:
         self._trajectories.write(json.dumps({"step": step, **record}) + "\n")

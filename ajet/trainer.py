@@ -81,12 +81,12 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
     log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
-    progress: list[Callable[..., None]] = [lambda *_: None]
+    progress: list[Callable[..., None]] = [lambda status=None: None]
 
     def record(step: int, ep: Episode) -> None:   # every finished episode: durable before training uses it
         store.add_episode(step, ep.attempt, ep.to_dict())
         kill_point("rollout", step)
-        progress[0]()
+        progress[0](_live_status(source.metrics(), ep))
 
     ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, log.console)
     try:
@@ -128,7 +128,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
                 progress[0] = advance
                 episodes = source.collect(step)
-                progress[0] = lambda *_: None
+                progress[0] = lambda status=None: None
             kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
             trainable = _trainable(episodes, r.failed_episode_policy)
@@ -269,6 +269,14 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
     if len(ok) < len(episodes):
         m["rollout/first_error"] = next(e.error for e in episodes if not e.ok).strip().splitlines()[-1][:300]
     return m
+
+
+def _live_status(m: dict[str, Any], ep: Episode) -> str:
+    """The progress bar's status for `ajet serve` (empty for in-process rollouts)."""
+    if "serve/clients" not in m:
+        return ""
+    return (f"policy v{m['serve/policy_version']} | running {m['serve/running']} | abandoned {m['serve/abandoned']} "
+            f"| clients {m['serve/clients']} | last reward {ep.reward if ep.reward is not None else 'failed'}")
 
 
 def _console_line(step: int, total: int, m: dict[str, Any]) -> str:

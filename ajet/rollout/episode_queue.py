@@ -293,7 +293,8 @@ class EpisodeQueue:
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
-            return {"serve/abandoned": self.counts["abandoned"] + self.counts["aborted"],
+            return {"serve/policy_version": self.proxy.engine.policy_version if self.proxy else 0,
+                    "serve/abandoned": self.counts["abandoned"] + self.counts["aborted"],
                     "serve/running": len(self._running), "serve/clients": len(self._clients),
                     "serve/adopted": self.counts["adopted"]}
 
