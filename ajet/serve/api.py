@@ -113,8 +113,11 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
 
     async def begin(request: Request) -> dict[str, Any]:
         b = await body(request, BeginIn)
-        return await run_in_threadpool(queue.begin, b.client_id, None if b.task is None else b.task.model_dump(),
-                                       b.group_id, b.dataset)
+        ep = await run_in_threadpool(queue.begin, b.client_id, None if b.task is None else b.task.model_dump(),
+                                     b.group_id, b.dataset)
+        # the episode's base_url on the address this client reached us at (the server may bind 0.0.0.0)
+        ep["base_url"] = str(request.base_url).rstrip("/") + ep["base_url"][len(queue.proxy.url):]
+        return ep
 
     async def finish(request: Request) -> dict[str, Any]:
         b = await body(request, FinishIn)
