@@ -77,3 +77,12 @@ class RolloutSource(Protocol):
 
     def close(self) -> None:
         """Stop handing out work."""
+
+
+def __getattr__(name: str):
+    """`from ajet.rollout import rollout, run_episode` (the in-process functions, as before the package)."""
+    if name in ("rollout", "run_episode"):
+        from ajet.rollout import in_process
+
+        return getattr(in_process, name)
+    raise AttributeError(f"module 'ajet.rollout' has no attribute {name!r}")
