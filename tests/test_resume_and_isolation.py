@@ -18,19 +18,21 @@ from ajet.workflow import Workflow, WorkflowOutput
 
 class SlowWorkflow(Workflow):
     async def execute(self, task, tuner):
-        r = await tuner.client.chat.completions.create(model=tuner.model, messages=[{"role": "user", "content": task.query}])
-        await asyncio.sleep(float(os.environ.get("WF_SLEEP", "0")))
-        text = r.choices[0].message.content or ""
         mode = os.environ.get("WF_MODE", "")
         n = int(task.task_id[1:])
+        # the broken modes fail before the model call, so a slow call on a loaded machine cannot turn them
+        # into timeouts
         if mode == "mixed" and n % 4 == 0:
             raise RuntimeError(f"tool crashed on {task.task_id}")
         if mode == "mixed" and n % 4 == 1:
             return WorkflowOutput(reward=math.nan)
-        if mode == "mixed" and n % 4 == 2:
-            await asyncio.sleep(120)          # hangs past episode_timeout_s
         if mode == "all_fail":
             raise ValueError("always broken")
+        r = await tuner.client.chat.completions.create(model=tuner.model, messages=[{"role": "user", "content": task.query}])
+        await asyncio.sleep(float(os.environ.get("WF_SLEEP", "0")))
+        text = r.choices[0].message.content or ""
+        if mode == "mixed" and n % 4 == 2:
+            await asyncio.sleep(120)          # hangs past episode_timeout_s
         return WorkflowOutput(reward=float(len(text) % 3), final_answer=text)
 '''
 
