@@ -193,7 +193,7 @@ def find_parent(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
             continue
         if not _same(messages[k], call.response_message, ignore_ids=True):
             continue
-        if _canon(tools) != _canon(call.tools):
+        if tools != call.tools and _canon(tools) != _canon(call.tools):   # == first: no JSON dumps when equal
             reason = "tools_changed"
             continue
         return call, None

@@ -120,16 +120,29 @@ def printable(text: str) -> str:
 
 def _too_deep_path(data: Any, limit: int) -> str | None:
     """The dotted path of the first value nested deeper than `limit` objects/arrays, else None (iterative:
-    no recursion however deep `data` is)."""
-    stack: list[tuple[str, Any, int]] = [("", data, 0)]
+    no recursion however deep `data` is). The walk keeps only depths; the path is traced on a hit."""
+    stack: list[tuple[Any, int]] = [(data, 0)]
     while stack:
-        path, v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth >= limit:
-                return printable(cut(path, 200))
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            stack.extend(((f"{path}.{k}" if path else str(k)), x, depth + 1) for k, x in items)
+        v, depth = stack.pop()
+        if depth >= limit:
+            return _trace(data, v)
+        if type(v) is dict:
+            stack.extend((x, depth + 1) for x in v.values() if type(x) in (dict, list))
+        elif type(v) is list:
+            stack.extend((x, depth + 1) for x in v if type(x) in (dict, list))
     return None
+
+
+def _trace(data: Any, target: Any) -> str:
+    """The dotted path from `data` to the object `target` (found by identity)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if v is target:
+            return printable(cut(path, 200))
+        items = v.items() if type(v) is dict else enumerate(v) if type(v) is list else ()
+        stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in items if type(x) in (dict, list))
+    return ""
 
 
 def cut(text: str, limit: int) -> str:
