@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from starlette.responses import Response
 
-from ajet.proxy.stream import sse
+from ajet.llm_call import TokenDelta
+from ajet.proxy.stream import IncrementalContent, sse
 from ajet.proxy.wire import ProxyError
 
 if TYPE_CHECKING:
@@ -54,3 +55,28 @@ class Api:
 
     def error_event(self, err: ProxyError) -> str:
         return sse(err.body())
+
+    async def steps(self, turn: Turn, events: asyncio.Queue, first) -> AsyncIterator[tuple[list[str], Choice | None]]:
+        """For a one-choice stream (Responses, Messages): per wake-up, the content deltas now safe to send
+        (see `IncrementalContent`) and the choice when it has finished (else None); ends after the last."""
+        state = IncrementalContent(turn.parse_tools, turn.stop)
+        ids: list[int] = []
+        event = first
+        while event is not None:
+            batch = [event]
+            while not events.empty():           # coalesce whatever else is already here
+                batch.append(events.get_nowait())
+            finished = None
+            for ev in batch:
+                if ev is None:
+                    break
+                if isinstance(ev[1], TokenDelta):
+                    ids += ev[1].token_ids
+                else:
+                    finished = ev[1]
+            delta = (state.finish(finished.message["content"]) if finished is not None
+                     else state.update(turn.forced + self.proxy.decode(ids)))
+            yield ([delta] if delta else []), finished
+            if batch[-1] is None:
+                return
+            event = await events.get()

@@ -25,10 +25,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from ajet.llm_call import TokenDelta
 from ajet.proxy.api import Api
 from ajet.proxy.schema import ChatCompletionRequest, short_repr
-from ajet.proxy.stream import IncrementalContent
 from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, validated
 
@@ -155,41 +153,20 @@ class MessagesApi(Api):
                  "usage": _usage(len(prep.prompt_ids) if prep.prompt_ids is not None      # a retry's replay:
                                  else len(turn.task.result()[0].call.prompt_ids), 0)}   # the first attempt's
         out = [_event("message_start", {"type": "message_start", "message": start})]
-        state = IncrementalContent(turn.parse_tools, turn.stop)
-        ids: list[int] = []
-        text_open, finished = False, None
-        event = first
-        while event is not None:
-            batch = [event]
-            while not events.empty():
-                batch.append(events.get_nowait())
-            for ev in batch:
-                if ev is None:
-                    break
-                _, item = ev
-                if isinstance(item, TokenDelta):
-                    ids += item.token_ids
-                else:
-                    finished = item
-            deltas = ([state.update(turn.forced + self.proxy.decode(ids))] if finished is None
-                      else [state.finish(finished.message["content"])])
+        text_open = False
+        async for deltas, finished in self.steps(turn, events, first):
             for delta in deltas:
-                if delta:
-                    if not text_open:
-                        out.append(_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                                  "content_block": {"type": "text", "text": ""}}))
-                        text_open = True
-                    out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                              "delta": {"type": "text_delta", "text": delta}}))
+                if not text_open:
+                    out.append(_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                              "content_block": {"type": "text", "text": ""}}))
+                    text_open = True
+                out.append(_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                          "delta": {"type": "text_delta", "text": delta}}))
             if finished is not None:
                 out += self._finish_events(turn, prep, finished, text_open)
-                finished = None
-            if batch[-1] is None:
-                break
             if out:
                 yield "".join(out)
                 out = []
-            event = await events.get()
         if (err := turn.error()) is not None:
             out.append(self.error_event(err))
         yield "".join(out)

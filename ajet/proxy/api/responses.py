@@ -26,10 +26,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from ajet.llm_call import TokenDelta
 from ajet.proxy.api import Api
 from ajet.proxy.schema import ChatCompletionRequest, short_repr
-from ajet.proxy.stream import IncrementalContent
 from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, validated
 
@@ -183,8 +181,7 @@ class ResponsesApi(Api):
 
         started = self._response(turn, prep, None)
         out = [ev("response.created", response=started), ev("response.in_progress", response=started)]
-        state = IncrementalContent(turn.parse_tools, turn.stop)
-        msg_id, ids, text_open, finished = _message_id(turn), [], False, None
+        msg_id, text_open = _message_id(turn), False
 
         def open_text() -> list[str]:
             item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
@@ -192,38 +189,18 @@ class ResponsesApi(Api):
                     ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
                        part={"type": "output_text", "text": "", "annotations": []})]
 
-        event = first
-        while event is not None:
-            batch = [event]
-            while not events.empty():
-                batch.append(events.get_nowait())
-            for ev_ in batch:
-                if ev_ is None:
-                    break
-                _, item = ev_
-                if isinstance(item, TokenDelta):
-                    ids += item.token_ids
-                else:
-                    finished = item
-            deltas = [state.update(turn.forced + self.proxy.decode(ids))] if finished is None else []
-            if finished is not None:
-                deltas.append(state.finish(finished.message["content"]))
+        async for deltas, finished in self.steps(turn, events, first):
             for delta in deltas:
-                if delta:
-                    if not text_open:
-                        out += open_text()
-                        text_open = True
-                    out.append(ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                                  delta=delta, logprobs=[]))
+                if not text_open:
+                    out += open_text()
+                    text_open = True
+                out.append(ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                              delta=delta, logprobs=[]))
             if finished is not None:
                 out += self._finish_events(ev, turn, finished, text_open)
-                finished, text_open = None, False
-            if batch[-1] is None:
-                break
             if out:
                 yield "".join(out)
                 out = []
-            event = await events.get()
         if (err := turn.error()) is not None:
             out.append(ev("error", code=err.code, message=err.message, param=err.param))
         else:
