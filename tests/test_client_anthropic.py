@@ -124,7 +124,7 @@ def test_anthropic_error_bodies(proxy):
             "thinking": {"type": "enabled", "budget_tokens": 1024}})
         assert r.status_code == 200, r.text
     server.close_episode(ep)
-    assert server.apis["messages"].server_tools_left_out == 1
+    assert server.apis["messages"].hosted_tools_left_out == 1
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["plain", "streaming"])

@@ -31,6 +31,7 @@ class Api:
 
     def __init__(self, proxy: ProxyServer):
         self.proxy = proxy
+        self.hosted_tools_left_out = 0   # tools only a hosted service can run (web search, ...), left out so far
 
     def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, Any]:
         """The turn request for JSON body `data`, and a context object for `body`/`events`. Raises

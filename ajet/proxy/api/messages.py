@@ -70,9 +70,6 @@ class MessagesApi(Api):
     name = "messages"
     id_prefix = "msg_"
 
-    def __init__(self, proxy):
-        super().__init__(proxy)
-        self.server_tools_left_out = 0   # server tools (web_search, ...) dropped from prompts so far
 
     def error_response(self, err: ProxyError) -> Response:
         return err.anthropic_response()
@@ -105,7 +102,7 @@ class MessagesApi(Api):
             fn = {"name": t.get("name"), "description": t.get("description"), "parameters": t["input_schema"]}
             tools.append({"type": "function", "function": {k2: v for k2, v in fn.items() if v is not None}})
         if server:
-            self.server_tools_left_out += len(server)
+            self.hosted_tools_left_out += len(server)
         chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
         if tools:
             chat["tools"] = tools

@@ -91,9 +91,6 @@ class ResponsesApi(Api):
     name = "responses"
     id_prefix = "resp_"
 
-    def __init__(self, proxy):
-        super().__init__(proxy)
-        self.hosted_tools_left_out = 0   # hosted tools (web_search, ...) dropped from prompts so far
 
     # ---- request -> turn --------------------------------------------------------------------------
     def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, _Context]:
