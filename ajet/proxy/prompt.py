@@ -80,7 +80,7 @@ class PromptBuilder:
     def _append_only_probe(self) -> bool:
         """Whether a continuation can be built from one render (of the whole conversation) instead of two
         (the conversation up to the reply, then the whole): on a probe conversation (system, user, an
-        assistant reply with text and two tool calls, a tool result, a user turn) the template appends
+        assistant reply with thinking, text and two tool calls, a tool result, a user turn) the template appends
         (rendering up to the reply is a prefix of the whole, the parent's prompt a prefix of that) and
         the reply holds exactly one end-of-turn token, so the first end-of-turn after the parent's prompt
         is where the reply ends. Otherwise every continuation renders twice and checks."""
@@ -89,7 +89,7 @@ class PromptBuilder:
         tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}}}}}]
         messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                    {"role": "assistant", "content": "A", "tool_calls": calls},
+                    {"role": "assistant", "content": "<think>R</think>A", "tool_calls": calls},
                     {"role": "tool", "tool_call_id": "call_0", "content": "T"}, {"role": "user", "content": "V"}]
         try:
             prev, turn, full = (self.render(messages[:2], tools), self.render(messages[:3], tools, False),
@@ -150,7 +150,9 @@ class PromptBuilder:
         if self.single_render and full_text.startswith(prev_text) and not _spells(messages[k], self.end_of_turn):
             # the template appends (probed): the reply ends at the first end-of-turn after the parent's prompt
             cut = full_text.find(self.end_of_turn, len(prev_text))
-            if cut >= 0:
+            # and it renders the reply's text verbatim (a template that drops an earlier turn's <think>
+            # does not: it rewrites history, and takes the checked path below)
+            if cut >= 0 and _text(messages[k].get("content")).strip() in full_text[len(prev_text):cut]:
                 return self._extend(parent, full_text, full_text[cut + len(self.end_of_turn):], True, max_tokens)
         turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
         if not (turn_text.startswith(prev_text) and full_text.startswith(turn_text)):
