@@ -90,6 +90,8 @@ class LLMCall:
         prompt_render_reason: why the prompt was rendered in full instead ("first_call", "history_differs", ...).
         forced_text: text appended to the prompt because `tool_choice` fixed the opening of a tool call
             (its tokens are the last ones of `prompt_ids`; never trained on).
+        api: which API the call came through: "chat" (Chat Completions), "responses" or "messages"
+            (Anthropic); an episode may mix them.
         strict_violations: one message per generated tool call whose arguments break the JSON schema of a
             `strict: true` tool (the proxy does not constrain decoding; see `ajet/proxy/strict.py`).
     """
@@ -112,6 +114,7 @@ class LLMCall:
     prompt_render_reason: str | None = None
     forced_text: str = ""
     strict_violations: list[str] = field(default_factory=list)
+    api: str = "chat"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (used for trajectories.jsonl)."""

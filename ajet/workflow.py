@@ -64,6 +64,12 @@ class Tuner:
             self._client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2, timeout=600)
         return self._client
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base URL for Anthropic clients (`anthropic.Anthropic(base_url=..., api_key=tuner.api_key)`,
+        Claude Code's `ANTHROPIC_BASE_URL`): `base_url` without `/v1`; they append `/v1/messages`."""
+        return self.base_url[: -len("/v1")]
+
     def agent(self, tag: str) -> Tuner:
         """A tuner for one agent of a multi-agent workflow: its calls are recorded under `tag`, merged
         apart from the other agents' calls, and (with `algorithm.group_by_agent_tag`) grouped per tag."""

@@ -112,7 +112,7 @@ def test_errors_are_openai_style(tokenizer):
             r = http.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
             assert r.status_code == 401
             r = http.post(ep.base_url + "/responses", json={})
-            assert r.status_code == 404 and "chat.completions" in r.json()["error"]["message"]
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"   # served: a bad body is a 400
             # the bearer-token route reaches the same episode
             r = http.post(proxy.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
                           json={"model": "m", "messages": [{"role": "user", "content": "x"}]})

@@ -18,6 +18,12 @@ from typing import Any
 
 from ajet.llm_call import LLMCall
 
+try:   # the pieces of `apply_chat_template` that `PromptBuilder.render` uses directly
+    from transformers.utils.chat_template_utils import (_REASONING_FIELDS, _alias_reasoning_fields,
+                                                        _compile_jinja_template)
+except ImportError:  # another transformers: render through apply_chat_template
+    _compile_jinja_template = None
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -65,6 +71,34 @@ class PromptBuilder:
         self.max_token_bytes = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._normalizer = getattr(backend, "normalizer", None)   # applied first when the tokenizer has one
+        self._template_kwargs = dict(tokenizer.special_tokens_map)  # what apply_chat_template passes the template
+        # the Rust tokenizer itself, when it encodes as `tokenizer.encode(text, add_special_tokens=False)` does
+        self._backend = backend if backend is not None and not getattr(tokenizer, "split_special_tokens", False) \
+            else None
+        self.single_render = self._append_only_probe()
+
+    def _append_only_probe(self) -> bool:
+        """Whether a continuation can be built from one render (of the whole conversation) instead of two
+        (the conversation up to the reply, then the whole): on a probe conversation (system, user, an
+        assistant reply with thinking, text and two tool calls, a tool result, a user turn) the template appends
+        (rendering up to the reply is a prefix of the whole, the parent's prompt a prefix of that) and
+        the reply holds exactly one end-of-turn token, so the first end-of-turn after the parent's prompt
+        is where the reply ends. Otherwise every continuation renders twice and checks."""
+        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "probe", "arguments": '{"x": 1}'}}
+                 for i in range(2)]
+        tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+        messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                    {"role": "assistant", "content": "<think>R</think>A", "tool_calls": calls},
+                    {"role": "tool", "tool_call_id": "call_0", "content": "T"}, {"role": "user", "content": "V"}]
+        try:
+            prev, turn, full = (self.render(messages[:2], tools), self.render(messages[:3], tools, False),
+                                self.render(messages, tools))
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe: always check
+            return False
+        reply = turn[len(prev):]
+        return (turn.startswith(prev) and full.startswith(turn) and bool(self.end_of_turn)
+                and reply.count(self.end_of_turn) == 1)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on `len(self.encode(text))`, from the text's length alone (no tokenizing): the
@@ -76,12 +110,25 @@ class PromptBuilder:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages` (text, not ids)."""
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+        """The chat template applied to `messages` (text, not ids): exactly `apply_chat_template(...,
+        tokenize=False)`, minus its per-call copying of every message into plain JSON types (ours are
+        plain JSON already: they come from a request body). Falls back to `apply_chat_template` when this
+        `transformers` lacks the helpers used."""
+        if _compile_jinja_template is None:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # as apply_chat_template: None-valued keys dropped, reasoning fields aliased, special tokens passed
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if any(key in m for m in chat for key in _REASONING_FIELDS):
+            chat = _alias_reasoning_fields(chat)
+        template = _compile_jinja_template(self.tokenizer.get_chat_template(None, tools))
+        return template.render(messages=chat, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self._template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Text to ids; special tokens written in the text (`<|im_start|>`) map to their ids."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def build(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -99,8 +146,15 @@ class PromptBuilder:
             return Prompt(self.encode(text), text, None, reason)
         k = len(parent.messages)
         prev_text = (rendered or {}).get(parent.call_id) or self.render(parent.messages, tools)  # the parent's prompt
+        full_text = self.render(messages, tools)                                 # + its reply + the new turns
+        if self.single_render and full_text.startswith(prev_text) and not _spells(messages[k], self.end_of_turn):
+            # the template appends (probed): the reply ends at the first end-of-turn after the parent's prompt
+            cut = full_text.find(self.end_of_turn, len(prev_text))
+            # and it renders the reply's text verbatim (a template that drops an earlier turn's <think>
+            # does not: it rewrites history, and takes the checked path below)
+            if cut >= 0 and _text(messages[k].get("content")).strip() in full_text[len(prev_text):cut]:
+                return self._extend(parent, full_text, full_text[cut + len(self.end_of_turn):], True, max_tokens)
         turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
-        full_text = self.render(messages, tools)                                 # + the new turns
         if not (turn_text.startswith(prev_text) and full_text.startswith(turn_text)):
             self._check_bound(0, full_text, max_tokens)
             return Prompt(self.encode(full_text), full_text, None, "template_not_append_only")
@@ -109,8 +163,13 @@ class PromptBuilder:
         # what follows the sampled end-of-turn: separators ("\n"), then the new turns; a template that
         # drops the end-of-turn token gives no cut, and everything after the reply is new
         bridge = full_text[len(prev_text) + cut + len(self.end_of_turn):] if cut >= 0 else full_text[len(turn_text):]
+        return self._extend(parent, full_text, bridge, cut >= 0, max_tokens)
+
+    def _extend(self, parent: LLMCall, full_text: str, bridge: str, closed: bool, max_tokens: int | None) -> Prompt:
+        """The parent's prompt ids + its sampled ids (+ end-of-turn when the template closes the reply with
+        one and it was not sampled) + the bridge's ids."""
         sampled = list(parent.completion_ids)
-        if cut >= 0 and (not sampled or sampled[-1] != self.end_of_turn_id):
+        if closed and (not sampled or sampled[-1] != self.end_of_turn_id):
             sampled.append(self.end_of_turn_id)    # cut by max_tokens or a stop string: close the turn
         self._check_bound(len(parent.prompt_ids) + len(sampled), bridge, max_tokens)
         return Prompt(list(parent.prompt_ids) + sampled + self.encode(bridge), full_text, parent.call_id, None)
@@ -136,7 +195,7 @@ def find_parent(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
             continue
         if not _same(messages[k], call.response_message, ignore_ids=True):
             continue
-        if _canon(tools) != _canon(call.tools):
+        if tools != call.tools and _canon(tools) != _canon(call.tools):   # == first: no JSON dumps when equal
             reason = "tools_changed"
             continue
         return call, None
@@ -170,6 +229,13 @@ def _same(a: dict[str, Any], b: dict[str, Any], ignore_ids: bool = False) -> boo
             and _text(a.get("content")).strip() == _text(b.get("content")).strip()
             and _tool_calls(a, ignore_ids) == _tool_calls(b, ignore_ids)
             and (ignore_ids or a.get("tool_call_id") == b.get("tool_call_id")))
+
+
+def _spells(msg: dict[str, Any], token: str) -> bool:
+    """Whether a message's text or tool calls write `token` out literally (so it cannot mark the turn's end)."""
+    if token in _text(msg.get("content")):
+        return True
+    return any(token in str(tc.get("function", {}).get("arguments", "")) for tc in msg.get("tool_calls") or [])
 
 
 def _canon(obj: Any) -> str:

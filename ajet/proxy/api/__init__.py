@@ -1,0 +1,83 @@
+"""API adapters: each turns its request into the proxy's one turn type and writes the turn back.
+
+`Api` is the interface the shared request path (`ajet.proxy.server.ProxyServer._serve`) calls:
+`parse` (in the prepare thread) -> the shared path builds the prompt, generates, records -> `recorded`
+(once the turn's calls are recorded, whether or not the client still waits) -> `body` or `events`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.responses import Response
+
+from ajet.llm_call import TokenDelta
+from ajet.proxy.stream import IncrementalContent, sse
+from ajet.proxy.wire import ProxyError
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from ajet.proxy.schema import ChatCompletionRequest
+    from ajet.proxy.server import ProxyServer
+    from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+
+
+class Api:
+    """One API's adapter (Chat Completions, Responses, Messages). `name` is recorded on each call."""
+
+    name = ""
+    id_prefix = ""     # of the answer's id (`chatcmpl-`, `resp_`, `msg_`)
+
+    def __init__(self, proxy: ProxyServer):
+        self.proxy = proxy
+        self.hosted_tools_left_out = 0   # tools only a hosted service can run (web search, ...), left out so far
+
+    def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, Any]:
+        """The turn request for JSON body `data`, and a context object for `body`/`events`. Raises
+        ProxyError 400 naming the offending field (in this API's terms)."""
+        raise NotImplementedError
+
+    def recorded(self, ep: Episode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
+        """Called once the turn's calls are recorded (on the event loop)."""
+
+    def body(self, turn: Turn, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:
+        """The non-streamed answer."""
+        raise NotImplementedError
+
+    def events(self, turn: Turn, prep: Prepared, events: asyncio.Queue, first) -> AsyncIterator[str]:
+        """The streamed answer: server-sent events text, one string per write. `events` yields
+        `(choice_index, TokenDelta)`, `(choice_index, Choice)` when a choice ends, and None at the end;
+        `first` is its first item, already taken."""
+        raise NotImplementedError
+
+    def error_response(self, err: ProxyError) -> Response:
+        return err.response()
+
+    def error_event(self, err: ProxyError) -> str:
+        return sse(err.body())
+
+    async def steps(self, turn: Turn, events: asyncio.Queue, first) -> AsyncIterator[tuple[list[str], Choice | None]]:
+        """For a one-choice stream (Responses, Messages): per wake-up, the content deltas now safe to send
+        (see `IncrementalContent`) and the choice when it has finished (else None); ends after the last."""
+        state = IncrementalContent(turn.parse_tools, turn.stop)
+        ids: list[int] = []
+        event = first
+        while event is not None:
+            batch = [event]
+            while not events.empty():           # coalesce whatever else is already here
+                batch.append(events.get_nowait())
+            finished = None
+            for ev in batch:
+                if ev is None:
+                    break
+                if isinstance(ev[1], TokenDelta):
+                    ids += ev[1].token_ids
+                else:
+                    finished = ev[1]
+            delta = (state.finish(finished.message["content"]) if finished is not None
+                     else state.update(turn.forced + self.proxy.decode(ids)))
+            yield ([delta] if delta else []), finished
+            if batch[-1] is None:
+                return
+            event = await events.get()

@@ -1,0 +1,201 @@
+"""Wire-level pieces every API of the proxy shares: the error answer, JSON in and out, the request body.
+
+`ProxyError` is the one error type of the request path; each API writes it in its own shape (OpenAI
+`{"error": {...}}` for Chat Completions and Responses, Anthropic `{"type": "error", "error": {...}}` for
+Messages). `load_json` turns a body into plain JSON data or a 400: never a RecursionError (nesting is
+bounded by `MAX_JSON_DEPTH`) and never a string that cannot be encoded back (a lone surrogate).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ajet.proxy.schema import short_repr
+
+MAX_JSON_DEPTH = 100   # nesting levels a request body may have (deeper: a 400, never a RecursionError)
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+class ProxyError(Exception):
+    """An OpenAI-style error answer: HTTP status, message, type, offending param, code.
+
+    `retry_after` (seconds) becomes a `Retry-After` header; a 503 always carries one (1 s unless given),
+    so clients with retries (the OpenAI SDK) back off and try again.
+    """
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after if retry_after is not None or status != 503 else 1
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        """The JSON body (see `body`) with this status."""
+        headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return json_response(self.body(), self.status, headers)
+
+    def body(self) -> dict[str, Any]:
+        """`{"error": {"message", "type", "param", "code"}}`, as an answer or a streamed error event."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """`{"type": "error", "error": {"type", "message"}}`: the Anthropic Messages API's error shape."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def anthropic_response(self) -> Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return json_response(self.anthropic_body(), self.status, headers)
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A JSON response (orjson-encoded)."""
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+def bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes. Raises ProxyError 413 when the Content-Length or the bytes
+    actually sent (a chunked body has no Content-Length) exceed it, 400 for a malformed Content-Length."""
+    too_large = ProxyError(413, f"the request body is larger than this proxy's limit of {limit} bytes: "
+                                "shorten the conversation or raise max_body_bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not re.fullmatch(r"\s*[0-9]{1,20}\s*", declared):
+            raise ProxyError(400, "the Content-Length header is not a non-negative integer", code="invalid_request")
+        if int(declared) > limit:
+            raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone UTF-16 surrogate, else None.
+    JSON `\\ud800` escapes decode to such strings, which cannot be encoded as UTF-8 (tokenizer, response)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                p = f"{path}.{k}" if path else str(k)
+                if not _utf8_ok(k):
+                    return printable(cut(p, 200))
+                stack.append((p, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), x) for i, x in enumerate(v))
+        elif isinstance(v, str) and not _utf8_ok(v):
+            return printable(cut(path, 200))
+    return None
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates written as `\\udXXX` escapes (so that it can be sent as UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _too_deep_path(data: Any, limit: int) -> str | None:
+    """The dotted path of the first value nested deeper than `limit` objects/arrays, else None (iterative:
+    no recursion however deep `data` is). The walk keeps only depths; the path is traced on a hit."""
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth >= limit:
+            return _trace(data, v)
+        if type(v) is dict:
+            stack.extend((x, depth + 1) for x in v.values() if type(x) in (dict, list))
+        elif type(v) is list:
+            stack.extend((x, depth + 1) for x in v if type(x) in (dict, list))
+    return None
+
+
+def _trace(data: Any, target: Any) -> str:
+    """The dotted path from `data` to the object `target` (found by identity)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, v = stack.pop()
+        if v is target:
+            return printable(cut(path, 200))
+        items = v.items() if type(v) is dict else enumerate(v) if type(v) is list else ()
+        stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in items if type(x) in (dict, list))
+    return ""
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters (plus "..." when cut)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _utf8_ok(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object. Raises ProxyError 400 for anything malformed (not JSON, not an object,
+    nested deeper than MAX_JSON_DEPTH, lone surrogates), naming where."""
+    fallback = False
+    try:   # orjson for speed; the standard parser for what it refuses (it gives the precise error, or accepts)
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            fallback = True
+            data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:   # JSONDecodeError, UnicodeDecodeError, >4300-digit ints, nesting
+        raise ProxyError(400, f"the request body is not valid JSON: {cut(str(exc), 200)}",
+                         code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise ProxyError(400, "the request body must be a JSON object", code="invalid_json")
+    # nesting: a small body's bracket count bounds its depth, so only one with many brackets is walked (a
+    # large one is walked at once: few values, or the walk costs little beside parsing them)
+    if ((len(raw) > 2**20 or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH)
+            and (where := _too_deep_path(data, MAX_JSON_DEPTH))):
+        raise ProxyError(400, f"{where}: the value is nested more than {MAX_JSON_DEPTH} levels deep (objects and "
+                              "arrays): flatten it", param=where, code="invalid_value")
+    # lone surrogates: orjson refuses them, so only a body the standard parser accepted can hold one
+    if fallback and _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
+        raise ProxyError(400, f"{where}: the string holds a lone UTF-16 surrogate (\\ud800-\\udfff escape), "
+                              "which is not valid Unicode text", param=where, code="invalid_value")
+    return data
+
+
+def validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    """`model.model_validate(data)`, or a ProxyError 400 naming the first offending field and quoting at
+    most ~200 characters of its value (`unsupported_parameter` for a field the model forbids)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = cut(".".join(str(p) for p in err["loc"]), 200)
+        extra = err["type"] == "extra_forbidden"
+        msg = "unsupported parameter" if extra else cut(err["msg"].removeprefix("Value error, "), 300)
+        got = "" if extra or err["type"] == "missing" else f" (got {short_repr(err['input'], 200)})"
+        raise ProxyError(400, f"{param}: {msg}{got}", param=param,
+                         code="unsupported_parameter" if extra else "invalid_value") from exc

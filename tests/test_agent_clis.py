@@ -1,0 +1,114 @@
+"""Real agent CLIs, unmodified, against the real proxy: Claude Code (`@anthropic-ai/claude-code`, Messages
+API through `ANTHROPIC_BASE_URL`) and OpenAI's Codex CLI (`@openai/codex`, Responses API through a
+provider in its config file), each driven non-interactively for one short tool task.
+
+The scripted engine makes the CLI run one shell command (`echo 4`), then answers; the CLI's own 20-80 KB
+system prompt and 10-25 tools go through the proxy, and the episode must merge into one exact sample.
+The CLIs are found on PATH, or installed once with npm into `$AJET_NPM_PREFIX` (default
+`~/.cache/ajet/npm`); without node/npm, or without the network to install them, the tests are skipped
+with the reason. (Running them as command workflows under `ajet serve` is the `ajet serve` issue's.)
+Claude Code spends about a minute of its run outside any API call here (its own start-up and shutdown
+without network); its two calls take under a second of proxy time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from ajet.llm_call import SamplingParams
+from ajet.proxy.server import ProxyServer
+from tests.exact_sample import assert_one_exact_sample
+from tests.scripted_engine import ScriptedEngine
+
+PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+TASK = "What is 2+2? Use the shell, then answer briefly."
+
+
+def _cli(name: str) -> str:
+    """The CLI's executable: on PATH, in the npm prefix, or installed there now. Skips with the reason."""
+    prefix = Path(os.environ.get("AJET_NPM_PREFIX", Path.home() / ".cache" / "ajet" / "npm"))
+    found = shutil.which(name) or shutil.which(name, path=str(prefix / "node_modules" / ".bin"))
+    if found:
+        return found
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip(f"{name}: node/npm are not installed (needed for {PACKAGES[name]})")
+    try:
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), PACKAGES[name]],
+                       check=True, capture_output=True, timeout=300)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        out = getattr(exc, "stderr", b"") or b""
+        pytest.skip(f"{name}: could not install {PACKAGES[name]} with npm (no network?): {out[-300:]!r}")
+    found = shutil.which(name, path=str(prefix / "node_modules" / ".bin"))
+    if not found:
+        pytest.skip(f"{name}: {PACKAGES[name]} installed no `{name}` executable")
+    return found
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _run(tokenizer, tool_call: dict, command) -> tuple[subprocess.CompletedProcess, list, ScriptedEngine]:
+    """Serve one episode whose engine calls `tool_call` then answers; run `command(endpoint)` -> (argv, env)."""
+    engine = ScriptedEngine(tokenizer, ["<tool_call>\n" + json.dumps(tool_call) + "\n</tool_call>", "The answer is 4."])
+    # the tiny test tokenizer spends about one token per byte of these CLIs' 20-80 KB prompts
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=64), max_model_len=10**6).start()
+    try:
+        ep = proxy.open_episode("cli")
+        argv, env, cwd = command(ep)
+        result = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300,
+                                stdin=subprocess.DEVNULL)
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    return result, calls, engine
+
+
+def test_claude_code_runs_a_tool_episode_into_one_sample(tokenizer):
+    claude = _cli("claude")
+    tmp_path = Path(tempfile.mkdtemp(prefix="ajet-claude-"))   # a short path of its own (not under pytest's tree)
+
+    def command(ep):
+        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": ep.anthropic_base_url,
+               "ANTHROPIC_API_KEY": ep.api_key, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+               "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
+        return [claude, "-p", TASK, "--output-format", "json", "--model", "claude-sonnet-4-5",
+                "--allowedTools", "Bash"], env, str(tmp_path)
+
+    result, calls, engine = _run(tokenizer, {"name": "Bash", "arguments": {"command": "echo 4",
+                                                                           "description": "Print 4"}}, command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["result"] == "The answer is 4."
+    assert [c.api for c in calls] == ["messages", "messages"] and len(calls[0].tools) >= 10
+    assert len(calls[0].messages[0]["content"]) > 10_000               # Claude Code's own system prompt
+    sample, bridges = assert_one_exact_sample(calls, engine)
+    assert "4" in tokenizer.decode(bridges[0])                          # the Bash output, loss mask 0
+
+
+def test_codex_cli_runs_a_tool_episode_into_one_sample(tokenizer, tmp_path):
+    codex = _cli("codex")
+
+    def command(ep):
+        home = tmp_path / "codex-home"
+        home.mkdir()
+        (home / "config.toml").write_text(
+            'model = "ajet-policy"\nmodel_provider = "ajet"\n[model_providers.ajet]\nname = "ajet"\n'
+            f'base_url = "{ep.base_url}"\nenv_key = "AJET_API_KEY"\nwire_api = "responses"\n')
+        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(home), "AJET_API_KEY": ep.api_key}
+        return [codex, "exec", "--skip-git-repo-check", TASK], env, str(tmp_path)
+
+    result, calls, engine = _run(tokenizer, {"name": "exec_command", "arguments": {"cmd": "echo 4"}}, command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "The answer is 4." in result.stdout
+    assert [c.api for c in calls] == ["responses", "responses"] and len(calls[0].tools) >= 10
+    assert len(calls[0].messages[0]["content"]) > 10_000               # Codex's own instructions
+    assert_one_exact_sample(calls, engine)
