@@ -286,33 +286,38 @@ class HFEngine:
         if not rows:
             return
         self._record(rows, torch.stack(logits))                                         # [J, V]
-        for row, kv in zip(rows, kvs):
-            if row.finish is None:
-                self._join(row, kv)
-            else:
+        for row in rows:
+            if row.finish is not None:
                 self._answer(row)
+        self._join([(row, kv) for row, kv in zip(rows, kvs) if row.finish is None])
 
-    def _join(self, row: _Row, kv: KV) -> None:
-        """Append `row` (its cache `kv`, `[1, H, n, D]` per layer) to the running batch, left-padding the shorter
-        side so that every row's last token sits in the last column."""
-        n = kv[0][0].shape[2]
-        if self._cache is None:
-            self._cache = DynamicCache([(k, v) for k, v in kv])
-            self._attn = torch.ones((1, n), dtype=torch.long, device=kv[0][0].device)
-            self._rows = [row]
+    def _join(self, joining: list[tuple[_Row, KV]]) -> None:
+        """Append rows (each with its cache, `[1, H, n, D]` per layer) to the running batch in one concatenation
+        per layer, left-padding every part to the longest so that each row's last token sits in the last column."""
+        if not joining:
             return
-        L = self._attn.shape[1]
-        if n > L:                                   # the batch gets n - L more padding columns on the left
-            for layer in self._cache.layers:
-                layer.keys, layer.values = _pad_left(layer.keys, n - L), _pad_left(layer.values, n - L)
-            self._attn = _pad_left(self._attn, n - L)
-            L = n
-        for layer, (k, v) in zip(self._cache.layers, kv):
-            layer.keys = torch.cat([layer.keys, _pad_left(k, L - n)], dim=0)
-            layer.values = torch.cat([layer.values, _pad_left(v, L - n)], dim=0)
-        row_mask = _pad_left(torch.ones((1, n), dtype=torch.long, device=self._attn.device), L - n)
-        self._attn = torch.cat([self._attn, row_mask], dim=0)
-        self._rows.append(row)
+        lens = [kv[0][0].shape[2] for _, kv in joining]
+        L_old = 0 if self._cache is None else self._attn.shape[1]
+        L = max([L_old, *lens])
+        device = joining[0][1][0][0].device
+        new_kv = []
+        for li in range(len(joining[0][1])):
+            keys = [_pad_left(kv[li][0], L - n) for (_, kv), n in zip(joining, lens)]
+            values = [_pad_left(kv[li][1], L - n) for (_, kv), n in zip(joining, lens)]
+            if self._cache is not None:
+                layer = self._cache.layers[li]
+                keys.insert(0, _pad_left(layer.keys, L - L_old))
+                values.insert(0, _pad_left(layer.values, L - L_old))
+            new_kv.append((torch.cat(keys, dim=0), torch.cat(values, dim=0)))          # [B', H, L, D]
+        masks = [_pad_left(torch.ones((1, n), dtype=torch.long, device=device), L - n) for n in lens]
+        if self._cache is None:
+            self._cache = DynamicCache(new_kv)
+            self._attn = torch.cat(masks, dim=0)
+        else:
+            for layer, (k, v) in zip(self._cache.layers, new_kv):
+                layer.keys, layer.values = k, v
+            self._attn = torch.cat([_pad_left(self._attn, L - L_old), *masks], dim=0)
+        self._rows += [row for row, _ in joining]
 
     def _decode_step(self) -> None:
         """Feed every row its last sampled token, sample the next, and let finished rows leave."""
