@@ -55,6 +55,7 @@ def main() -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
 
     from ajet.model import load_tokenizer
     from ajet.task import Task
@@ -63,6 +64,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model, None)
+    # ajet's tool template writes calls as Qwen 2.5 / Hermes do (<tool_call>{json}</tool_call> in <|im_start|> turns);
+    # TRL does not recognise the template text, so it is told the matching response parser explicitly
+    tokenizer.response_template = qwen3_template
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
     tasks = tasks[:4 * args.steps]
@@ -82,7 +86,7 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps, per_device_train_batch_size=16,
         num_generations=4, max_completion_length=48 * 2 + 64, temperature=0.6, top_p=1.0, learning_rate=1e-5,
-        beta=0.0, loss_type="grpo", num_iterations=1, steps_per_generation=1, shuffle_dataset=False,
+        lr_scheduler_type="constant", beta=0.0, loss_type="grpo", num_iterations=1, steps_per_generation=1, shuffle_dataset=False,
         use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
         max_tool_calling_iterations=1, gradient_checkpointing=False, seed=0,
         generation_kwargs={"max_new_tokens": 48})     # 48 tokens per turn; max_completion_length bounds the turns

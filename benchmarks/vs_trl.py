@@ -69,12 +69,12 @@ def ajet_steps(exp: Path) -> list[dict]:
 def ordered_tasks(n_steps: int, out: Path) -> Path:
     """The tasks ajet's main job trains on, in its order (seeded shuffle, 4 per step), as a jsonl for TRL."""
     sys.path.insert(0, str(ROOT))
-    from ajet.config import load_config
-    from ajet.task_reader import read_tasks
+    from ajet.config import load_config, resolve_path
+    from ajet.task_reader import read_jsonl_tasks
     from ajet.task_sampler import TaskSampler
     cfg = load_config(str(CONF))
-    tasks = read_tasks(cfg)
-    sampler = TaskSampler(tasks, shuffle=True, seed=cfg.trainer.seed)
+    tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
+    sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)          # as ajet/trainer.py does
     chosen = [t for _ in range(n_steps) for t in sampler.next_batch(cfg.trainer.tasks_per_step)]
     out.write_text("".join(json.dumps({"task_id": t.task_id, "query": t.query, "answer": t.answer}) + "\n"
                            for t in chosen))

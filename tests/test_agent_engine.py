@@ -28,6 +28,13 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+def run_all(eng, calls, return_exceptions=False):
+    """Send (prompt, params) `calls` to `eng` concurrently; their completions (or exceptions), in order."""
+    async def together():
+        return await asyncio.gather(*(eng.generate(p, sp) for p, sp in calls), return_exceptions=return_exceptions)
+    return run(together())
+
+
 def engine_logprobs(model, prompt, completion, temperature, top_p=1.0):
     """The trainer's view: one unpadded forward over prompt + completion, processed logprobs of each token `[n]`."""
     ids = torch.tensor([prompt + completion])
@@ -112,10 +119,7 @@ def test_a_group_sharing_its_prompt_prefills_it_once_and_new_weights_reuse_nothi
     eng = make_engine(model, tok)
     p = prompts(tok)[3]
     try:
-        async def group():
-            return await asyncio.gather(*(eng.generate(p, SamplingParams(max_tokens=4, seed=s)) for s in range(4)))
-
-        outs = run(group())
+        outs = run_all(eng, [(p, SamplingParams(max_tokens=4, seed=s)) for s in range(4)])
         assert eng.prefilled_tokens == len(p) + 3                   # 3 episodes recompute only the last token
         for o in outs:
             assert o.logprobs == pytest.approx(engine_logprobs(model, p, o.token_ids, 1.0), abs=1e-4)
@@ -133,9 +137,7 @@ def test_logits_are_computed_at_the_last_position_only(model_and_tok):
     hook = model.register_forward_hook(lambda _m, _args, out: shapes.append(tuple(out.logits.shape)))
     eng = make_engine(model, tok, prefix_cache_bytes=0)
     try:
-        async def two():
-            return await asyncio.gather(*(eng.generate(p, SamplingParams(max_tokens=5, seed=1)) for p in prompts(tok)))
-        run(two())
+        run_all(eng, [(p, SamplingParams(max_tokens=5, seed=1)) for p in prompts(tok)])
     finally:
         eng.close()
         hook.remove()
@@ -168,12 +170,8 @@ def test_failures_reach_the_waiting_requests_and_the_engine_keeps_serving(model_
     eng = make_engine(model, tok)
     good = prompts(tok)[0]
     try:
-        async def bad_prompt_beside_good_ones():
-            return await asyncio.gather(eng.generate([10 ** 6], SamplingParams(max_tokens=3)),
-                                        eng.generate(good, SamplingParams(max_tokens=3, seed=1)),
-                                        return_exceptions=True)
-
-        bad, ok = run(bad_prompt_beside_good_ones())
+        bad, ok = run_all(eng, [([10 ** 6], SamplingParams(max_tokens=3)), (good, SamplingParams(max_tokens=3, seed=1))],
+                          return_exceptions=True)
         assert isinstance(bad, RuntimeError) and "prefill failed" in str(bad)
         assert len(ok.token_ids) >= 1
 
@@ -188,10 +186,8 @@ def test_failures_reach_the_waiting_requests_and_the_engine_keeps_serving(model_
 
         model.forward = failing_decode
         try:
-            async def two_in_flight():
-                return await asyncio.gather(*(eng.generate(p, SamplingParams(max_tokens=8, seed=2))
-                                              for p in prompts(tok)[:2]), return_exceptions=True)
-            outs = run(two_in_flight())
+            outs = run_all(eng, [(p, SamplingParams(max_tokens=8, seed=2)) for p in prompts(tok)[:2]],
+                           return_exceptions=True)
         finally:
             model.forward = real_forward
         assert all(isinstance(o, RuntimeError) and "scripted decode failure" in str(o) for o in outs)
