@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))                              # ajet's sources (the
 sys.path.insert(0, str(ROOT / "tutorial" / "example_math_agent"))
 
 
-def calculate(expression: str) -> str:
+async def calculate(expression: str) -> str:
     """Evaluate an arithmetic expression with + - * / and parentheses, e.g. '3 + 4 * 2'.
 
     Args:
@@ -39,8 +39,8 @@ def calculate(expression: str) -> str:
     Returns:
         The value as text, or an error message.
     """
-    from math_workflow import calculate_tool
-    return calculate_tool(json.dumps({"expression": expression}))
+    from math_workflow import calculate_tool      # the main job's tool (the sandbox, awaited)
+    return await calculate_tool(json.dumps({"expression": expression}))
 
 
 def main() -> None:
