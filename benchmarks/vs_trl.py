@@ -62,7 +62,8 @@ def ajet_steps(exp: Path) -> list[dict]:
         steps.append({"step_s": m["time/step_s"], "rollout_s": m["time/rollout_s"],
                       "update_s": m["time/step_s"] - m["time/rollout_s"],
                       "generated_tokens": m["rollout/generated_tokens"],
-                      "forwarded_tokens": m["tracker/tokens_merged"], "trained_tokens": m["tracker/loss_tokens"]})
+                      "forwarded_tokens": m["tracker/tokens_merged"], "trained_tokens": m["tracker/loss_tokens"],
+                      "failed_episodes": m["rollout/failed"]})
     return steps
 
 
@@ -132,6 +133,10 @@ def main() -> None:
                                     work / f"{side}_{pair}.log")
                 steps = [json.loads(line) for line in out.read_text().splitlines()]
             timed = steps[args.warmup:]
+            failed = sum(s.get("failed_episodes", 0) for s in timed)
+            if failed:
+                print(f"            WARNING: {failed} episodes failed in the timed steps (e.g. the episode timeout on a "
+                      f"loaded machine); the figures below do not describe the same work", flush=True)
             per[side] += timed
             peaks[side].append(peak)
             print(f"            {len(timed)} timed steps, step_s {[round(s['step_s'], 1) for s in timed]}, "
