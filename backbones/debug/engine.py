@@ -1,16 +1,30 @@
-"""In-process batched generation with a transformers causal LM (the debug backbone's engine).
+"""In-process generation with a transformers causal LM (the debug backbone's engine), built for agents.
 
-Concurrent `generate` calls (from the proxy's event loop) are queued; one worker thread takes every
-request waiting (up to `max_batch_size`), left-pads them into one batch and decodes them together with a
-KV cache. Each row samples with its own request's temperature and top_p, from its own random generator
-(seeded by the request's `seed`, else drawn from the engine's generator when the request is admitted), so a
-request's tokens do not depend on what else is in its batch.
+Continuous batching (Yu et al. 2022, "Orca"): one worker thread runs decode steps over the rows in flight. Before
+each step it admits the requests that have arrived (up to `max_batch_size` rows): each is prefilled on its own
+and joins the running batch at that step; a row that finishes (end-of-turn, stop string, max_tokens) leaves
+the batch at once and its caller is answered. The batch's KV cache is one transformers `DynamicCache`,
+left-padded to the longest row (each row's tokens are a contiguous suffix of the columns; the attention mask
+hides the padding, position ids count each row's own tokens).
 
-Sampling distribution: `ajet.sampling_dist.processed_logprobs` (logits / T, nucleus-truncated to top_p,
-renormalised); a token is drawn from it and its logprob under it is recorded, the quantity the trainer
-recomputes, so the PPO ratio is exactly 1 before the first update. Temperature 0 is greedy decoding: the
-argmax token, with its logprob recorded under T=1 and no truncation (report only; greedy tokens have no
-sampling distribution and are not trained on as sampled).
+Logits only where a token is sampled: prefill asks the model for the last position only (`logits_to_keep=1`),
+never `[rows, prompt, vocab]`.
+
+Prefix reuse (`backbones/debug/prefix_cache.py`): every prefilled prompt and every finished sequence leaves its
+KV in a bounded LRU cache, and a new prompt prefills only the tokens after the longest stored prefix it shares
+(an episode's next call extends its last one token for token; a GRPO group's episodes share their first
+prompt). Entries from older weights are never used.
+
+Sampling: each row samples with its own request's temperature and top_p, from its own random generator (seeded
+by the request's `seed`, else drawn from the engine's generator when the request is admitted), so a request's
+tokens do not depend on which other requests share its steps. The distribution is
+`ajet.sampling_dist.processed_logprobs` (logits / T, nucleus-truncated to top_p, renormalised); the token's
+logprob under it is recorded, the quantity the trainer recomputes, so the PPO ratio is 1 before the first
+update. Temperature 0 is greedy decoding: the argmax token, its logprob recorded under T=1 with no truncation
+(report only; greedy tokens have no sampling distribution and are not trained on as sampled).
+
+Weights: the worker holds `weights_lock` from the moment it has rows in flight until none is left, so an update
+(which takes the lock) never lands in the middle of a completion.
 """
 
 from __future__ import annotations
@@ -22,7 +36,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
+from ajet.backbones.debug.prefix_cache import KV, PrefixCache
 from ajet.engine import TokenCallback
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 from ajet.sampling_dist import processed_logprobs
@@ -37,23 +53,71 @@ class _Request:
     on_tokens: TokenCallback | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
 
+    def fail(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_resolve, self.future, None, exc)
+
+
+@dataclass
+class _Row:
+    """One request in flight: its sampling distribution, generator and what it has produced."""
+
+    req: _Request
+    temperature: float            # the distribution's temperature (1 for greedy rows: their logprob is under T=1)
+    top_p: float                  # nucleus mass (1 for greedy rows)
+    greedy: bool                  # temperature 0 asked: argmax decoding
+    generator: torch.Generator    # this row's draws only
+    budget: int                   # most tokens to sample
+    version: int                  # policy version at admission
+    n_ctx: int = 0                # tokens whose keys/values this row has in the cache
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
+    out_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: str | None = None
+
+
+def sample_rows(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from `logits` `[B, vocab]` (each row's last position).
+
+    Returns:
+        (logprobs `[B, vocab]` float32 under each row's processed distribution (-inf outside its nucleus),
+        tokens `[B]` long on the CPU: a draw from that distribution with the row's generator (never outside the
+        nucleus), or the argmax for greedy rows).
+    """
+    device = logits.device
+    temperature = torch.tensor([r.temperature for r in rows], device=device)    # [B]
+    top_p = torch.tensor([r.top_p for r in rows], device=device)                # [B]
+    logprobs = processed_logprobs(logits, temperature, top_p)                   # [B, V]
+    probs = logprobs.exp().cpu()                                                # [B, V], 0 outside the nucleus
+    argmax = logits.argmax(-1).cpu()                                            # [B]
+    tokens = torch.stack([argmax[i] if r.greedy else torch.multinomial(probs[i], 1, generator=r.generator)[0]
+                          for i, r in enumerate(rows)])
+    return logprobs, tokens
+
 
 class HFEngine:
-    """Batched sampler over a `transformers` causal LM that lives in this process.
+    """Continuous-batching sampler over a `transformers` causal LM that lives in this process.
 
     Args:
         model: a `PreTrainedModel` (its weights are shared with the trainer: updates are served at once).
         eos_token_ids: ids that end a completion (end-of-turn and end-of-text).
-        pad_token_id: id used for left padding (never attended to).
-        max_batch_size: most prompts decoded together.
+        pad_token_id: kept for callers; padding columns are masked, their ids never reach the model.
+        max_batch_size: most rows decoded together; later requests wait for a row to finish.
         max_model_len: prompt + completion limit, tokens.
         decode_fn: ids -> text, used only to check `stop` strings.
-        batch_wait_s: after the first request arrives, how long (seconds) to wait for others to join its
-            batch; episodes that start together then decode together instead of one after another.
+        batch_wait_s: when the engine is idle and a request arrives, how long (seconds) to wait for others
+            before the first step (episodes that start together are admitted together).
+        prefix_cache_bytes: byte budget of the KV prefix cache (0 disables prefix reuse).
+
+    Attributes:
+        policy_version: the optimizer step of the weights served; the trainer bumps it after an update.
+        weights_lock: held by the worker while rows are in flight; the trainer takes it to update.
+        generated_tokens, prefilled_tokens: totals so far (tokens sampled; prompt tokens run through the model).
+        prefix_cache: the `PrefixCache` (its `reused_tokens` are the prompt tokens not prefilled).
     """
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch_size: int = 32,
-                 max_model_len: int = 4096, decode_fn=None, batch_wait_s: float = 0.02):
+                 max_model_len: int = 4096, decode_fn=None, batch_wait_s: float = 0.02,
+                 prefix_cache_bytes: int = 1 << 30):
         self.model = model
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -62,25 +126,39 @@ class HFEngine:
         self.decode_fn = decode_fn
         self.batch_wait_s = batch_wait_s
         self.policy_version = 0
-        self.weights_lock = threading.Lock()  # held while generating; the trainer takes it to update
+        self.weights_lock = threading.Lock()
         self.generated_tokens = 0
+        self.prefilled_tokens = 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._generator = torch.Generator(device="cpu").manual_seed(0)
         self._closed = False
+        # the running batch: rows in flight, their cache [B, kv_heads, L, head_dim] per layer, mask [B, L]
+        self._rows: list[_Row] = []
+        self._cache: DynamicCache | None = None
+        self._attn: torch.Tensor | None = None
+        self._was_training = False
         self._worker = threading.Thread(target=self._run, name="ajet-engine", daemon=True)
         self._worker.start()
 
     # ---- public API -------------------------------------------------------------------------------
     def seed(self, seed: int) -> None:
-        """Reseed the running sampler (calls that pass their own `seed` are unaffected)."""
+        """Reseed the engine's generator (calls that pass their own `seed` are unaffected)."""
         self._generator.manual_seed(seed)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_tokens: TokenCallback | None = None) -> Completion:
         """Queue one prompt and await its completion; `on_tokens` hears of every token as it is sampled.
-        See `ajet.engine.Engine.generate`."""
+        See `ajet.engine.Engine.generate`.
+
+        Raises:
+            ValueError: the prompt does not leave room for one token in `max_model_len`, or is empty.
+            RuntimeError: the engine failed during this request's steps, or is shut down.
+        """
         if self._closed:
             raise RuntimeError("engine is shut down")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
         loop = asyncio.get_running_loop()
@@ -89,101 +167,225 @@ class HFEngine:
         return await req.future
 
     def close(self) -> None:
-        """Stop the worker thread; queued requests fail with RuntimeError."""
+        """Stop the worker thread; requests in flight or queued fail with RuntimeError."""
         self._closed = True
         self._queue.put(None)
         self._worker.join(timeout=30)
 
     # ---- worker -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        holding = False
+        stopping = False
+        while not stopping:
+            joiners, stopping = self._take_new()
+            if stopping or self._closed:         # close() also stops a full batch that reads no queue
+                stopping = True
+                for req in joiners:
+                    req.fail(RuntimeError("engine is shut down"))
+                break
+            try:
+                if (joiners or self._rows) and not holding:
+                    self.weights_lock.acquire()
+                    holding = True
+                    self._was_training = self.model.training
+                    self.model.eval()
+                with torch.inference_mode():
+                    self._admit(joiners)
+                    if self._rows:
+                        self._decode_step()
+            except Exception as exc:  # noqa: BLE001 - every waiting request must hear about it
+                self._fail_all(exc, joiners)
+            if holding and not self._rows:
+                self._release()
+                holding = False
+        if holding:
+            self._release()
+        self._fail_all(RuntimeError("engine is shut down"), [])
+        while not self._queue.empty():
+            req = self._queue.get_nowait()
+            if req is not None:
+                req.fail(RuntimeError("engine is shut down"))
+
+    def _release(self) -> None:
+        if self._was_training:
+            self.model.train()
+        self.weights_lock.release()
+
+    def _take_new(self) -> tuple[list[_Request], bool]:
+        """Requests to admit before the next step (as many as free rows allow) and whether to stop. Idle: block
+        for the first, then gather what arrives within `batch_wait_s`. Busy: only what is already queued."""
+        free = self.max_batch_size - len(self._rows)
+        taken: list[_Request] = []
+        if not self._rows:
             first = self._queue.get()
             if first is None:
-                break
-            batch = [first]
+                return [], True
+            taken.append(first)
             deadline = time.perf_counter() + self.batch_wait_s
-            while len(batch) < self.max_batch_size:  # gather what arrives within the batching window
+            while len(taken) < free:
                 try:
                     nxt = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
                 except queue.Empty:
                     break
                 if nxt is None:
-                    self._queue.put(None)
+                    self._queue.put(None)          # seen again on the next call: stop after this step
                     break
-                batch.append(nxt)
+                taken.append(nxt)
+            return taken, False
+        while len(taken) < free:
             try:
-                with self.weights_lock:
-                    results = self._generate_batch(batch)
-                for req, res in zip(batch, results):
-                    req.loop.call_soon_threadsafe(_resolve, req.future, res, None)
-            except Exception as exc:  # noqa: BLE001 - every waiting request must hear about it
-                for req in batch:
-                    req.loop.call_soon_threadsafe(_resolve, req.future, None, exc)
-        while not self._queue.empty():
-            req = self._queue.get_nowait()
-            if req is not None:
-                req.loop.call_soon_threadsafe(_resolve, req.future, None, RuntimeError("engine is shut down"))
-
-    @torch.inference_mode()
-    def _generate_batch(self, batch: list[_Request]) -> list[Completion]:
-        device = next(self.model.parameters()).device
-        B = len(batch)
-        lens = [len(r.prompt_ids) for r in batch]
-        L = max(lens)
-        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for i, r in enumerate(batch):  # left padding: every row's last prompt token sits at column L-1
-            input_ids[i, L - lens[i]:] = torch.tensor(r.prompt_ids)
-            attn[i, L - lens[i]:] = 1
-        input_ids, attn = input_ids.to(device), attn.to(device)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-
-        budgets = [max(1, min(r.params.max_tokens, self.max_model_len - n)) for r, n in zip(batch, lens)]
-        rows = RowSampling.of([r.params for r in batch], self._generator, device)
-
-        out_ids: list[list[int]] = [[] for _ in range(B)]
-        out_lp: list[list[float]] = [[] for _ in range(B)]
-        k_top = max(r.params.top_logprobs for r in batch)
-        out_top: list[list[list[tuple[int, float]]]] = [[] for _ in range(B)]
-        finish: list[str | None] = [None] * B
-        was_training = self.model.training
-        self.model.eval()
-        past = None
-        cur_ids, cur_pos = input_ids, position_ids
-        for _t in range(max(budgets)):
-            out = self.model(input_ids=cur_ids, attention_mask=attn, position_ids=cur_pos,
-                             past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logprobs, tokens = rows.sample(out.logits[:, -1, :])               # [B, vocab], [B]
-            token_lp = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()  # [B]
-            if k_top:
-                top_lp, top_ids = (x.tolist() for x in logprobs.topk(k_top, dim=-1))  # [B, k_top] each
-            for i in range(B):
-                if finish[i] is not None:
-                    continue
-                tok = int(tokens[i])
-                out_ids[i].append(tok)
-                out_lp[i].append(token_lp[i])
-                k = batch[i].params.top_logprobs
-                tops = [list(zip(top_ids[i][:k], top_lp[i][:k]))] if k else None
-                if k:
-                    out_top[i].append(tops[0])
-                if batch[i].on_tokens is not None:
-                    batch[i].loop.call_soon_threadsafe(batch[i].on_tokens, TokenDelta([tok], [token_lp[i]], tops))
-                if tok in self.eos_token_ids or self._hit_stop(out_ids[i], batch[i].params.stop):
-                    finish[i] = "stop"
-                elif len(out_ids[i]) >= budgets[i]:
-                    finish[i] = "length"
-            if all(f is not None for f in finish):
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
                 break
-            cur_ids = tokens[:, None]
-            cur_pos = cur_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
-        if was_training:
-            self.model.train()
-        self.generated_tokens += sum(len(x) for x in out_ids)
-        return [Completion(out_ids[i], out_lp[i], finish[i] or "length", self.policy_version,
-                           out_top[i] if batch[i].params.top_logprobs else None) for i in range(B)]
+            if nxt is None:
+                return taken, True
+            taken.append(nxt)
+        return taken, False
+
+    def _fail_all(self, exc: BaseException, joiners: list[_Request]) -> None:
+        """Fail every row in flight and every request taken but not yet a row; reset the batch."""
+        for req in [r.req for r in self._rows] + joiners:   # answered ones ignore it (see `_resolve`)
+            req.fail(exc)
+        self._rows, self._cache, self._attn = [], None, None
+
+    def _new_row(self, req: _Request) -> _Row:
+        p = req.params
+        greedy = p.temperature == 0
+        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        budget = max(1, min(p.max_tokens, self.max_model_len - len(req.prompt_ids)))
+        return _Row(req, 1.0 if greedy else p.temperature, 1.0 if greedy else p.top_p, greedy,
+                    torch.Generator(device="cpu").manual_seed(seed), budget, self.policy_version)
+
+    def _admit(self, joiners: list[_Request]) -> None:
+        """Prefill each joiner (only the tokens after its longest cached prefix; logits at its last position
+        only), sample its first token, and add the rows still going to the running batch."""
+        if not joiners:
+            return
+        device = next(self.model.parameters()).device
+        rows, kvs, logits = [], [], []
+        for req in joiners:
+            row = self._new_row(req)
+            prompt = req.prompt_ids
+            r, past = self.prefix_cache.lookup(prompt, row.version)
+            cache = DynamicCache(past) if past is not None else DynamicCache()
+            try:
+                new = torch.tensor([prompt[r:]], device=device)                         # [1, n_new]
+                out = self.model(input_ids=new, position_ids=torch.arange(r, len(prompt), device=device)[None],
+                                 attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+            except Exception as exc:  # noqa: BLE001 - this prompt failed (e.g. an id outside the vocabulary)
+                req.fail(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
+                continue
+            self.prefilled_tokens += len(prompt) - r
+            kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]   # [1, H, len(prompt), D]
+            self.prefix_cache.insert(prompt, kv, row.version)       # the group's other episodes open with it
+            row.n_ctx = len(prompt)
+            rows.append(row)
+            kvs.append(kv)
+            logits.append(out.logits[0, -1])
+        if not rows:
+            return
+        self._record(rows, torch.stack(logits))                                         # [J, V]
+        for row in rows:
+            if row.finish is not None:
+                self._answer(row)
+        self._join([(row, kv) for row, kv in zip(rows, kvs) if row.finish is None])
+
+    def _join(self, joining: list[tuple[_Row, KV]]) -> None:
+        """Append rows (each with its cache, `[1, H, n, D]` per layer) to the running batch in one concatenation
+        per layer, left-padding every part to the longest so that each row's last token sits in the last column."""
+        if not joining:
+            return
+        lens = [kv[0][0].shape[2] for _, kv in joining]
+        L_old = 0 if self._cache is None else self._attn.shape[1]
+        L = max([L_old, *lens])
+        device = joining[0][1][0][0].device
+        new_kv = []
+        for li in range(len(joining[0][1])):
+            keys = [_pad_left(kv[li][0], L - n) for (_, kv), n in zip(joining, lens)]
+            values = [_pad_left(kv[li][1], L - n) for (_, kv), n in zip(joining, lens)]
+            if self._cache is not None:
+                layer = self._cache.layers[li]
+                keys.insert(0, _pad_left(layer.keys, L - L_old))
+                values.insert(0, _pad_left(layer.values, L - L_old))
+            new_kv.append((torch.cat(keys, dim=0), torch.cat(values, dim=0)))          # [B', H, L, D]
+        masks = [_pad_left(torch.ones((1, n), dtype=torch.long, device=device), L - n) for n in lens]
+        if self._cache is None:
+            self._cache = DynamicCache(new_kv)
+            self._attn = torch.cat(masks, dim=0)
+        else:
+            for layer, (k, v) in zip(self._cache.layers, new_kv):
+                layer.keys, layer.values = k, v
+            self._attn = torch.cat([_pad_left(self._attn, L - L_old), *masks], dim=0)
+        self._rows += [row for row, _ in joining]
+
+    def _decode_step(self) -> None:
+        """Feed every row its last sampled token, sample the next, and let finished rows leave."""
+        device = self._attn.device
+        B = len(self._rows)
+        input_ids = torch.tensor([[r.out_ids[-1]] for r in self._rows], device=device)          # [B, 1]
+        position_ids = torch.tensor([[r.n_ctx] for r in self._rows], device=device)            # [B, 1]
+        self._attn = torch.cat([self._attn, torch.ones((B, 1), dtype=torch.long, device=device)], dim=1)
+        out = self.model(input_ids=input_ids, attention_mask=self._attn, position_ids=position_ids,
+                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        for r in self._rows:
+            r.n_ctx += 1
+        self._record(self._rows, out.logits[:, -1])
+        done = [i for i, r in enumerate(self._rows) if r.finish is not None]
+        if done:
+            self._leave(done)
+
+    def _record(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Sample one token per row from `logits` `[B, V]`; record it, stream it, and mark finished rows."""
+        logprobs, tokens = sample_rows(logits, rows)
+        token_lp = logprobs.gather(1, tokens.to(logprobs.device)[:, None]).squeeze(1).tolist()   # [B]
+        k_top = max(r.req.params.top_logprobs for r in rows)
+        if k_top:
+            top_lp, top_ids = (x.tolist() for x in logprobs.topk(k_top, dim=-1))             # [B, k_top] each
+        for i, row in enumerate(rows):
+            tok = int(tokens[i])
+            row.out_ids.append(tok)
+            row.out_lp.append(token_lp[i])
+            k = row.req.params.top_logprobs
+            tops = [list(zip(top_ids[i][:k], top_lp[i][:k]))] if k else None
+            if k:
+                row.out_top.append(tops[0])
+            if row.req.on_tokens is not None:
+                row.req.loop.call_soon_threadsafe(row.req.on_tokens, TokenDelta([tok], [token_lp[i]], tops))
+            if tok in self.eos_token_ids or self._hit_stop(row.out_ids, row.req.params.stop):
+                row.finish = "stop"
+            elif len(row.out_ids) >= row.budget:
+                row.finish = "length"
+        self.generated_tokens += len(rows)
+
+    def _leave(self, done: list[int]) -> None:
+        """Answer the finished rows at indices `done`, keep their KV for the episode's next call, and drop them
+        (and the padding columns no row needs any more) from the batch."""
+        L = self._attn.shape[1]
+        for i in done:
+            row = self._rows[i]
+            kv = [(layer.keys[i:i + 1, :, L - row.n_ctx:].clone(), layer.values[i:i + 1, :, L - row.n_ctx:].clone())
+                  for layer in self._cache.layers]                                  # [1, H, n_ctx, D]
+            self.prefix_cache.insert(row.req.prompt_ids + row.out_ids[:-1], kv, row.version)
+            self._answer(row)
+        keep = [i for i in range(len(self._rows)) if i not in set(done)]
+        if not keep:
+            self._rows, self._cache, self._attn = [], None, None
+            return
+        self._rows = [self._rows[i] for i in keep]
+        index = torch.tensor(keep, device=self._attn.device)
+        self._cache.batch_select_indices(index)
+        self._attn = self._attn[index]
+        first = int(self._attn.any(0).long().argmax())         # leading columns that are padding in every row
+        if first:
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self._attn = self._attn[:, first:]
+
+    def _answer(self, row: _Row) -> None:
+        c = Completion(row.out_ids, row.out_lp, row.finish or "length", row.version,
+                       row.out_top if row.req.params.top_logprobs else None)
+        row.req.loop.call_soon_threadsafe(_resolve, row.req.future, c, None)
 
     def _hit_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
         if not stop or self.decode_fn is None:
@@ -192,52 +394,19 @@ class HFEngine:
         return any(s and s in tail for s in stop)    # an empty stop string is ignored, never a 1-token stop
 
 
-@dataclass
-class RowSampling:
-    """Each row's sampling distribution and random generator for one batch.
-
-    Attributes:
-        temperature: `[B]` the distribution's temperature (1 for greedy rows: their logprob is reported under T=1).
-        top_p: `[B]` nucleus mass (1 for greedy rows).
-        greedy: `[B]` bool, True where the request asked for temperature 0 (argmax decoding).
-        generators: one `torch.Generator` per row (CPU): the request's `seed`, else a seed drawn from the engine's
-            generator, so each row's draws are independent of the other rows in the batch.
-    """
-
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    greedy: torch.Tensor
-    generators: list[torch.Generator]
-
-    @classmethod
-    def of(cls, params: list[SamplingParams], engine_generator: torch.Generator, device) -> RowSampling:
-        """The rows for requests with `params` `[B]`; draws one seed from `engine_generator` per unseeded row."""
-        greedy = [p.temperature == 0 for p in params]
-        gens = []
-        for p in params:
-            seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=engine_generator))
-            gens.append(torch.Generator(device="cpu").manual_seed(seed))
-        return cls(torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device),
-                   torch.tensor([1.0 if g else p.top_p for p, g in zip(params, greedy)], device=device),
-                   torch.tensor(greedy, device=device), gens)
-
-    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one token per row from `logits` `[B, vocab]` (the last position's).
-
-        Returns:
-            (logprobs `[B, vocab]` float32 under each row's processed distribution (-inf outside its nucleus),
-            tokens `[B]` long: a draw from that distribution (never outside the nucleus), or the argmax for
-            greedy rows).
-        """
-        logprobs = processed_logprobs(logits, self.temperature, self.top_p)       # [B, V]
-        probs = logprobs.exp().cpu()                                              # [B, V], 0 outside the nucleus
-        drawn = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(self.generators)])
-        tokens = torch.where(self.greedy.cpu(), logits.argmax(-1).cpu(), drawn).to(logits.device)
-        return logprobs, tokens
+def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x` with `n` zero columns prepended on its sequence dimension (dim 2 of `[B, H, L, D]` keys/values,
+    dim 1 of a `[B, L]` mask)."""
+    if n == 0:
+        return x
+    dim = 2 if x.dim() == 4 else 1
+    shape = list(x.shape)
+    shape[dim] = n
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def _resolve(future: asyncio.Future, result, exc) -> None:
-    if future.cancelled():
+    if future.done():          # cancelled by the caller, or already answered
         return
     if exc is not None:
         future.set_exception(exc)

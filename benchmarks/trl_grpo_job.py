@@ -1,0 +1,137 @@
+"""TRL's GRPOTrainer doing the main job's work; run by benchmarks/vs_trl.py inside the TRL environment.
+
+    .trl-venv/bin/python benchmarks/trl_grpo_job.py --model DIR --tasks FILE --steps N --out metrics.jsonl
+
+Configured as the main job (tutorial/example_math_agent/math_agent.yaml): the same converted SmolLM2 weights and
+tokenizer (with ajet's tool chat template), the same tasks in the same order (4 per step, no shuffling), the same
+system prompt and `calculate` tool (rendered by the same template, so the first turn's prompt text is the one ajet
+renders, without the tool-call opening ajet's proxy forces: TRL has no such option), group 4
+(`num_generations`), 48 tokens per turn, temperature 0.6, lr 1e-5, fp32 on the CPU, loss "grpo", no KL
+(`beta=0`), one PPO epoch per generation batch; the tool runs in TRL's own tool loop (one round of tool calls,
+then the answer turn), and the reward is the main job's (`math_agent_reward`).
+
+Each step appends one JSON line to `--out`: wall seconds (step_s), generation seconds (rollout_s: TRL's
+`_generate`, tools included), update seconds (the rest), generated tokens, forwarded tokens (prompt + completion
+of every sequence in the update), trained tokens (completion tokens under the loss mask), and the process's
+peak RSS so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))                              # ajet's sources (the template, the reward, the tool)
+sys.path.insert(0, str(ROOT / "tutorial" / "example_math_agent"))
+
+
+async def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / and parentheses, e.g. '3 + 4 * 2'.
+
+    Args:
+        expression: the arithmetic expression to evaluate.
+
+    Returns:
+        The value as text, or an error message.
+    """
+    from math_workflow import calculate_tool      # the main job's tool (the sandbox, awaited)
+    return await calculate_tool(json.dumps({"expression": expression}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tasks", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    from ajet.model import load_tokenizer
+    from ajet.task import Task
+    from ajet.workflow import WorkflowOutput
+    from math_workflow import SYSTEM_PROMPT, math_agent_reward
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(args.model, None)
+    # ajet's tool template writes calls as Qwen 2.5 / Hermes do (<tool_call>{json}</tool_call> in <|im_start|> turns);
+    # TRL does not recognise the template text, so it is told the matching response parser explicitly
+    tokenizer.response_template = qwen3_template
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    tasks = tasks[:4 * args.steps]
+    data = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                                          {"role": "user", "content": t["query"]}],
+                               "answer": t["answer"], "task_id": t["task_id"]} for t in tasks])
+
+    def reward(completions, answer, task_id, **_):
+        out = []
+        for messages, ans, tid in zip(completions, answer, task_id):
+            final = messages[-1].get("content") or "" if messages else ""
+            valid = sum(1 for m in messages if m.get("role") == "tool" and not str(m.get("content", "")).startswith("error"))
+            out.append(math_agent_reward(Task(task_id=tid, query="", answer=ans),
+                                         WorkflowOutput(final_answer=final, metrics={"valid_tool_calls": valid})))
+        return out
+
+    config = GRPOConfig(
+        output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps, per_device_train_batch_size=16,
+        num_generations=4, max_completion_length=48 * 2 + 64, temperature=0.6, top_p=1.0, learning_rate=1e-5,
+        lr_scheduler_type="constant", beta=0.0, loss_type="grpo", num_iterations=1, steps_per_generation=1, shuffle_dataset=False,
+        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
+        max_tool_calling_iterations=1, gradient_checkpointing=False, seed=0,
+        generation_kwargs={"max_new_tokens": 48})     # 48 tokens per turn; max_completion_length bounds the turns
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, tools=[calculate])
+
+    timing = {"rollout_s": 0.0, "generated": 0, "forwarded": 0, "trained": 0}
+    generate = trainer._generate
+
+    def timed_generate(prompts):
+        t0 = time.perf_counter()
+        result = generate(prompts)
+        timing["rollout_s"] += time.perf_counter() - t0
+        return result
+
+    trainer._generate = timed_generate
+    compute_loss = trainer._compute_loss
+
+    def counted_loss(model_, inputs):
+        prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+        timing["forwarded"] += int(prompt_mask.sum() + completion_mask.sum())
+        timing["trained"] += int((completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))).sum())
+        timing["generated"] += int(completion_mask.sum())
+        return compute_loss(model_, inputs)
+
+    trainer._compute_loss = counted_loss
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            self.t0 = time.perf_counter()
+            timing.update(rollout_s=0.0, generated=0, forwarded=0, trained=0)
+
+        def on_step_end(self, _args, state, *_a, **_k):
+            step_s = time.perf_counter() - self.t0
+            line = {"step": state.global_step, "step_s": step_s, "rollout_s": timing["rollout_s"],
+                    "update_s": step_s - timing["rollout_s"], "generated_tokens": timing["generated"],
+                    "forwarded_tokens": timing["forwarded"], "trained_tokens": timing["trained"],
+                    "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
