@@ -35,27 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ajet.backbones.debug import backbone as backbone_module  # noqa: E402
 from ajet.backbones.debug.backbone import DebugBackbone  # noqa: E402
 from ajet.config import AjetConfig  # noqa: E402
-from ajet.sampling_dist import entropy, processed_logprobs  # noqa: E402
 from ajet.tracker.sample import Sample  # noqa: E402
+from tests.full_token_logprobs import full_token_logprobs  # noqa: E402
 
 GATHERED = backbone_module.token_logprobs
-
-
-def full_token_logprobs(model, input_ids, attention_mask, temperatures, top_ps=None, with_entropy=False,
-                        score_mask=None):
-    """The replaced computation: logits and processed log-softmax at every position (score_mask ignored)."""
-    B, S = input_ids.shape
-    temps = temperatures.expand(B, S)[:, 1:]
-    temps = torch.where(temps > 0, temps, torch.ones_like(temps))
-    tops = None if top_ps is None else top_ps.expand(B, S)[:, 1:]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, S, V]
-    logp_all = processed_logprobs(logits[:, :-1, :], temps, tops)                               # [B, S-1, V]
-    lp = torch.nn.functional.pad(logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1), (1, 0))
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            ent = torch.nn.functional.pad(entropy(logp_all), (1, 0))
-    return lp, ent
 
 
 class PeakRSS:
