@@ -131,12 +131,13 @@ class DebugBackbone:
         for micro in _micro_batches(items, alg.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                               batch["temperatures"], batch["top_ps"], with_entropy=True)
+                                               batch["temperatures"], batch["top_ps"], with_entropy=True,
+                                               score_mask=batch["loss_mask"])
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
-                                            batch["temperatures"], batch["top_ps"])
+                                            batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
             loss, s = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["weights"],
                                     alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
             loss.backward()
@@ -157,7 +158,8 @@ class DebugBackbone:
         for micro in _micro_batches(items, self.cfg.algorithm.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                               batch["temperatures"], batch["top_ps"], with_entropy=True)
+                                               batch["temperatures"], batch["top_ps"], with_entropy=True,
+                                               score_mask=batch["loss_mask"])
             for k, v in _first_pass_sums(logprobs, entropy, batch).items():
                 sums[k] += v
         n = sums["_tokens"]
@@ -193,38 +195,67 @@ class DebugBackbone:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperatures: torch.Tensor,
-                   top_ps: torch.Tensor | None = None, with_entropy: bool = False):
-    """log pi(x_t | x_<t) of every token under the distribution it was sampled from, token by token.
+                   top_ps: torch.Tensor | None = None, with_entropy: bool = False,
+                   score_mask: torch.Tensor | None = None):
+    """log pi(x_t | x_<t) of the scored tokens under the distribution each was sampled from.
 
-    Each position is scored with its own temperature and top_p through `ajet.sampling_dist.processed_logprobs`
-    (the engine records old logprobs under the same function), so a sample that merges calls made at
-    different temperatures gets ratio 1 on fresh data. A temperature of 0 (a greedy call, trained only
-    under `algorithm.train_greedy_calls`) is scored at T = 1.
+    Each scored token is scored with its own temperature and top_p through
+    `ajet.sampling_dist.processed_logprobs` (the engine records old logprobs under the same function), so a
+    sample that merges calls made at different temperatures gets ratio 1 on fresh data. A temperature of 0
+    (a greedy call, trained only under `algorithm.train_greedy_calls`) is scored at T = 1.
+
+    Only where trained: the transformer body runs over every position (attention needs the whole
+    sequence), but the final hidden states are gathered at the N positions that predict a scored token
+    before the LM head, so the `[N, vocab]` logits, the processed log-softmax (and its nucleus sort) and the
+    entropy are computed for those tokens only, not for the `[batch, seq, vocab]` of every prompt, tool
+    result and padding position. Per scored token the result is the same as the full computation
+    (`model(...).logits` then `processed_logprobs` everywhere) up to float rounding.
 
     Args:
+        model: a causal LM whose logits are `get_output_embeddings()(get_decoder()(...).last_hidden_state)`,
+            plus Gemma's `final_logit_softcapping` when its config sets one (Llama, SmolLM2, Qwen2, Mistral;
+            a PEFT-wrapped one resolves both through its base model).
         input_ids: `[batch, seq]` right-padded sequences.
         attention_mask: `[batch, seq]` 1 on real tokens.
         temperatures: `[batch, seq]` temperature that sampled token t (1.0 on prompt and padding);
             `[batch, 1]` applies one temperature to a whole row.
         top_ps: like temperatures, the nucleus mass (None: 1.0, no truncation).
+        with_entropy: also return the entropy (nats) of the processed distribution at each scored token.
+        score_mask: `[batch, seq]` nonzero at the tokens to score (the trainer passes the loss mask: the
+            loss weights, the KL term and the logprob_diff / entropy metrics all live there); None scores
+            every token 1..seq-1 (the full computation).
     Returns:
         (logprobs, entropy): `[batch, seq]` each; position t holds the value for token t (predicted from
-        position t-1); position 0 is 0. A token outside its nucleus gets -inf. entropy (nats, of the
-        processed distribution) is None unless with_entropy.
+        position t-1); position 0 and unscored positions hold 0. A token outside its nucleus gets -inf.
+        entropy is None unless with_entropy. logprobs is differentiable at the scored positions.
     """
     B, S = input_ids.shape
-    temps = temperatures.expand(B, S)[:, 1:]                                    # [B, S-1] for tokens 1..S-1
+    want = torch.ones((B, S), dtype=torch.bool, device=input_ids.device) if score_mask is None \
+        else score_mask.to(device=input_ids.device).bool().clone()
+    want[:, 0] = False                                                          # token 0 has no prediction
+    rows, cols = want.nonzero(as_tuple=True)                                    # [N], [N]: the scored tokens
+    temps = temperatures.expand(B, S)[rows, cols]                               # [N]
     temps = torch.where(temps > 0, temps, torch.ones_like(temps))               # greedy: scored at T = 1
-    tops = None if top_ps is None else top_ps.expand(B, S)[:, 1:]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, S, V]
-    logp_all = processed_logprobs(logits[:, :-1, :], temps, tops)                               # [B, S-1, V]
-    lp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)                                 # [B, S-1]
-    lp = torch.nn.functional.pad(lp, (1, 0))
+    tops = None if top_ps is None else top_ps.expand(B, S)[rows, cols]         # [N]
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state             # [B, S, H]
+    logits = _lm_head(model, hidden[rows, cols - 1])                            # [N, V]: token t from t-1
+    logp_all = processed_logprobs(logits, temps, tops)                          # [N, V]
+    lp_n = logp_all.gather(-1, input_ids[rows, cols, None]).squeeze(-1)         # [N]
+    lp = torch.zeros((B, S), dtype=lp_n.dtype, device=lp_n.device).index_put((rows, cols), lp_n)
     ent = None
     if with_entropy:
         with torch.no_grad():
-            ent = torch.nn.functional.pad(entropy(logp_all), (1, 0))
+            ent = torch.zeros_like(lp).index_put((rows, cols), entropy(logp_all))
     return lp, ent
+
+
+def _lm_head(model, hidden: torch.Tensor) -> torch.Tensor:
+    """`[N, vocab]` logits of `[N, hidden]` final hidden states: what the causal LM's forward applies after
+    its decoder (the output embedding, then Gemma 2's tanh softcap when the config sets one)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def _first_pass_sums(logprobs: torch.Tensor, ent: torch.Tensor, batch: dict) -> dict[str, float]:
