@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ajet.llm_call import LLMCall
     from ajet.task import Task
+    from ajet.tools.episode_tools import ToolResult
     from ajet.tracker.sample import Sample
     from ajet.workflow import WorkflowOutput
 
@@ -27,6 +28,7 @@ class Episode:
         error: traceback text when the workflow raised or timed out, else None.
         samples: training samples built by the context tracker.
         duration_s: wall-clock seconds the workflow ran.
+        tool_calls: every `tuner.call_tool` call of the episode with its result, in call order.
     """
 
     episode_id: str
@@ -39,6 +41,7 @@ class Episode:
     error: str | None = None
     samples: list[Sample] = field(default_factory=list)
     duration_s: float = 0.0
+    tool_calls: list[ToolResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -61,5 +64,6 @@ class Episode:
                 "metrics": self.output.metrics,
             },
             "calls": [c.to_dict() for c in self.calls],
+            "tool_calls": [t.to_dict() for t in self.tool_calls],
             "samples": [s.to_dict() for s in self.samples],
         }

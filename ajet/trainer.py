@@ -46,6 +46,8 @@ def run(cfg: AjetConfig) -> Path:
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import rollout
+    from ajet.tools.episode_tools import tool_metrics
+    from ajet.tools.mcp_hub import McpHub
     from ajet.tracker import merge_calls
     from ajet.trajectory_store import TrajectoryStore
 
@@ -55,7 +57,8 @@ def run(cfg: AjetConfig) -> Path:
     torch.manual_seed(cfg.trainer.seed)
 
     tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
-    workflow = load_object(cfg.workflow, cfg.config_dir)()
+    workflow_cls = load_object(cfg.workflow, cfg.config_dir)   # a built-in workflow may read its config section
+    workflow = workflow_cls.from_config(cfg) if hasattr(workflow_cls, "from_config") else workflow_cls()
     judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
     backbone_cls = load_backbone(cfg.backbone)
     sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
@@ -97,8 +100,12 @@ def run(cfg: AjetConfig) -> Path:
                         host=cfg.proxy.host, max_body_bytes=cfg.proxy.max_body_bytes,
                         accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s).start()
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    tools = None
     total, failed_in_a_row = cfg.trainer.total_steps, 0
     try:
+        if cfg.tools.mcp_servers:   # started once per run; stopped below
+            tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
+            log.console.print(f"MCP tools: {', '.join(t['function']['name'] for t in tools.schemas)}")
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
@@ -110,7 +117,7 @@ def run(cfg: AjetConfig) -> Path:
 
                 episodes = asyncio.run(rollout(workflow, sampler.next_batch(cfg.trainer.tasks_per_step), r.num_repeat,
                                                proxy, judge, step, r.max_concurrency, r.episode_timeout_s,
-                                               on_episode_done=finished, attempt=attempt))
+                                               on_episode_done=finished, attempt=attempt, tools=tools))
             kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
             trainable = _trainable(episodes, r.failed_episode_policy)
@@ -133,6 +140,7 @@ def run(cfg: AjetConfig) -> Path:
             kill_point("trained", step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)
+            metrics.update(tool_metrics(episodes))
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
             metrics["time/step_s"] = time.perf_counter() - t0
@@ -148,6 +156,8 @@ def run(cfg: AjetConfig) -> Path:
                     "step": step, "attempt": attempt, "sampler": (sampler.epoch, sampler.offset),
                     "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     finally:
+        if tools is not None:
+            tools.stop()
         proxy.stop()
         backbone.close()
         store.close()
