@@ -9,11 +9,12 @@ import asyncio
 import os
 
 from mcp.server.fastmcp import FastMCP
+from mcp.types import ToolAnnotations
 
 app = FastMCP("ajet-test", log_level="WARNING")
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(readOnlyHint=True))   # agents with their own MCP client may run it unasked
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
