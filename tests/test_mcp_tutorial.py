@@ -11,11 +11,12 @@ from pathlib import Path
 import yaml
 
 from ajet.config import ToolsConfig
+from ajet.importing import load_object
 from ajet.tools.mcp_hub import McpHub
 
 TUTORIAL = Path(__file__).resolve().parent.parent / "tutorial" / "example_mcp_tools"
-sys.path.insert(0, str(TUTORIAL))
-from make_tasks import make_tasks  # noqa: E402
+# loaded by file path under a unique module name: the math tutorial has a make_tasks.py too
+make_tasks = load_object(f"{TUTORIAL / 'make_tasks.py'}:make_tasks")
 
 
 def test_tasks_file_matches_the_database():
