@@ -43,6 +43,7 @@ class ToolResult:
     duration_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (trajectories.jsonl, the trajectory store)."""
         return asdict(self)
 
 
@@ -60,6 +61,7 @@ class EpisodeTools:
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
+        """The run's tools as OpenAI-format function schemas (what `tuner.tools` returns)."""
         return self.hub.schemas
 
     async def call(self, name: str, arguments: dict[str, Any] | str | None = None) -> ToolResult:

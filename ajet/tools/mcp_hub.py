@@ -161,7 +161,7 @@ class McpHub:
                 self._logs.append(errlog)
             servers[name] = _Server(name, scfg, Path(base_dir or Path.cwd()), errlog)
         self._servers = servers
-        self._owner: dict[str, tuple[_Server, str]] = {}   # exposed tool name -> (server, the server's name)
+        self._owner: dict[str, tuple[_Server, str]] = {}   # exposed tool name -> (server, the tool's own name there)
         self.schemas: list[dict[str, Any]] = []
         self._tasks: set[asyncio.Task] = set()
 
@@ -183,6 +183,8 @@ class McpHub:
                 self._run(self._close_all(), timeout_s=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
         for f in self._logs:
             f.close()
         self._logs = []
