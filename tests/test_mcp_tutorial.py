@@ -3,9 +3,6 @@ training step from its YAML alone (the built-in ToolAgent, no Python of the user
 
 import asyncio
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
@@ -13,6 +10,7 @@ import yaml
 from ajet.config import ToolsConfig
 from ajet.importing import load_object
 from ajet.tools.mcp_hub import McpHub
+from tests.ajet_cli import train_one_step
 
 TUTORIAL = Path(__file__).resolve().parent.parent / "tutorial" / "example_mcp_tools"
 # loaded by file path under a unique module name: the math tutorial has a make_tasks.py too
@@ -54,12 +52,7 @@ def test_trains_one_step_from_the_yaml_alone(tiny_model_dir, tmp_path):
     conf["tools"]["mcp_servers"]["shop"]["cwd"] = str(TUTORIAL)   # the copy lives elsewhere
     conf["trainer"].update(tasks_per_step=2, tensorboard=False)
     conf["rollout"]["num_repeat"] = 2
-    (tmp_path / "conf.yaml").write_text(yaml.safe_dump(conf))
-    exp = tmp_path / "exp"
-    ajet = [shutil.which("ajet")] if shutil.which("ajet") else [sys.executable, "-m", "ajet"]
-    proc = subprocess.run(ajet + ["--conf", str(tmp_path / "conf.yaml"), "--backbone=debug", "--steps", "1",
-                                  "--exp-dir", str(exp)], capture_output=True, text=True, timeout=170, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, exp = train_one_step(conf, tmp_path)
     assert "MCP tools: query" in proc.stdout
     (metrics,) = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     assert metrics["rollout/episodes"] == 4 and metrics["rollout/failed"] == 0
