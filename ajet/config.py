@@ -173,6 +173,61 @@ class ServeConfig(_Section):
                                                      "`workflow` (a class or a command), beside remote clients")
 
 
+class McpServerConfig(_Section):
+    """One MCP server, in the common `mcpServers` shape: a stdio `command` (+ `args`, `env`, `cwd`) that ajet
+    starts, or the `url` of a streamable-HTTP server that ajet connects to (+ `headers`).
+
+    A stdio server gets only `env` plus the `mcp` package's safe defaults (HOME, PATH, ...), never the
+    trainer's whole environment; `command: python` means the trainer's own interpreter; `cwd` (default: the
+    config file's folder) is where relative `args` resolve.
+    """
+
+    command: str | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict[str, str] = {}
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give exactly one of `command` (a stdio server ajet starts) or `url` (a "
+                             "streamable-HTTP server, e.g. http://127.0.0.1:8000/mcp)")
+        return self
+
+
+class ToolAgentConfig(_Section):
+    """The built-in `ajet.tool_agent:ToolAgent` workflow: a Chat Completions tool loop over `tuner.tools`.
+
+    first_tool_choice: `tool_choice` of the first turn: "auto", "required", or a tool's name (small models
+    rarely start a tool call on their own); later turns use "auto". The episode ends at the first reply
+    without a tool call (its text is the final answer) or after max_turns model calls.
+    """
+
+    system_prompt: str = "You are a helpful assistant. Use the tools to find the answer, then reply with it."
+    max_turns: int = Field(4, ge=1)
+    first_tool_choice: str = "auto"
+
+
+class ToolsConfig(_Section):
+    """Tools from MCP servers, given to workflows as `tuner.tools` / `await tuner.call_tool(...)`.
+
+    The servers are started (or connected) once per run, pinged before an episode when idle for
+    health_check_interval_s, restarted when dead, and stopped at the end. Limits are per episode: a call
+    beyond max_calls_per_episode, one past call_timeout_s, or a server error is an error result the model
+    sees, recorded on the episode and counted per step (tools/calls, tools/errors, tools/timeouts).
+    """
+
+    mcp_servers: dict[str, McpServerConfig] = {}
+    max_calls_per_episode: int = Field(16, ge=1)
+    call_timeout_s: float = Field(30.0, gt=0, description="per tool call, seconds")
+    startup_timeout_s: float = Field(60.0, gt=0, description="per server start, seconds")
+    health_check_interval_s: float = Field(1.0, ge=0, description="ping a server idle this long before an episode")
+    max_result_chars: int = Field(8000, gt=0, description="longer tool results are cut, with a marker")
+    agent: ToolAgentConfig = ToolAgentConfig()
+
+
 class AjetConfig(_Section):
     """The whole experiment.
 
@@ -192,6 +247,7 @@ class AjetConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     serve: ServeConfig = ServeConfig()
+    tools: ToolsConfig = ToolsConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ajet.llm_call import LLMCall
     from ajet.task import Task
+    from ajet.tools.episode_tools import ToolResult
     from ajet.tracker.sample import Sample
     from ajet.workflow import WorkflowOutput
 
@@ -29,6 +30,7 @@ class Episode:
         duration_s: wall-clock seconds the workflow ran.
         attempt: the trainer attempt that ran and stored it (its key in trajectories.sqlite with
             `episode_id`; an episode that a resumed `ajet serve` adopts keeps its first attempt's number).
+        tool_calls: every `tuner.call_tool` call of the episode with its result, in call order.
     """
 
     episode_id: str
@@ -42,6 +44,7 @@ class Episode:
     samples: list[Sample] = field(default_factory=list)
     duration_s: float = 0.0
     attempt: int = 0
+    tool_calls: list[ToolResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -64,6 +67,7 @@ class Episode:
                 "metrics": self.output.metrics,
             },
             "calls": [c.to_dict() for c in self.calls],
+            "tool_calls": [t.to_dict() for t in self.tool_calls],
             "samples": [s.to_dict() for s in self.samples],
         }
 

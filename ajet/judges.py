@@ -47,3 +47,13 @@ def math_answer_judge(task: Task, output: WorkflowOutput) -> float:
         return 0.0
     got, want = extract_final_number(output.final_answer), _normalise(task.answer.strip())
     return 1.0 if got is not None and got == want else 0.0
+
+
+def answer_with_tool_use_judge(task: Task, output: WorkflowOutput) -> float:
+    """`math_answer_judge` (1.0 for the right final number) + 0.2 when the agent made at least one tool call
+    that did not fail (`output.metrics["valid_tool_calls"]`, as `ajet.tool_agent:ToolAgent` reports it).
+
+    The small format term (as in DeepSeek-R1's format reward) gives GRPO a signal while a small model still
+    gets most answers wrong; the correctness term dominates.
+    """
+    return math_answer_judge(task, output) + (0.2 if output.metrics.get("valid_tool_calls", 0) > 0 else 0.0)

@@ -57,6 +57,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext
     from ajet.rollout.in_process import InProcessRollout
+    from ajet.tools.episode_tools import tool_metrics
+    from ajet.tools.mcp_hub import McpHub
     from ajet.tracker import merge_calls
     from ajet.trajectory_store import TrajectoryStore
 
@@ -122,6 +124,9 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
     failed_in_a_row = 0
     try:
+        if cfg.tools.mcp_servers:   # started once per run; stopped below
+            ctx.tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
+            log.console.print(f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
@@ -152,6 +157,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             source.step_done(step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)
+            metrics.update(tool_metrics(episodes))
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
             metrics.update(source.metrics())
@@ -169,6 +175,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                     "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     finally:
         source.close()
+        if ctx.tools is not None:
+            ctx.tools.stop()
         proxy.stop()
         backbone.close()
         store.close()

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # keep `import ajet` light: openai is imported only when a cl
     from openai import AsyncOpenAI
 
     from ajet.task import Task
+    from ajet.tools.episode_tools import EpisodeTools, ToolResult
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Tuner:
     model: str
     episode_id: str
     _client: AsyncOpenAI | None = field(default=None, repr=False)
+    _tools: EpisodeTools | None = field(default=None, repr=False)
 
     @property
     def client(self) -> AsyncOpenAI:
@@ -70,13 +72,34 @@ class Tuner:
         Claude Code's `ANTHROPIC_BASE_URL`): `base_url` without `/v1`; they append `/v1/messages`."""
         return self.base_url[: -len("/v1")]
 
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The run's MCP tools (config `tools.mcp_servers`) as OpenAI-format schemas, ready for `tools=`;
+        [] when the config names no servers."""
+        return self._tools.schemas if self._tools is not None else []
+
+    async def call_tool(self, name: str, arguments: dict[str, Any] | str | None = None) -> ToolResult:
+        """Call one of `tools` with `arguments` (a dict, or the JSON text the model wrote).
+
+        The call counts against the episode's `tools.max_calls_per_episode`, is cut at `tools.call_timeout_s`,
+        and is recorded on the episode (`Episode.tool_calls`). A failure (unknown tool, bad JSON, server
+        error, timeout, crashed server, limit reached) is an error result whose `.text` tells the model what
+        went wrong, as real agents see it; `.is_error` and `.error_kind` say so to the workflow.
+
+        Raises:
+            RuntimeError: the config names no MCP servers (`tools.mcp_servers`).
+        """
+        if self._tools is None:
+            raise RuntimeError("tuner.call_tool needs MCP servers: add a `tools.mcp_servers` section to the config")
+        return await self._tools.call(name, arguments)
+
     def agent(self, tag: str) -> Tuner:
         """A tuner for one agent of a multi-agent workflow: its calls are recorded under `tag`, merged
         apart from the other agents' calls, and (with `algorithm.group_by_agent_tag`) grouped per tag."""
         if not tag or "/" in tag:
             raise ValueError(f"agent tag must be a non-empty name without '/': {tag!r}")
         return Tuner(base_url=self.base_url[: -len("/v1")] + f"/agent/{tag}/v1", api_key=self.api_key,
-                     model=self.model, episode_id=self.episode_id)
+                     model=self.model, episode_id=self.episode_id, _tools=self._tools)
 
     async def aclose(self) -> None:
         if self._client is not None:

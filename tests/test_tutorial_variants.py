@@ -3,9 +3,6 @@ real ProxyServer + ScriptedEngine, and the httpx variant trains one step through
 
 import asyncio
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from ajet.proxy.server import ProxyServer
 from ajet.task import Task
 from ajet.tracker import merge_calls
 from ajet.workflow import Tuner, WorkflowOutput
+from tests.ajet_cli import train_one_step
 from tests.scripted_engine import ScriptedEngine
 
 TUTORIAL = Path(__file__).resolve().parent.parent / "tutorial" / "example_math_agent"
@@ -97,12 +95,7 @@ def test_httpx_variant_trains_one_step_with_the_cli(tiny_model_dir, tmp_path):
         file, _, name = conf[key].partition(":")
         conf[key] = f"{TUTORIAL / file}:{name}"
     conf["data"]["train_path"] = str(TUTORIAL / conf["data"]["train_path"])
-    (tmp_path / "conf.yaml").write_text(yaml.safe_dump(conf))
-    exp = tmp_path / "exp"
-    ajet = [shutil.which("ajet")] if shutil.which("ajet") else [sys.executable, "-m", "ajet"]
-    proc = subprocess.run(ajet + ["--conf", str(tmp_path / "conf.yaml"), "--backbone=debug", "--steps", "1",
-                                  "--exp-dir", str(exp)], capture_output=True, text=True, timeout=170, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, exp = train_one_step(conf, tmp_path)
     (metrics,) = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     n_episodes = conf["trainer"]["tasks_per_step"] * conf["rollout"]["num_repeat"]
     assert metrics["step"] == 1 and metrics["rollout/episodes"] == n_episodes and metrics["rollout/failed"] == 0

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ajet.proxy.server import ProxyServer
     from ajet.task import Task
     from ajet.task_sampler import MultiTaskSampler
+    from ajet.tools.mcp_hub import McpHub
     from ajet.trajectory_store import TrajectoryStore
 
 
@@ -34,6 +35,8 @@ class RolloutContext:
         first_step: the step collected first (1, or the checkpoint's step + 1).
         record: `record(step, episode)` commits a finished episode to the store before training uses it.
         console: a rich console for status lines.
+        tools: the run's MCP servers (config `tools.mcp_servers`), set by the trainer once they are started;
+            None without servers. In-process workflows reach them as `tuner.tools` / `tuner.call_tool`.
     """
 
     cfg: AjetConfig
@@ -43,6 +46,7 @@ class RolloutContext:
     first_step: int
     record: Callable[[int, Episode], None]
     console: Any
+    tools: McpHub | None = None
 
     def sampler(self) -> MultiTaskSampler:
         """A fresh task sampler over the datasets (weights, shuffle and seed from the config)."""

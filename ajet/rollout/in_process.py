@@ -12,7 +12,7 @@ import inspect
 import math
 import time
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ajet.config import CommandWorkflowConfig
 from ajet.episode import Episode
@@ -23,6 +23,9 @@ from ajet.rollout import RolloutContext
 from ajet.rollout.command import CommandWorkflow
 from ajet.task import Task
 from ajet.workflow import Tuner, Workflow, WorkflowOutput
+
+if TYPE_CHECKING:
+    from ajet.tools.mcp_hub import McpHub
 
 Judge = Callable[[Task, WorkflowOutput], float]
 
@@ -43,11 +46,13 @@ async def execute_workflow(workflow: Workflow, task: Task, tuner: Tuner,
 
 
 async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, judge: Judge | None,
-                      timeout_s: float, model_name: str = "ajet-policy") -> Episode:
-    """Run `workflow` on `episode.task`, filling in the episode's calls, output, reward or error."""
+                      timeout_s: float, model_name: str = "ajet-policy", tools: McpHub | None = None) -> Episode:
+    """Run `workflow` on `episode.task`, filling in the episode's calls, tool calls, output, reward or error.
+    With `tools` (the run's MCP servers), the tuner offers `tuner.tools` / `tuner.call_tool`."""
+    episode_tools = await tools.open_episode() if tools is not None else None
     endpoint = proxy.open_episode(episode.episode_id)
     tuner = Tuner(base_url=endpoint.base_url, api_key=endpoint.api_key, model=model_name,
-                  episode_id=episode.episode_id)
+                  episode_id=episode.episode_id, _tools=episode_tools)
     t0 = time.perf_counter()
     try:
         episode.output, episode.error = await execute_workflow(workflow, episode.task, tuner, timeout_s)
@@ -59,6 +64,7 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
     finally:
         episode.duration_s = time.perf_counter() - t0
         episode.calls = proxy.close_episode(endpoint)
+        episode.tool_calls = list(episode_tools.records) if episode_tools is not None else []
         await tuner.aclose()
     return episode
 
@@ -81,10 +87,12 @@ async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> flo
 
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                   judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
-                  on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0) -> list[Episode]:
+                  on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
+                  tools: McpHub | None = None) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
 
-    `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar).
+    `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar);
+    `tools` are the run's MCP servers (see `run_episode`).
 
     Returns:
         `[len(tasks) * num_repeat]` episodes, grouped by task; group_id is "<step>:<task_id>"; episode ids
@@ -97,7 +105,7 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
 
     async def _one(ep: Episode) -> Episode:
         async with sem:
-            await run_episode(workflow, ep, proxy, judge, timeout_s)
+            await run_episode(workflow, ep, proxy, judge, timeout_s, tools=tools)
         if on_episode_done is not None:
             on_episode_done(ep)
         return ep
@@ -116,7 +124,8 @@ def load_workflow(cfg) -> Workflow:
                           "`{command: [...]}`); only `ajet serve` runs without one")
     if isinstance(cfg.workflow, CommandWorkflowConfig):
         return CommandWorkflow(cfg.workflow, cfg.config_dir)
-    return load_object(cfg.workflow, cfg.config_dir)()
+    workflow_cls = load_object(cfg.workflow, cfg.config_dir)   # a built-in workflow may read its config section
+    return workflow_cls.from_config(cfg) if hasattr(workflow_cls, "from_config") else workflow_cls()
 
 
 class InProcessRollout:
@@ -147,7 +156,7 @@ class InProcessRollout:
         tasks = self.sampler.next_batch(self.ctx.cfg.trainer.tasks_per_step)
         return asyncio.run(rollout(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
                                    r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
-                                   attempt=self.ctx.attempt))
+                                   attempt=self.ctx.attempt, tools=self.ctx.tools))
 
     def step_done(self, step: int) -> None:
         pass

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
-from ajet.judges import math_answer_judge
+from ajet.judges import answer_with_tool_use_judge
 from ajet.tools.sandbox import run_python_async
 from calculator import format_value, safe_eval  # noqa: F401 - re-exported for tests and variants
 
@@ -55,12 +55,9 @@ class MathAgentWorkflow(Workflow):
 
 
 def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
-    """1.0 for the right final number, plus 0.2 when the agent made at least one valid calculate call.
-
-    The small format term (as in DeepSeek-R1's format reward) gives GRPO a signal while a 135M model
-    still gets most answers wrong; the correctness term dominates.
-    """
-    return math_answer_judge(task, output) + (0.2 if output.metrics.get("valid_tool_calls", 0) > 0 else 0.0)
+    """1.0 for the right final number, plus 0.2 when the agent made at least one valid calculate call
+    (`ajet.judges.answer_with_tool_use_judge`, reading this workflow's `valid_tool_calls` metric)."""
+    return answer_with_tool_use_judge(task, output)
 
 
 async def calculate_tool(arguments: str) -> str:
