@@ -13,7 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
-               "Also: ajet doctor --model MODEL (checks the chat template)",
+               "Also: ajet doctor --model MODEL (checks the chat template)\n"
+               "      ajet view EXP_DIR (trajectories in the browser), ajet show EXP_DIR (in the terminal)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conf", required=True, metavar="YAML", help="experiment config file")
     p.add_argument("--backbone", choices=["debug", "verl", "trinity"],
@@ -32,9 +33,26 @@ def doctor_parser() -> argparse.ArgumentParser:
     return p
 
 
+def viewer_parser(command: str) -> argparse.ArgumentParser:
+    """`ajet view EXP_DIR [--port N]` or `ajet show EXP_DIR [--step N] [--episode ID]`."""
+    if command == "view":
+        p = argparse.ArgumentParser(prog="ajet view", description="Browse a run's episodes token by token "
+                                    "(a local web app on 127.0.0.1, read-only; works while the run writes).")
+        p.add_argument("--port", type=int, default=8420, help="port on 127.0.0.1 (default 8420)")
+    else:
+        p = argparse.ArgumentParser(prog="ajet show", description="Print a run's episodes token by token in the "
+                                    "terminal (rich colours: trained tokens green, untrained grey).")
+        p.add_argument("--step", type=int, help="list this step's episodes (default: the last step)")
+        p.add_argument("--episode", metavar="ID", help="show this episode's calls and samples, token by token")
+    p.add_argument("exp_dir", metavar="EXP_DIR", help="the experiment folder a run wrote (trainer.exp_dir)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv`, load the config, train (or `ajet doctor ...`). Returns the exit status (2 for user errors)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("view", "show"):
+        return _viewer(argv[0], viewer_parser(argv[0]).parse_args(argv[1:]))
     from_doctor = bool(argv) and argv[0] == "doctor"
     args = (doctor_parser() if from_doctor else build_parser()).parse_args(argv[1:] if from_doctor else argv)
     from ajet.errors import AjetError
@@ -60,6 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ajet: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _viewer(command: str, args: argparse.Namespace) -> int:
+    """Run `ajet view` or `ajet show`; 2 for user errors (no such folder, no store, unknown episode)."""
+    from ajet.errors import AjetError
+    from ajet.viewer import main as viewer_main
+
+    try:
+        return viewer_main(command, args)
+    except AjetError as exc:
+        print(f"ajet: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _entry() -> None:  # console-script entry point

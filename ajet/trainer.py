@@ -127,6 +127,8 @@ def run(cfg: AjetConfig) -> Path:
             assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
                               {e.episode_id: e.group_id for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
+            used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
+            store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in trainable for s in e.samples])
             train = backbone.update(samples)
             kill_point("update", step)
             store.mark_trained(step, attempt, [(e.episode_id, attempt) for e in trainable])
