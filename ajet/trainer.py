@@ -154,6 +154,9 @@ def run(cfg: AjetConfig) -> Path:
         backbone.close()
         store.close()
         log.close()
+        from ajet.viewer.plots import write_plots_safely
+
+        write_plots_safely(exp_dir, log.console)   # EXP_DIR/plots/*.png, also after a failed run
     return exp_dir
 
 
