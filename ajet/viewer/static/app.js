@@ -23,9 +23,13 @@ function h(tag, attrs, ...children) {          // build an element; strings beco
 }
 const render = (...children) => $main.replaceChildren(...children.flat(Infinity).filter(c => c !== null && c !== undefined && c !== false));
 const fmt = (x, d = 3) => (x === null || x === undefined || Number.isNaN(x)) ? "–" : (typeof x === "number" ? (Number.isInteger(x) ? String(x) : x.toFixed(d)) : String(x));
+let routeSeq = 0;                               // a view whose route was left while it loaded never renders
+class Stale extends Error {}
 async function api(path) {
+  const seq = routeSeq;
   const r = await fetch(path);
   const body = await r.json();
+  if (seq !== routeSeq) throw new Stale();
   if (!r.ok) throw new Error(body.error || r.statusText);
   return body;
 }
@@ -121,7 +125,7 @@ async function stepView(step, params) {
     options.map(([v, label]) => h("option", {value: v, selected: (params.get(name) || "") === v}, label)));
   const search = h("input", {name: "q", placeholder: "search messages, answers, errors", value: params.get("q") || "", size: 32});
   const chosen = new Set();
-  const compareBtn = h("button", {disabled: true, onclick: () => {
+  const compareBtn = h("button", {type: "button", id: "compare", disabled: true, onclick: () => {
     const [a, b] = [...chosen].map(s => s.split("|"));
     location.hash = `#/compare/${encodeURIComponent(a[0])}/${a[1]}/${encodeURIComponent(b[0])}/${b[1]}`;
   }}, "compare 2 selected");
@@ -182,10 +186,10 @@ function episodeBody(ep) {
     h("h3", {}, "Final answer"), h("pre", {}, out.final_answer ?? "(none)"),
     out.metrics && Object.keys(out.metrics).length ? h("div", {class: "muted"}, "workflow metrics: " + JSON.stringify(out.metrics)) : null,
     h("h3", {}, `Samples (${ep.samples_source})`),
-    ep.samples.length ? h("table", {class: "samples"}, h("tr", {}, ["sample", "agent", "calls", "prompt tokens", "response tokens", "trained tokens", "advantage", "trained", "flags"].map(c => h("th", {}, c))),
+    ep.samples.length ? h("div", {class: "scroll"}, h("table", {class: "samples"}, h("tr", {}, ["sample", "agent", "calls", "prompt tokens", "response tokens", "trained tokens", "advantage", "trained", "flags"].map(c => h("th", {}, c))),
       ep.samples.map(s => h("tr", {}, h("td", {}, h("a", {class: "sample-link", href: `#/sample/${encodeURIComponent(ep.episode_id)}/${ep.attempt}/${s.index}`}, `sample ${s.index}`)),
         h("td", {}, s.agent_tag), h("td", {}, s.call_ids.length), h("td", {class: "num"}, s.prompt_tokens), h("td", {class: "num"}, s.response_tokens),
-        h("td", {class: "num"}, s.loss_tokens), h("td", {class: "num"}, fmt(s.advantage)), h("td", {}, fmt(s.trained)), h("td", {}, JSON.stringify(s.flags)))))
+        h("td", {class: "num"}, s.loss_tokens), h("td", {class: "num"}, fmt(s.advantage)), h("td", {}, fmt(s.trained)), h("td", {}, JSON.stringify(s.flags))))))
       : h("p", {class: "muted"}, "no samples (failed episodes are not trained on)"),
     h("h3", {}, "Calls"),
     ep.calls.map(c => {
@@ -214,10 +218,11 @@ function probColor(lp) {        // engine probability -> background: green (like
   return `hsl(${Math.round(120 * p)}, 75%, ${Math.round(78 + 10 * p)}%)`;
 }
 
-function tokenView(s) {
+function tokenView(s, from = 0) {   // from: first position drawn (compare skips the shared prompt)
   const box = h("div", {class: "tokens"});
+  if (from > 0) box.append(h("span", {class: "muted"}, `… ${from} prompt tokens not shown …\n`));
   const starts = new Map(s.calls.map(c => [c.start, c])), compStarts = new Map(s.calls.map(c => [c.completion_start, c]));
-  for (let i = 0; i < s.ids.length; i++) {
+  for (let i = from; i < s.ids.length; i++) {
     if (starts.has(i)) box.append(h("span", {class: "boundary"}, `call ${starts.get(i).index ?? "?"}`));
     if (compStarts.has(i)) box.append(h("span", {class: "boundary completion"}, `sampled by call ${compStarts.get(i).index ?? "?"}`));
     if (s.fork_at === i) box.append(h("span", {class: "fork"}, `fork: ${s.flags.fork_reason || "leaves an earlier sample"}`));
@@ -282,7 +287,7 @@ async function compareView(a, aAttempt, b, bAttempt) {
   const col = async ep => {
     const s = ep.samples.length ? await api(`/api/episode/${encodeURIComponent(ep.episode_id)}/sample/0?attempt=${ep.attempt}`) : null;
     return h("div", {}, h("h2", {}, h("a", {href: epHref(ep.episode_id, ep.attempt)}, ep.episode_id), ` · reward ${fmt(ep.reward)}`),
-      s ? [h("h3", {}, "sample 0"), tokenView(s)] : null, episodeBody(ep));
+      s ? [h("h3", {}, `sample 0 · advantage ${fmt(s.advantage)}`), tokenView(s, s.prompt_len)] : null, episodeBody(ep));
   };
   const note = ea.group_id === eb.group_id ? "" : " (different GRPO groups)";
   render(h("p", {class: "muted"}, `higher reward on the left${note}`), h("div", {class: "compare"}, await col(better), await col(worse)));
@@ -290,6 +295,7 @@ async function compareView(a, aAttempt, b, bAttempt) {
 
 async function route() {
   const {parts, params} = parseHash();
+  const seq = ++routeSeq;
   $tip.hidden = true;
   try {
     if (parts[0] === "step") await stepView(parts[1], params);
@@ -298,9 +304,10 @@ async function route() {
     else if (parts[0] === "compare") await compareView(parts[1], parts[2], parts[3], parts[4]);
     else await overview();
   } catch (err) {
+    if (err instanceof Stale || seq !== routeSeq) return;
     render(h("p", {class: "bad"}, `error: ${err.message}`), h("a", {href: "#/"}, "back to the overview"));
   }
-  document.body.dataset.view = parts[0] || "overview";   // lets tests and screenshots wait for a view
+  if (seq === routeSeq) document.body.dataset.view = parts[0] || "overview";   // lets tests and screenshots wait for a view
 }
 addEventListener("hashchange", route);
 route();
