@@ -80,7 +80,7 @@ def run(cfg: AjetConfig) -> Path:
     store = TrajectoryStore(exp_dir / "trajectories.sqlite")
     attempt = store.begin_attempt(resumed_step)   # from the store: never repeats, even after a kill before any commit
 
-    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
+    log = MetricsLogger(exp_dir, first_step=first_step, loggers=cfg.trainer.active_loggers(), run_config=cfg)
     log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
                       f"tasks={len(tasks)} -> {exp_dir}")
     t_load = time.perf_counter()
