@@ -16,6 +16,7 @@ Bad parameters answer 400 and unknown episodes 404, each with {"error": "..."}.
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,6 +65,8 @@ def create_app(exp_dir: str | Path) -> Starlette:
         AjetError: the folder holds no trajectories.sqlite.
     """
     run = RunReader(exp_dir)
+    # load the tokenizer now, in the background, so that the first token view does not wait for it
+    threading.Thread(target=run.token_text, args=([],), daemon=True, name="ajet-view-tokenizer").start()
 
     def overview(request: Request) -> dict[str, Any]:
         metrics = run.metrics()

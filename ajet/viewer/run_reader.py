@@ -116,11 +116,12 @@ class RunReader:
         return rows
 
     def steps(self) -> list[dict[str, Any]]:
-        """Per (step, attempt): episodes, failed, reward mean/min/max of the successful ones, groups."""
+        """Per (step, attempt): episodes, failed, reward mean/min/max of the successful ones, distinct tasks
+        (plain columns only: no record is parsed, so the overview stays fast on long runs)."""
         rows = self.db.execute("""
             SELECT step, attempt, COUNT(*) AS episodes, SUM(error IS NOT NULL OR reward IS NULL) AS failed,
                    AVG(reward) AS reward_mean, MIN(reward) AS reward_min, MAX(reward) AS reward_max,
-                   COUNT(DISTINCT json_extract(record, '$.group_id')) AS groups
+                   COUNT(DISTINCT task_id) AS tasks
             FROM episodes GROUP BY step, attempt ORDER BY step, attempt""").fetchall()
         return [dict(r) for r in rows]
 
@@ -177,9 +178,9 @@ class RunReader:
         if group:
             where.append("json_extract(e.record, '$.group_id') = ?")
             args.append(group)
-        if q:
-            where.append(f"instr({_SEARCH_TEXT}, ?) > 0")
-            args.append(q.lower())
+        if q:   # a cheap scan of the raw JSON first; the exact fields are parsed only for records that pass it
+            where.append(f"instr(lower(e.record), ?) > 0 AND instr({_SEARCH_TEXT}, ?) > 0")
+            args += [json.dumps(q.lower())[1:-1], q.lower()]
         cols = _EPISODE_COLUMNS + (_SAMPLE_COLUMNS if self.has_samples_table() else _NO_SAMPLE_COLUMNS)
         having = []
         if agent:

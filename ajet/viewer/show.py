@@ -71,10 +71,10 @@ def show(exp_dir: str | Path, step: int | None = None, episode: str | None = Non
         return
     steps = run.steps()
     table = Table(title=f"{run.exp_dir}", title_justify="left")
-    for col in ("step", "attempt", "episodes", "failed", "groups", "reward mean", "min", "max"):
+    for col in ("step", "attempt", "episodes", "failed", "tasks", "reward mean", "min", "max"):
         table.add_column(col, justify="right")
     for s in steps:
-        table.add_row(*(_fmt(s[k]) for k in ("step", "attempt", "episodes", "failed", "groups", "reward_mean",
+        table.add_row(*(_fmt(s[k]) for k in ("step", "attempt", "episodes", "failed", "tasks", "reward_mean",
                                              "reward_min", "reward_max")))
     console.print(table)
     if not steps:

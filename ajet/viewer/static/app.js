@@ -99,11 +99,11 @@ async function overview() {
                        : h("p", {class: "muted"}, "no metrics.jsonl yet"),
     h("h2", {}, "Steps"),
     h("table", {id: "steps"},
-      h("tr", {}, ["step", "attempt", "episodes", "failed", "groups", "reward mean", "min", "max"].map(c => h("th", {}, c))),
+      h("tr", {}, ["step", "attempt", "episodes", "failed", "tasks", "reward mean", "min", "max"].map(c => h("th", {}, c))),
       run.steps.map(s => h("tr", {},
         h("td", {}, h("a", {class: "step-link", href: `#/step/${s.step}?attempt=${s.attempt}`}, `step ${s.step}`)),
         h("td", {class: "num"}, s.attempt), h("td", {class: "num"}, s.episodes),
-        h("td", {class: "num" + (s.failed ? " bad" : "")}, s.failed), h("td", {class: "num"}, s.groups),
+        h("td", {class: "num" + (s.failed ? " bad" : "")}, s.failed), h("td", {class: "num"}, s.tasks),
         h("td", {class: "num"}, fmt(s.reward_mean)), h("td", {class: "num"}, fmt(s.reward_min)), h("td", {class: "num"}, fmt(s.reward_max))))),
     run.plots.length ? h("div", {class: "plots"}, h("h2", {}, "Plots (EXP_DIR/plots)"), run.plots.map(p => h("img", {src: `/plots/${p}`, alt: p}))) : null);
 }
