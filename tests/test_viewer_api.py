@@ -104,10 +104,10 @@ def test_episode_shows_calls_tool_results_answer_and_samples(base, exp):
     assert c0["sampling"]["max_tokens"] == 12 and c0["timings"]["total_s"] > 0
     (s,) = ep["samples"]
     assert s["call_ids"] == [c0["call_id"], c1["call_id"]] and s["trained"] is True
-    assert ep["samples_source"] == "store"
+    assert ep["samples_source"] == "store" and ep["trained_in"] == [[2, 0]]   # the store's trained-on ledger
 
     failed = get(base, "/api/episode/" + stored(exp, "SELECT episode_id FROM episodes WHERE error IS NOT NULL")[0][0])
-    assert "the lookup service is down" in failed["error"] and failed["samples"] == []
+    assert "the lookup service is down" in failed["error"] and failed["samples"] == [] and failed["trained_in"] == []
 
 
 def test_sample_tokens_carry_the_stored_ids_masks_and_logprobs(base, exp):

@@ -235,8 +235,9 @@ class RunReader:
 
     def episode(self, episode_id: str, attempt: int | None = None) -> dict[str, Any]:
         """One episode for display: the record with each call's token arrays replaced by their lengths
-        (`prompt_tokens`, `completion_tokens`), and `samples` as summaries (index, tokens, loss tokens,
-        advantage, trained, flags, call_ids).
+        (`prompt_tokens`, `completion_tokens`), `samples` as summaries (index, tokens, loss tokens,
+        advantage, trained, flags, call_ids) and `trained_in`: [[step, attempt], ...] of the updates that
+        used it (the store's trained-on ledger; [] when none or an older store).
 
         Raises:
             NotFound: no such episode (or attempt).
@@ -255,8 +256,13 @@ class RunReader:
                       "prompt_tokens": len(s.get("prompt_ids") or []), "response_tokens": len(s.get("response_ids") or []),
                       "loss_tokens": sum(s.get("loss_mask") or []), "advantage": s.get("advantage"),
                       "trained": s.get("trained"), "flags": s.get("flags", {})} for i, s in enumerate(samples)]
+        trained_in = []   # the trainer's ledger: which updates (step, attempt that ran it) used this episode
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'trained'").fetchone():
+            trained_in = [list(r) for r in self.db.execute(
+                "SELECT step, trained_attempt FROM trained WHERE episode_id = ? AND attempt = ? ORDER BY rowid",
+                (record["episode_id"], attempt))]
         return {**{k: v for k, v in record.items() if k not in ("calls", "samples")}, "attempt": attempt, "step": step,
-                "calls": calls, "samples": summaries, "samples_source": source,
+                "calls": calls, "samples": summaries, "samples_source": source, "trained_in": trained_in,
                 "failure": _failure_line(record.get("error"))}
 
     def sample_tokens(self, episode_id: str, index: int, attempt: int | None = None) -> dict[str, Any]:
