@@ -4,6 +4,8 @@ command runs, so `ajet --help` is instant.
     ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--resume]     train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet doctor --model MODEL                                                         chat-template check
+    ajet view EXP_DIR [--port N]                                                      trajectories in the browser
+    ajet show EXP_DIR [--step N] [--episode ID]                                       trajectories in the terminal
 
 To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS`.
 """
@@ -30,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
                "Also: ajet serve --conf X.yaml (train agents that run anywhere; docs/serve.md)\n"
-               "      ajet doctor --model MODEL (checks the chat template)",
+               "      ajet doctor --model MODEL (checks the chat template)\n"
+               "      ajet view EXP_DIR (trajectories in the browser), ajet show EXP_DIR (in the terminal)",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
@@ -48,6 +51,23 @@ def doctor_parser() -> argparse.ArgumentParser:
                                 description="Check whether a model's chat template lets ajet merge calls exactly.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, local folder or smollm2-135m-instruct")
     p.add_argument("--chat-template", help="'tools', a .jinja file or a template string (as model.chat_template)")
+    return p
+
+
+def _view_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet view", description="Browse a run's episodes token by token "
+                                "(a local web app on 127.0.0.1, read-only; works while the run writes).")
+    p.add_argument("--port", type=int, default=8420, help="port on 127.0.0.1 (default 8420)")
+    p.add_argument("exp_dir", metavar="EXP_DIR", help="the experiment folder a run wrote (trainer.exp_dir)")
+    return p
+
+
+def _show_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet show", description="Print a run's episodes token by token in the "
+                                "terminal (rich colours: trained tokens green, untrained grey).")
+    p.add_argument("--step", type=int, help="list this step's episodes (default: the last step)")
+    p.add_argument("--episode", metavar="ID", help="show this episode's calls and samples, token by token")
+    p.add_argument("exp_dir", metavar="EXP_DIR", help="the experiment folder a run wrote (trainer.exp_dir)")
     return p
 
 
@@ -83,7 +103,20 @@ def _doctor(args: argparse.Namespace) -> int:
         return 2
 
 
-SUBCOMMANDS = {"serve": (_serve_parser, _serve), "doctor": (doctor_parser, _doctor)}
+def _view(args: argparse.Namespace) -> int:
+    from ajet.viewer import main as viewer_main
+
+    return viewer_main("view", args)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from ajet.viewer import main as viewer_main
+
+    return viewer_main("show", args)
+
+
+SUBCOMMANDS = {"serve": (_serve_parser, _serve), "doctor": (doctor_parser, _doctor),
+               "view": (_view_parser, _view), "show": (_show_parser, _show)}
 
 
 def main(argv: list[str] | None = None) -> int:

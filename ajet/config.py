@@ -10,7 +10,7 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ajet.errors import ConfigError
 
@@ -127,8 +127,25 @@ class AlgorithmConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
 
 
+LoggerName = Literal["console", "tensorboard", "jsonl", "wandb"]
+# loggers whose package is not a core dependency: the extra that installs it
+_LOGGER_EXTRAS = {"wandb": "wandb"}
+
+
+def _package_missing(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is None
+
+
 class TrainerConfig(_Section):
-    """The training loop. tasks_per_step tasks x num_repeat episodes are rolled out per step."""
+    """The training loop. tasks_per_step tasks x num_repeat episodes are rolled out per step.
+
+    loggers: where per-step metrics go. console: the step line and progress bar; tensorboard:
+    `exp_dir/tensorboard` (also off with `tensorboard: false`); jsonl: `exp_dir/metrics.jsonl` (what the plots
+    and `ajet view` chart); wandb: Weights & Biases, offline under `exp_dir/wandb` unless WANDB_API_KEY (or
+    WANDB_MODE=online) is set, with a table of each step's episodes (`pip install 'ajet[wandb]'`).
+    """
 
     total_steps: int = Field(10, ge=1)
     tasks_per_step: int = Field(4, ge=1)
@@ -136,9 +153,23 @@ class TrainerConfig(_Section):
     seed: int = 0
     exp_dir: str = "experiments/{experiment_name}"
     tensorboard: bool = True
+    loggers: list[LoggerName] = ["console", "tensorboard", "jsonl"]
     save_trajectories: bool = True
     resume: bool = False  # continue from the newest checkpoint in exp_dir (CLI: --resume)
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_installed(cls, loggers: list[str]) -> list[str]:
+        missing = [name for name in loggers if name in _LOGGER_EXTRAS and _package_missing(name)]
+        if missing:
+            raise ValueError(f"logger {missing[0]!r} needs its package: pip install 'ajet[{_LOGGER_EXTRAS[missing[0]]}]' "
+                             f"(or remove it from trainer.loggers)")
+        return list(dict.fromkeys(loggers))
+
+    def active_loggers(self) -> list[str]:
+        """`loggers`, without tensorboard when `tensorboard: false`."""
+        return [name for name in self.loggers if self.tensorboard or name != "tensorboard"]
 
 
 class CommandWorkflowConfig(_Section):

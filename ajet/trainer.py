@@ -82,7 +82,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     if cfg.trainer.resume:   # before the logger opens them: it appends to whatever file is there
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
-    log = MetricsLogger(exp_dir, tensorboard=cfg.trainer.tensorboard, first_step=first_step)
+    log = MetricsLogger(exp_dir, first_step=first_step, loggers=cfg.trainer.active_loggers(), run_config=cfg)
     progress: list[Callable[..., None]] = [lambda status=None: None]
 
     def record(step: int, ep: Episode) -> None:   # every finished episode: durable before training uses it
@@ -150,6 +150,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
                               {e.episode_id: e.group_id for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
+            used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
+            store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in trainable for s in e.samples])
             train = backbone.update(samples)
             kill_point("update", step)
             store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable])
@@ -181,6 +183,9 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         backbone.close()
         store.close()
         log.close()
+        from ajet.viewer.plots import write_plots_safely
+
+        write_plots_safely(exp_dir, log.console)   # EXP_DIR/plots/*.png, also after a failed run
     return exp_dir
 
 

@@ -9,6 +9,8 @@ Each episode is committed in one transaction as soon as it finishes, before trai
                `resumed_from_step` is the checkpoint step it continued from (0: from scratch)
     episodes   one row per finished episode, keyed (episode_id, attempt)
     calls      one row per recorded LLM call
+    samples    the training samples the tracker built from an episode's calls, with their advantages (for
+               `ajet view`), keyed (episode_id, attempt of the episode, index)
     trained    one row per episode that went into an update: (episode_id, attempt, step, trained_attempt);
                `attempt` is the episode's, `trained_attempt` the one that ran the update of `step` (they
                differ when a resumed `ajet serve` trains episodes its killed predecessor had finished)
@@ -47,6 +49,9 @@ CREATE TABLE IF NOT EXISTS attempts (
 CREATE TABLE IF NOT EXISTS trained (
     episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL, trained_attempt INTEGER NOT NULL,
     PRIMARY KEY (episode_id, attempt, trained_attempt));
+CREATE TABLE IF NOT EXISTS samples (
+    episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, idx INTEGER NOT NULL, step INTEGER NOT NULL,
+    advantage REAL, record TEXT NOT NULL, PRIMARY KEY (episode_id, attempt, idx));
 """
 
 
@@ -101,6 +106,17 @@ class TrajectoryStore:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
                                  [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
+    def add_samples(self, step: int, attempt: int, samples: list[dict[str, Any]]) -> None:
+        """Commit the training samples built for `step` (each a `Sample.to_dict()` plus `trained`: whether the
+        update used it), after their advantages are set, in one transaction. Samples are derived data (the
+        tracker rebuilds them from the calls), so a re-commit of the same (episode, attempt, index) replaces it."""
+        rows, index = [], {}
+        for s in samples:
+            i = index[s["episode_id"]] = index.get(s["episode_id"], -1) + 1
+            rows.append((s["episode_id"], attempt, i, step, s.get("advantage"), json.dumps(s)))
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", rows)
 
     def episodes(self, step: int | None = None, attempt: int | None = None) -> list[dict[str, Any]]:
         """Stored episode records, in insertion order, optionally of one step and/or attempt."""

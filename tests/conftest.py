@@ -7,3 +7,12 @@ from tests.tiny_model import build_tiny_model
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama + BPE tokenizer with ajet's tool chat template, saved in HF format."""
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def tiny_experiment(tiny_model_dir, tmp_path_factory):
+    """An experiment folder written by a real 2-step `ajet` run of the tiny model (tests/tiny_experiment.py):
+    merged two-call samples with advantages, and one task whose episodes all fail."""
+    from tests.tiny_experiment import make_tiny_experiment
+
+    return make_tiny_experiment(tmp_path_factory.mktemp("tiny_experiment"), tiny_model_dir)

@@ -1,0 +1,138 @@
+"""`ajet view EXP_DIR`: a local, read-only web app over an experiment folder (Starlette + uvicorn).
+
+The page (`static/`: plain HTML/CSS/JS, no CDN, no build step) calls this JSON API:
+
+    GET /api/run                                   run overview: config, per-step metrics and store counts, plots
+    GET /api/groups?step=N[&attempt=A]             GRPO groups of a step
+    GET /api/episodes?step=N&failed=&fork=&agent=&group=&q=&order=&offset=&limit=
+    GET /api/episode/{episode_id}[?attempt=A]      calls, tool results, output, reward, sample summaries
+    GET /api/episode/{episode_id}/sample/{i}[?attempt=A]   the sample token by token (`RunReader.sample_tokens`)
+    GET /plots/{name}.png                          EXP_DIR/plots/*.png
+
+Every view reads `trajectories.sqlite` read-only (`RunReader`), so it can stay open while the run writes.
+Bad parameters answer 400 and unknown episodes 404, each with {"error": "..."}.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ajet.viewer.run_reader import NotFound, RunReader
+
+STATIC_DIR = Path(__file__).parent / "static"
+# metrics.jsonl keys the overview charts, in order (a key a run does not log is left out)
+OVERVIEW_KEYS = ["reward/mean", "reward/std", "rollout/episodes", "rollout/failed", "tracker/merge_ratio",
+                 "tracker/token_ratio", "train/kl", "train/clip_frac", "train/entropy", "train/grad_norm",
+                 "time/step_s", "time/rollout_s", "train/update_s", "rollout/tokens_per_s", "policy_version"]
+
+
+def _int(request: Request, name: str, default: int | None = None) -> int | None:
+    """Query parameter `name` as an int (`default` when absent). Raises ValueError naming it."""
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"query parameter `{name}` must be an integer, got {raw!r}") from None
+
+
+def _json(fn: Callable[[Request], Any]) -> Callable[[Request], Response]:
+    """Wrap a sync view: its return value as JSON; NotFound -> 404, ValueError -> 400, with {"error": ...}."""
+    def view(request: Request) -> Response:
+        try:
+            return JSONResponse(fn(request))
+        except NotFound as exc:
+            return JSONResponse({"error": str(exc)}, status_code=404)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+    return view
+
+
+def create_app(exp_dir: str | Path) -> Starlette:
+    """The viewer app for one experiment folder.
+
+    Raises:
+        AjetError: the folder holds no trajectories.sqlite.
+    """
+    run = RunReader(exp_dir)
+    # load the tokenizer now, in the background, so that the first token view does not wait for it
+    threading.Thread(target=run.token_text, args=([],), daemon=True, name="ajet-view-tokenizer").start()
+
+    def overview(request: Request) -> dict[str, Any]:
+        metrics = run.metrics()
+        keys = [k for k in OVERVIEW_KEYS if any(k in m for m in metrics)]
+        keys += sorted({k for m in metrics for k in m if k.startswith("workflow/")})
+        model = run.config.get("model") or {}
+        plots = sorted(p.name for p in (run.exp_dir / "plots").glob("*.png")) if (run.exp_dir / "plots").is_dir() else []
+        return {"exp_dir": str(run.exp_dir), "experiment_name": run.config.get("experiment_name", run.exp_dir.name),
+                "model": model.get("path"), "backbone": run.config.get("backbone"), "chart_keys": keys,
+                "metrics": [{k: m.get(k) for k in ["step", *keys]} for m in metrics],
+                "policy_version": next((m["policy_version"] for m in reversed(metrics) if "policy_version" in m), None),
+                "steps": run.steps(), "plots": plots, "has_samples_table": run.has_samples_table()}
+
+    def groups(request: Request) -> list[dict[str, Any]]:
+        step = _int(request, "step")
+        if step is None:
+            raise ValueError("query parameter `step` is required")
+        return run.groups(step, _int(request, "attempt"))
+
+    def episodes(request: Request) -> dict[str, Any]:
+        qp = request.query_params
+        failed = {"": None, "1": True, "true": True, "0": False, "false": False}.get(qp.get("failed", ""))
+        if qp.get("failed", "") not in ("", "1", "true", "0", "false"):
+            raise ValueError(f"query parameter `failed` must be 1 or 0, got {qp['failed']!r}")
+        return run.episodes(_int(request, "step"), _int(request, "attempt"), failed=failed,
+                            fork=qp.get("fork") or None, agent=qp.get("agent") or None, group=qp.get("group") or None,
+                            q=qp.get("q") or None, order=qp.get("order") or "group", offset=_int(request, "offset", 0),
+                            limit=_int(request, "limit", 50))
+
+    def episode(request: Request) -> dict[str, Any]:
+        return run.episode(request.path_params["episode_id"], _int(request, "attempt"))
+
+    def sample(request: Request) -> dict[str, Any]:
+        return run.sample_tokens(request.path_params["episode_id"], request.path_params["index"], _int(request, "attempt"))
+
+    def plot(request: Request) -> Response:
+        name = request.path_params["name"]
+        path = run.exp_dir / "plots" / f"{name}.png"
+        if not re.fullmatch(r"[\w.-]+", name) or not path.is_file():
+            return JSONResponse({"error": f"no plot {name}.png in {run.exp_dir / 'plots'}"}, status_code=404)
+        return FileResponse(path, media_type="image/png")
+
+    def index(request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    return Starlette(routes=[
+        Route("/", index),
+        Route("/api/run", _json(overview)),
+        Route("/api/groups", _json(groups)),
+        Route("/api/episodes", _json(episodes)),
+        Route("/api/episode/{episode_id}", _json(episode)),
+        Route("/api/episode/{episode_id}/sample/{index:int}", _json(sample)),
+        Route("/plots/{name}.png", plot),
+        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+    ])
+
+
+def serve(exp_dir: str | Path, port: int = 8420, host: str = "127.0.0.1") -> None:
+    """Serve the viewer until Ctrl-C (blocks). Binds `host` (127.0.0.1: this machine only).
+
+    Raises:
+        AjetError: the folder holds no trajectories.sqlite.
+        OSError: the port is taken.
+    """
+    import uvicorn
+
+    app = create_app(exp_dir)
+    print(f"ajet view: http://{host}:{port}/  ({Path(exp_dir).resolve()}; Ctrl-C stops)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
