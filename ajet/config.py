@@ -36,9 +36,11 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer})."""
+    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer}).
+    val_path: held-out tasks in the same format, never trained on (`ajet eval`, `trainer.val_freq`)."""
 
     train_path: str
+    val_path: str | None = None
     shuffle: bool = True
     max_tasks: int | None = Field(None, gt=0)
 
@@ -111,6 +113,21 @@ class TrainerConfig(_Section):
     save_trajectories: bool = True
     resume: bool = False  # continue from the newest checkpoint in exp_dir (CLI: --resume)
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
+    val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
+                                               "last step (logged as val/*); 0 = never")
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation (`ajet eval`, and `trainer.val_freq` during training; see ajet/eval.py).
+
+    n episodes per task; temperature 0 is greedy decoding (the argmax token; then n > 1 repeats the same
+    answer up to batching numerics). An episode passes when its reward >= pass_threshold.
+    """
+
+    n: int = Field(1, ge=1, description="episodes per task (the k of pass@k)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    pass_threshold: float = Field(1.0, description="reward at or above which an episode counts as solved")
 
 
 class AjetConfig(_Section):
@@ -130,6 +147,7 @@ class AjetConfig(_Section):
     proxy: ProxyConfig = ProxyConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths

@@ -98,7 +98,11 @@ def run(cfg: AjetConfig) -> Path:
                         accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s).start()
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
     total, failed_in_a_row = cfg.trainer.total_steps, 0
+    from ajet.eval import Validator   # held-out val/* at step 0 and every trainer.val_freq steps (never trained on)
+    validate = Validator(cfg, backbone, workflow, judge)
     try:
+        if first_step == 1 and (val := validate(0)):
+            log.log(0, val)
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
@@ -137,6 +141,7 @@ def run(cfg: AjetConfig) -> Path:
             metrics["rollout/trained_episodes"] = len(trainable)
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["policy_version"] = backbone.engine.policy_version
+            metrics.update(validate(step))
             log.log(step, metrics)
             if cfg.trainer.save_trajectories:
                 for e in episodes:
