@@ -10,7 +10,7 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ajet.errors import ConfigError
 
@@ -35,14 +35,48 @@ class ModelConfig(_Section):
     max_model_len: int = Field(4096, gt=0, description="prompt + completion limit, tokens")
 
 
-class DataConfig(_Section):
-    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer}).
-    val_path: held-out tasks in the same format, never trained on (`ajet eval`, `trainer.val_freq`)."""
+class EnvServiceSource(_Section):
+    """An environment service over HTTP (AgentJet's env-service shape; see ajet/tasks/env_service.py)."""
 
-    train_path: str
+    url: str
+    env_type: str
+
+
+class DataConfig(_Section):
+    """Where tasks come from (ajet/tasks/). Exactly one of:
+
+    train_path: a JSONL file (GSM8K rows or {task_id, query, answer}), a json/csv/parquet/arrow file or a
+        `save_to_disk` folder (Hugging Face `datasets`; `split`/`val_split` pick a DatasetDict split,
+        `columns` maps ajet fields query/answer/task_id to dataset columns);
+    generator: `module:function` called as function(split="train"|"val", **generator_args), yielding tasks;
+    env_service: {url, env_type}, the task ids the service lists.
+
+    val_path: held-out tasks (same forms as train_path), never trained on (`ajet eval`, `trainer.val_freq`);
+    with a generator or env service, the "val" split is asked for instead.
+    """
+
+    train_path: str | None = None
     val_path: str | None = None
+    format: Literal["auto", "jsonl", "hf"] = "auto"   # auto: .jsonl files as JSONL, anything else via datasets
+    split: str = "train"
+    val_split: str | None = None
+    columns: dict[str, str] = Field(default_factory=dict, description="ajet field (query, answer, task_id) -> column")
+    generator: str | None = None
+    generator_args: dict[str, Any] = Field(default_factory=dict)
+    env_service: EnvServiceSource | None = None
     shuffle: bool = True
     max_tasks: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        given = [k for k in ("train_path", "generator", "env_service") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"name exactly one task source: train_path, generator or env_service (got "
+                             f"{', '.join(given) or 'none'})")
+        bad = sorted(set(self.columns) - {"query", "answer", "task_id"})
+        if bad:
+            raise ValueError(f"data.columns keys must be ajet fields query, answer, task_id; got {bad}")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -130,6 +164,25 @@ class EvalConfig(_Section):
     pass_threshold: float = Field(1.0, description="reward at or above which an episode counts as solved")
 
 
+class LLMJudgeConfig(_Section):
+    """The LLM judge (`judge: ajet.judges.llm:LLMJudge`; see ajet/judges/llm.py).
+
+    rubric: the prompt (text or a file path); {query}, {answer}, {reference}, {max_score} are filled in.
+    base_url/api_key/model: any OpenAI-compatible endpoint; base_url None = a frozen copy of the initial
+    policy (or `frozen_model_path`) served by ajet, never trained. temperature 0 = greedy.
+    """
+
+    rubric: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    model: str = "ajet-judge"
+    frozen_model_path: str | None = None
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(64, gt=0)
+    max_score: float = Field(10.0, gt=0)
+    parse_failure_reward: float = 0.0
+
+
 class AjetConfig(_Section):
     """The whole experiment.
 
@@ -148,6 +201,7 @@ class AjetConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
+    llm_judge: LLMJudgeConfig = LLMJudgeConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths

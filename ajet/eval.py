@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ajet.config import AjetConfig, resolve_path
+from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.llm_call import SamplingParams
@@ -153,9 +153,11 @@ class Validator:
         self.freq = cfg.trainer.val_freq
         self.tasks: list[Task] = []
         if self.freq:
-            if not cfg.data.val_path:
+            from ajet.tasks import load_tasks
+
+            if not (cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
                 raise ConfigError("trainer.val_freq is set but data.val_path is not: name the held-out task file")
-            self.tasks = load_val_tasks(cfg, cfg.data.val_path)
+            self.tasks = load_tasks(cfg, "val")
 
     def __call__(self, step: int) -> dict[str, float]:
         if not self.freq or not (step % self.freq == 0 or step == self.cfg.trainer.total_steps):
@@ -167,13 +169,6 @@ class Validator:
         metrics = {f"val/{k}": v for k, v in result.metrics.items()}
         metrics["val/time_s"] = time.perf_counter() - t0
         return metrics
-
-
-def load_val_tasks(cfg: AjetConfig, path: str) -> list[Task]:
-    """The held-out tasks at `path` (resolved like the config's other paths)."""
-    from ajet.task_reader import read_jsonl_tasks
-
-    return read_jsonl_tasks(resolve_path(cfg, path))
 
 
 def _checkpoint_folder(path: str) -> Path:
@@ -209,6 +204,8 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     from ajet.backbones import load_backbone
     from ajet.config import load_config
     from ajet.importing import load_object
+    from ajet.judges import load_judge
+    from ajet.tasks import load_tasks, task_source_name
 
     if checkpoint_dir and model:
         raise ConfigError("give either --checkpoint or --model, not both")
@@ -217,12 +214,11 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     if checkpoint_dir or model:
         overrides["model.path"] = str(_checkpoint_folder(checkpoint_dir)) if checkpoint_dir else model
     cfg = load_config(conf, overrides)
-    data = data or cfg.data.val_path
-    if not data:
+    if not (data or cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
         raise ConfigError(f"{conf}: no held-out tasks: pass --data PATH or set data.val_path")
-    tasks = load_val_tasks(cfg, data)
+    tasks = load_tasks(cfg, "val", data)
     workflow = load_object(cfg.workflow, cfg.config_dir)()
-    judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+    judge = load_judge(cfg)
     out_dir = Path(out) if out else cfg.exp_path() / "eval" / Path(cfg.model.path).name
     console = Console(highlight=False)
     console.print(f"[bold]ajet eval[/] {cfg.experiment_name}: model={cfg.model.path} tasks={len(tasks)} "
@@ -235,7 +231,7 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
         bb.close()
     result.metrics["time_s"] = time.perf_counter() - t0
     write_result(result, out_dir)
-    table = Table("metric", "value", title=f"eval on {data}")
+    table = Table("metric", "value", title=f"eval on {data or task_source_name(cfg, 'val')}")
     for k, v in result.metrics.items():
         table.add_row(k, f"{v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")
     console.print(table)

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ajet import checkpoint
-from ajet.config import AjetConfig, resolve_path
+from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
 from ajet.faults import kill_point
 from ajet.importing import load_object
 from ajet.llm_call import SamplingParams
-from ajet.task_reader import read_jsonl_tasks
+from ajet.judges import load_judge
+from ajet.tasks import load_tasks
 from ajet.task_sampler import TaskSampler
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
@@ -54,9 +55,9 @@ def run(cfg: AjetConfig) -> Path:
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
 
-    tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
+    tasks = load_tasks(cfg, "train")
     workflow = load_object(cfg.workflow, cfg.config_dir)()
-    judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+    judge = load_judge(cfg)
     backbone_cls = load_backbone(cfg.backbone)
     sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)
     exp_dir.mkdir(parents=True, exist_ok=True)
