@@ -34,11 +34,6 @@ from ajet.errors import ConfigError
 from ajet.llm_call import SamplingParams
 from ajet.task import Task
 
-# greedy decoding as a nucleus: with top_p this small only the most likely token is kept (see
-# ajet.sampling_dist.nucleus_keep), so temperature 0 is the exact argmax on every engine
-GREEDY_TOP_P = 1e-9
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one task: the chance that at least one of k episodes drawn without replacement
     from n (c of them correct) is correct, `1 - C(n-c, k) / C(n, k)` (Chen et al. 2021, eq. 1), computed
@@ -55,10 +50,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def eval_sampling(temperature: float, top_p: float, max_tokens: int) -> SamplingParams:
-    """The sampling parameters of an evaluation: temperature 0 means greedy (argmax), else sampled."""
-    if temperature == 0:
-        return SamplingParams(temperature=1.0, top_p=GREEDY_TOP_P, max_tokens=max_tokens)
-    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    """The sampling parameters of an evaluation: temperature 0 means greedy (argmax, as the engines
+    decode it), else sampled from the nucleus `top_p`."""
+    return SamplingParams(temperature=temperature, top_p=1.0 if temperature == 0 else top_p, max_tokens=max_tokens)
 
 
 @dataclass

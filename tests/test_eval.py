@@ -82,7 +82,7 @@ def test_val_during_training_then_ajet_eval_on_base_and_checkpoint(tiny_model_di
         trainer: {{total_steps: 2, tasks_per_step: 2, val_freq: 2, tensorboard: false}}
     """))
     exp = tmp_path / "exp"
-    run = dict(capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    run = dict(capture_output=True, text=True, timeout=600, cwd=tmp_path)
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--exp-dir", str(exp)], **run)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]

@@ -133,9 +133,7 @@ class FrozenPolicy:
         eos = sorted({self.tokenizer.eos_token_id} | _generation_eos(model))
         self.engine = HFEngine(model, eos, self.tokenizer.pad_token_id, max_model_len=cfg.model.max_model_len,
                                decode_fn=self.tokenizer.decode)
-        t = cfg.llm_judge.temperature
-        params = SamplingParams(temperature=t, max_tokens=cfg.llm_judge.max_tokens) if t > 0 else \
-            SamplingParams(temperature=1.0, top_p=1e-9, max_tokens=cfg.llm_judge.max_tokens)   # greedy
+        params = SamplingParams(temperature=cfg.llm_judge.temperature, max_tokens=cfg.llm_judge.max_tokens)  # 0: greedy
         self.proxy = ProxyServer(self.engine, self.tokenizer, params, max_model_len=cfg.model.max_model_len,
                                  model_name=cfg.llm_judge.model).start()
 
