@@ -20,13 +20,13 @@ from tests.scripted_engine import ScriptedEngine
 @pytest.mark.parametrize("reply, score", [
     ("Score: 7", 0.7), ("The answer is right.\nscore = 9.5", 0.95), ("I'd give it 3/5.", 0.6),
     ("**8**", 0.8), ("Rating: 12", 1.0), ("score: -2", 0.0), ("4 out of 10", 0.4),
-    ("Score: 2 ... on reflection, Score: 6", 0.6),
+    ("Score: 2 ... on reflection, Score: 6", 0.6), ("Yes, it asks for the date.", 1.0), ("no.", 0.0),
 ])
 def test_parse_score(reply, score):
     assert parse_score(reply, 10) == pytest.approx(score)
 
 
-@pytest.mark.parametrize("reply", ["", None, "It is good.", "no number here at all"])
+@pytest.mark.parametrize("reply", ["", None, "It is good.", "there is no number here", "Nothing asked."])
 def test_parse_score_failure_is_none(reply):
     assert parse_score(reply, 10) is None
 

@@ -39,13 +39,16 @@ DEFAULT_RUBRIC = (
 _LABELLED = re.compile(r"(?:score|rating|grade)\s*(?:is|of)?\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)", re.I)
 _FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*(?:/|out of)\s*(\d+(?:\.\d+)?)", re.I)
 _ALONE = re.compile(r"^\W*(-?\d+(?:\.\d+)?)\W*$", re.M)
+# a verdict word opening the reply, for rubrics that ask for yes/no (easier for a small judge than a number)
+_VERDICT = re.compile(r"^\W*(yes|no)\b", re.I)
 
 
 def parse_score(text: str | None, max_score: float) -> float | None:
     """The judge's score in [0, 1] (`score / max_score`, clipped), or None when the reply holds none.
 
     Tried in order: the last labelled score ("Score: 7", "rating = 6.5"), the last fraction ("7/10", "7 out
-    of 10", scaled by its own denominator), the last line that is only a number ("**8**").
+    of 10", scaled by its own denominator), the last line that is only a number ("**8**"), and a reply that
+    opens with "yes" (1.0) or "no" (0.0).
     """
     if not text:
         return None
@@ -56,7 +59,10 @@ def parse_score(text: str | None, max_score: float) -> float | None:
     if f and float(f[-1][1]) > 0:
         return _clip(float(f[-1][0]) / float(f[-1][1]))
     a = _ALONE.findall(text)
-    return _clip(float(a[-1]) / max_score) if a else None
+    if a:
+        return _clip(float(a[-1]) / max_score)
+    v = _VERDICT.match(text)
+    return (1.0 if v.group(1).lower() == "yes" else 0.0) if v else None
 
 
 def _clip(x: float) -> float:

@@ -2,7 +2,7 @@
 
 The reward comes from the LLM judge (`ajet.judges.llm:LLMJudge`, rubric.txt): by default a frozen copy of
 the initial policy, served by ajet and never trained, reads the request, the missing detail (the task's
-reference answer) and the agent's question, and replies "Score: N" (0-10). A reply it cannot parse gives
+reference answer) and the agent's question, and answers yes (1) or no (0). A reply it cannot parse gives
 reward 0 and is recorded in the episode (`metadata.llm_judge`, metric `judge_parse_failed`).
 """
 
