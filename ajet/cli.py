@@ -4,6 +4,7 @@ command runs, so `ajet --help` is instant.
     ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--resume]     train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet doctor --model MODEL                                                         chat-template check
+    ajet eval --conf X.yaml [--checkpoint DIR | --model M] [--n K] ...                 held-out evaluation
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
     ajet show EXP_DIR [--step N] [--episode ID]                                       trajectories in the terminal
 
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
                "Also: ajet serve --conf X.yaml (train agents that run anywhere; docs/serve.md)\n"
                "      ajet doctor --model MODEL (checks the chat template)\n"
+               "      ajet eval --conf YAML [--checkpoint DIR] (held-out evaluation)\n"
                "      ajet view EXP_DIR (trajectories in the browser), ajet show EXP_DIR (in the terminal)",
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
@@ -51,6 +53,21 @@ def doctor_parser() -> argparse.ArgumentParser:
                                 description="Check whether a model's chat template lets ajet merge calls exactly.")
     p.add_argument("--model", default="smollm2-135m-instruct", help="hub id, local folder or smollm2-135m-instruct")
     p.add_argument("--chat-template", help="'tools', a .jinja file or a template string (as model.chat_template)")
+    return p
+
+
+def _eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet eval", description="Evaluate a config's workflow and judge on held-out "
+                                "tasks (never trained on): mean reward, pass@1, pass@k, workflow metrics, eval.jsonl.")
+    p.add_argument("--conf", required=True, metavar="YAML", help="experiment config file")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--checkpoint", metavar="DIR", help="checkpoints/step_N folder, or an experiment folder (newest)")
+    who.add_argument("--model", metavar="PATH", help="hub id, local folder or smollm2-135m-instruct")
+    p.add_argument("--data", metavar="PATH", help="held-out task file (default: data.val_path)")
+    p.add_argument("--n", type=int, metavar="K", help="episodes per task (pass@K); default eval.n")
+    p.add_argument("--temperature", type=float, metavar="T", help="0 = greedy; default eval.temperature")
+    p.add_argument("--out", metavar="DIR", help="output folder (default <exp_dir>/eval/<model>)")
+    p.add_argument("--backbone", choices=["debug", "verl", "trinity"], help="engine to serve the policy with")
     return p
 
 
@@ -103,6 +120,17 @@ def _doctor(args: argparse.Namespace) -> int:
         return 2
 
 
+def _eval(a: argparse.Namespace) -> int:
+    from ajet.eval import main as evaluate
+
+    try:
+        evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone)
+    except OSError as exc:   # an unreadable task file or checkpoint folder
+        print(f"ajet: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _view(args: argparse.Namespace) -> int:
     from ajet.viewer import main as viewer_main
 
@@ -116,7 +144,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS = {"serve": (_serve_parser, _serve), "doctor": (doctor_parser, _doctor),
-               "view": (_view_parser, _view), "show": (_show_parser, _show)}
+               "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval)}
 
 
 def main(argv: list[str] | None = None) -> int:

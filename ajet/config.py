@@ -36,8 +36,8 @@ class ModelConfig(_Section):
 
 
 class DatasetConfig(_Section):
-    """One dataset of a multi-task run: `name` (prefixes its task ids: `name/task_id`), `path` (JSONL),
-    `weight` (relative share of the GRPO groups drawn from it), `max_tasks`."""
+    """One dataset of a multi-task run: `name` (prefixes its task ids: `name/task_id`), `path` (a task file,
+    in any form `train_path` takes), `weight` (relative share of the GRPO groups drawn from it), `max_tasks`."""
 
     name: str = Field(min_length=1, pattern=r"^[^/:\s]+$")
     path: str
@@ -45,30 +45,59 @@ class DatasetConfig(_Section):
     max_tasks: int | None = Field(None, gt=0)
 
 
+class EnvServiceSource(_Section):
+    """An environment service over HTTP (AgentJet's env-service shape; see ajet/tasks/env_service.py)."""
+
+    url: str
+    env_type: str
+
+
 class DataConfig(_Section):
-    """Where tasks come from. train_path: a JSONL file (GSM8K format or {task_id, query, answer}); or
+    """Where tasks come from (ajet/tasks/). Exactly one of:
+
+    train_path: a JSONL file (GSM8K rows or {task_id, query, answer}), a json/csv/parquet/arrow file or a
+        `save_to_disk` folder (Hugging Face `datasets`; `split`/`val_split` pick a DatasetDict split,
+        `columns` maps ajet fields query/answer/task_id to dataset columns);
     train: several datasets `[{name, path, weight}]` in one run (each GRPO group's task comes from one
-    dataset, drawn by weight; `ajet serve` clients may ask for the dataset they serve). Exactly one of
-    the two."""
+        dataset, drawn by weight; `ajet serve` clients may ask for the dataset they serve);
+    generator: `module:function` called as function(split="train"|"val", **generator_args), yielding tasks;
+    env_service: {url, env_type}, the task ids the service lists.
+
+    val_path: held-out tasks (same forms as train_path), never trained on (`ajet eval`, `trainer.val_freq`);
+    with a generator or env service, the "val" split is asked for instead.
+    """
 
     train_path: str | None = None
     train: list[DatasetConfig] | None = Field(None, min_length=1)
+    val_path: str | None = None
+    format: Literal["auto", "jsonl", "hf"] = "auto"   # auto: .jsonl files as JSONL, anything else via datasets
+    split: str = "train"
+    val_split: str | None = None
+    columns: dict[str, str] = Field(default_factory=dict, description="ajet field (query, answer, task_id) -> column")
+    generator: str | None = None
+    generator_args: dict[str, Any] = Field(default_factory=dict)
+    env_service: EnvServiceSource | None = None
     shuffle: bool = True
     max_tasks: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if (self.train_path is None) == (self.train is None):
-            raise ValueError("give exactly one of `data.train_path` (one JSONL file) and `data.train` (a list of "
-                             "{name, path, weight})")
+        given = [k for k in ("train_path", "train", "generator", "env_service") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"name exactly one task source: train_path, train (several datasets), generator or "
+                             f"env_service (got {', '.join(given) or 'none'})")
         names = [d.name for d in self.train or []]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names in `data.train` must differ, got {names}")
+        bad = sorted(set(self.columns) - {"query", "answer", "task_id"})
+        if bad:
+            raise ValueError(f"data.columns keys must be ajet fields query, answer, task_id; got {bad}")
         return self
 
     def datasets(self) -> list[DatasetConfig]:
-        """The training datasets (one named "train" for `train_path`)."""
-        return self.train or [DatasetConfig(name="train", path=self.train_path, max_tasks=self.max_tasks)]
+        """The training datasets: `train`, or one named "train" for the other sources (its `path` is
+        `train_path`, or "" for a generator or env service)."""
+        return self.train or [DatasetConfig(name="train", path=self.train_path or "", max_tasks=self.max_tasks)]
 
 
 class RolloutConfig(_Section):
@@ -157,6 +186,8 @@ class TrainerConfig(_Section):
     save_trajectories: bool = True
     resume: bool = False  # continue from the newest checkpoint in exp_dir (CLI: --resume)
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
+    val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
+                                               "last step (logged as val/*); 0 = never")
 
     @field_validator("loggers")
     @classmethod
@@ -170,6 +201,38 @@ class TrainerConfig(_Section):
     def active_loggers(self) -> list[str]:
         """`loggers`, without tensorboard when `tensorboard: false`."""
         return [name for name in self.loggers if self.tensorboard or name != "tensorboard"]
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation (`ajet eval`, and `trainer.val_freq` during training; see ajet/eval.py).
+
+    n episodes per task; temperature 0 is greedy decoding (the argmax token; then n > 1 repeats the same
+    answer up to batching numerics). An episode passes when its reward >= pass_threshold.
+    """
+
+    n: int = Field(1, ge=1, description="episodes per task (the k of pass@k)")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    pass_threshold: float = Field(1.0, description="reward at or above which an episode counts as solved")
+
+
+class LLMJudgeConfig(_Section):
+    """The LLM judge (`judge: ajet.judges.llm:LLMJudge`; see ajet/judges/llm.py).
+
+    rubric: the prompt (text or a file path); {query}, {answer}, {reference}, {max_score} are filled in.
+    base_url/api_key/model: any OpenAI-compatible endpoint; base_url None = a frozen copy of the initial
+    policy (or `frozen_model_path`) served by ajet, never trained. temperature 0 = greedy.
+    """
+
+    rubric: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    model: str = "ajet-judge"
+    frozen_model_path: str | None = None
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(64, gt=0)
+    max_score: float = Field(10.0, gt=0)
+    parse_failure_reward: float = 0.0
 
 
 class CommandWorkflowConfig(_Section):
@@ -279,6 +342,8 @@ class AjetConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     serve: ServeConfig = ServeConfig()
     tools: ToolsConfig = ToolsConfig()
+    eval: EvalConfig = EvalConfig()
+    llm_judge: LLMJudgeConfig = LLMJudgeConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ajet import checkpoint
-from ajet.config import AjetConfig, resolve_path
+from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
 from ajet.task import Task
-from ajet.task_reader import read_jsonl_tasks
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
 
@@ -52,6 +51,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     import torch
 
     from ajet.backbones import load_backbone
+    from ajet.eval import Validator
     from ajet.grpo import assign_advantages
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
@@ -127,6 +127,10 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         if cfg.tools.mcp_servers:   # started once per run; stopped below
             ctx.tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
             log.console.print(f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
+        # held-out val/* at step 0 and every trainer.val_freq steps (never trained on)
+        validate = Validator(cfg, backbone, getattr(source, "workflow", None), getattr(source, "judge", None), ctx.tools)
+        if first_step == 1 and (val := validate(0)):
+            log.log(0, val)
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
@@ -165,6 +169,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             metrics.update(source.metrics())
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["policy_version"] = backbone.engine.policy_version
+            metrics.update(validate(step))
             log.log(step, metrics)
             if cfg.trainer.save_trajectories:
                 for e in episodes:
@@ -194,15 +199,17 @@ def _read_datasets(cfg: AjetConfig) -> dict[str, list[Task]]:
     `name/task_id` (ids stay unique across datasets) and its metadata gets `dataset: name`.
 
     Raises:
-        ConfigError: a task file is missing or malformed (see `read_jsonl_tasks`).
+        ConfigError: a task source is missing or malformed (see `ajet.tasks.load_tasks`).
     """
+    from ajet.tasks import load_tasks
+
+    if cfg.data.train is None:
+        return {"train": load_tasks(cfg, "train")}
     out = {}
-    for d in cfg.data.datasets():
-        tasks = read_jsonl_tasks(resolve_path(cfg, d.path), d.max_tasks)
-        if cfg.data.train is not None:
-            tasks = [replace(t, task_id=f"{d.name}/{t.task_id}", metadata={**t.metadata, "dataset": d.name})
-                     for t in tasks]
-        out[d.name] = tasks
+    for d in cfg.data.train:
+        tasks = load_tasks(cfg, "train", path=d.path)[: d.max_tasks]
+        out[d.name] = [replace(t, task_id=f"{d.name}/{t.task_id}", metadata={**t.metadata, "dataset": d.name})
+                       for t in tasks]
     return out
 
 

@@ -18,6 +18,7 @@ from ajet.config import CommandWorkflowConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.importing import load_object
+from ajet.judges import load_judge
 from ajet.proxy.server import ProxyServer
 from ajet.rollout import RolloutContext
 from ajet.rollout.command import CommandWorkflow
@@ -145,7 +146,7 @@ class InProcessRollout:
             ConfigError: the workflow or judge cannot be loaded.
         """
         cfg = ctx.cfg
-        judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+        judge = load_judge(cfg)
         return cls(ctx, load_workflow(cfg), judge)
 
     def bind(self, proxy: ProxyServer) -> None:

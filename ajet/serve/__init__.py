@@ -30,10 +30,10 @@ class ServeSource(EpisodeQueue):
     the earlier attempts' finished-but-untrained episodes adopted back into their groups."""
 
     def __init__(self, ctx: RolloutContext, secret: str):
-        from ajet.importing import load_object
+        from ajet.judges import load_judge
 
         cfg = ctx.cfg
-        judge = load_object(cfg.judge, cfg.config_dir) if cfg.judge else None
+        judge = load_judge(cfg)
         super().__init__(ctx.sampler(), cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
                          ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s)
         self.ctx, self.secret = ctx, secret

@@ -36,21 +36,26 @@ def make_problem(rng: random.Random) -> tuple[str, int]:
             f"How many {item} does {name} have now?", a + b - c)
 
 
-def make_tasks(n: int, seed: int, prefix: str) -> list[dict]:
+def make_tasks(n: int, seed: int, prefix: str, exclude: set[str] = frozenset()) -> list[dict]:
+    """`n` problems drawn with `seed`, skipping any whose question text is in `exclude`."""
     rng = random.Random(seed)
     rows = []
-    for i in range(n):
+    while len(rows) < n:
         question, answer = make_problem(rng)
-        rows.append({"task_id": f"{prefix}-{i}", "query": question, "answer": str(answer)})
+        if question not in exclude:
+            rows.append({"task_id": f"{prefix}-{len(rows)}", "query": question, "answer": str(answer)})
     return rows
 
 
 def main() -> None:
+    """train.jsonl: 512 problems; val.jsonl: 160 held-out problems, none with a question text of train."""
     out = Path(__file__).resolve().parent / "tasks"
     out.mkdir(exist_ok=True)
-    for name, n, seed in (("train", 512, 0), ("val", 64, 1)):
+    train = make_tasks(512, 0, "train")
+    val = make_tasks(160, 1, "val", exclude={row["query"] for row in train})
+    for name, rows in (("train", train), ("val", val)):
         with open(out / f"{name}.jsonl", "w") as f:
-            for row in make_tasks(n, seed, name):
+            for row in rows:
                 f.write(json.dumps(row) + "\n")
 
 

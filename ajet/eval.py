@@ -1,0 +1,244 @@
+"""Held-out evaluation: the config's workflow and judge on tasks that are never trained on.
+
+    ajet eval --conf X.yaml [--checkpoint DIR | --model PATH] [--data PATH] [--n K] [--temperature T]
+
+Each task runs `n` episodes through the same recording proxy as training (a second proxy over the same
+engine, with the evaluation's sampling parameters), so what is measured is exactly what the agent does
+during training. Nothing here is trained on. Reported (prefix `eval/`, or `val/` during training):
+
+    reward_mean   mean episode reward
+    pass@1        mean over tasks of c/n (c = episodes with reward >= eval.pass_threshold)
+    pass@k        mean over tasks of the unbiased estimator 1 - C(n-c, k) / C(n, k), k = n
+                  (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1)
+    <metric>      every workflow metric (WorkflowOutput.metrics), averaged over episodes
+    failed        episodes that raised or timed out (they count as not passed, reward 0)
+
+and a per-task table `eval.jsonl` (one row per task) beside `eval_trajectories.jsonl` (every episode
+with its recorded calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ajet.config import AjetConfig
+from ajet.episode import Episode
+from ajet.errors import ConfigError
+from ajet.llm_call import SamplingParams
+from ajet.task import Task
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one task: the chance that at least one of k episodes drawn without replacement
+    from n (c of them correct) is correct, `1 - C(n-c, k) / C(n, k)` (Chen et al. 2021, eq. 1), computed
+    as the stable product `1 - prod_{i=n-c+1}^{n} (1 - k/i)`.
+
+    Raises:
+        ValueError: not 0 <= c <= n, or not 1 <= k <= n.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def eval_sampling(temperature: float, top_p: float, max_tokens: int) -> SamplingParams:
+    """The sampling parameters of an evaluation: temperature 0 means greedy (argmax, as the engines
+    decode it), else sampled from the nucleus `top_p`."""
+    return SamplingParams(temperature=temperature, top_p=1.0 if temperature == 0 else top_p, max_tokens=max_tokens)
+
+
+@dataclass
+class EvalResult:
+    """metrics: summary figures without prefix (reward_mean, pass@1, pass@<n>, failed, workflow metrics);
+    rows: one dict per task (the eval.jsonl table); episodes: every episode, grouped by task."""
+
+    metrics: dict[str, float]
+    rows: list[dict[str, Any]]
+    episodes: list[Episode]
+
+
+def summarize(episodes: list[Episode], n: int, pass_threshold: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Summary metrics and the per-task table of `episodes` (`[tasks * n]`, grouped by task as `rollout`
+    returns them). A failed episode counts as reward 0, not passed."""
+    rows, by_task = [], [episodes[i:i + n] for i in range(0, len(episodes), n)]
+    for eps in by_task:
+        rewards = [e.reward if e.ok else 0.0 for e in eps]
+        c = sum(1 for e, r in zip(eps, rewards) if e.ok and r >= pass_threshold)
+        task = eps[0].task
+        rows.append({"task_id": task.task_id, "query": task.query, "answer": task.answer, "n": n, "correct": c,
+                     "pass@1": c / n, f"pass@{n}": pass_at_k(n, c, n), "reward_mean": statistics.fmean(rewards),
+                     "rewards": rewards, "failed": sum(not e.ok for e in eps),
+                     "final_answers": [e.output.final_answer if e.output else None for e in eps],
+                     "metrics": _mean_metrics(eps)})
+    metrics: dict[str, float] = {
+        "tasks": float(len(rows)),
+        "episodes": float(len(episodes)),
+        "failed": float(sum(r["failed"] for r in rows)),
+        "reward_mean": statistics.fmean(r["reward_mean"] for r in rows),
+        "pass@1": statistics.fmean(r["pass@1"] for r in rows),
+    }
+    if n > 1:
+        metrics[f"pass@{n}"] = statistics.fmean(r[f"pass@{n}"] for r in rows)
+    metrics.update({f"workflow/{k}": v for k, v in _mean_metrics(episodes).items()})
+    return metrics, rows
+
+
+def _mean_metrics(episodes: list[Episode]) -> dict[str, float]:
+    ok = [e for e in episodes if e.ok and e.output]
+    keys = sorted({k for e in ok for k in e.output.metrics})
+    return {k: statistics.fmean(float(e.output.metrics[k]) for e in ok if k in e.output.metrics) for k in keys}
+
+
+def evaluate(cfg: AjetConfig, engine, tokenizer, workflow, judge, tasks: list[Task], *, step: int = 0,
+             on_episode_done: Callable[[Episode], None] | None = None, tools=None) -> EvalResult:
+    """Run `cfg.eval.n` episodes of every task through a fresh recording proxy over `engine` and score them.
+
+    The proxy gets the evaluation's sampling parameters (`cfg.eval`, sampling_policy "config": the
+    workflow's own temperature is overridden, so before/after figures use the same sampling). `tools`: the
+    run's MCP servers (`McpHub`), for workflows that call them.
+    Returns an `EvalResult`; never raises for a failing workflow (its episodes count as failed).
+    """
+    from ajet.proxy.server import ProxyServer
+    from ajet.rollout import rollout
+
+    e, r = cfg.eval, cfg.rollout
+    proxy = ProxyServer(engine, tokenizer, eval_sampling(e.temperature, e.top_p, r.max_tokens), sampling_policy="config",
+                        max_model_len=cfg.model.max_model_len, host=cfg.proxy.host,
+                        max_body_bytes=cfg.proxy.max_body_bytes, accepted_models=cfg.proxy.accepted_models).start()
+    try:
+        episodes = asyncio.run(rollout(workflow, tasks, e.n, proxy, judge, step, r.max_concurrency,
+                                       r.episode_timeout_s, on_episode_done=on_episode_done, tools=tools))
+    finally:
+        proxy.stop()
+    metrics, rows = summarize(episodes, e.n, e.pass_threshold)
+    return EvalResult(metrics, rows, episodes)
+
+
+def write_result(result: EvalResult, out_dir: Path) -> None:
+    """`out_dir/eval.jsonl` (per task), `eval_trajectories.jsonl` (per episode), `eval_metrics.json`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "eval.jsonl", "w", encoding="utf-8") as f:
+        for row in result.rows:
+            f.write(json.dumps(row) + "\n")
+    with open(out_dir / "eval_trajectories.jsonl", "w", encoding="utf-8") as f:
+        for ep in result.episodes:
+            f.write(json.dumps(ep.to_dict()) + "\n")
+    (out_dir / "eval_metrics.json").write_text(json.dumps(result.metrics, indent=2) + "\n")
+
+
+class Validator:
+    """Validation during training (`trainer.val_freq` with `data.val_path`): at step 0, every `val_freq`
+    steps and at the last step, `validator(step)` evaluates the current policy and returns `val/*` metrics
+    (an empty dict when no validation is due). Episodes go to `exp_dir/val/step_<N>/`.
+
+    Raises:
+        ConfigError: `trainer.val_freq` is set without `data.val_path` (or the file cannot be read).
+    """
+
+    def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None):
+        """`workflow`/`judge`: the training rollout's (None: loaded from the config when validation is on);
+        `tools`: the run's MCP servers, if any."""
+        self.cfg, self.backbone, self.workflow, self.judge, self.tools = cfg, backbone, workflow, judge, tools
+        self.freq = cfg.trainer.val_freq
+        self.tasks: list[Task] = []
+        if self.freq:
+            from ajet.judges import load_judge
+            from ajet.rollout.in_process import load_workflow
+            from ajet.tasks import load_tasks
+
+            if not (cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
+                raise ConfigError("trainer.val_freq is set but data.val_path is not: name the held-out task file")
+            self.tasks = load_tasks(cfg, "val")
+            if self.workflow is None:
+                self.workflow, self.judge = load_workflow(cfg), load_judge(cfg)
+
+    def __call__(self, step: int) -> dict[str, float]:
+        if not self.freq or not (step % self.freq == 0 or step == self.cfg.trainer.total_steps):
+            return {}
+        t0 = time.perf_counter()
+        result = evaluate(self.cfg, self.backbone.engine, self.backbone.tokenizer, self.workflow, self.judge,
+                          self.tasks, step=step, tools=self.tools)
+        write_result(result, self.cfg.exp_path() / "val" / f"step_{step}")
+        metrics = {f"val/{k}": v for k, v in result.metrics.items()}
+        metrics["val/time_s"] = time.perf_counter() - t0
+        return metrics
+
+
+def _checkpoint_folder(path: str) -> Path:
+    """A Hugging Face weights folder from `--checkpoint`: a `checkpoints/step_N` folder, or an experiment
+    folder (its newest checkpoint). Raises ConfigError when neither."""
+    from ajet import checkpoint
+
+    p = Path(path).expanduser()
+    if any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin")):
+        return p
+    newest = checkpoint.latest(p) if p.is_dir() else None
+    if newest is None:
+        raise ConfigError(f"--checkpoint {path}: not a checkpoint folder (no *.safetensors weights) nor an experiment "
+                          f"folder with checkpoints/step_N")
+    return newest
+
+
+def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None, data: str | None = None,
+         n: int | None = None, temperature: float | None = None, out: str | None = None,
+         backbone: str | None = None) -> Path:
+    """`ajet eval`: evaluate the config's workflow on held-out tasks; returns the output folder.
+
+    The policy is the config's `model.path`, or `model` (any model path), or the weights of
+    `checkpoint_dir`. Tasks: `data`, else `data.val_path`. Output (default `<exp_dir>/eval/<model name>`):
+    eval.jsonl, eval_trajectories.jsonl, eval_metrics.json; the summary is printed.
+
+    Raises:
+        ConfigError: both a checkpoint and a model, no task file, a bad checkpoint folder, bad config.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from ajet.backbones import load_backbone
+    from ajet.config import load_config
+    from ajet.judges import load_judge
+    from ajet.rollout.in_process import load_workflow
+    from ajet.tasks import load_tasks, task_source_name
+    from ajet.tools.mcp_hub import McpHub
+
+    if checkpoint_dir and model:
+        raise ConfigError("give either --checkpoint or --model, not both")
+    overrides: dict[str, Any] = {k: v for k, v in (("eval.n", n), ("eval.temperature", temperature),
+                                                   ("backbone", backbone)) if v is not None}
+    if checkpoint_dir or model:
+        overrides["model.path"] = str(_checkpoint_folder(checkpoint_dir)) if checkpoint_dir else model
+    cfg = load_config(conf, overrides)
+    if not (data or cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
+        raise ConfigError(f"{conf}: no held-out tasks: pass --data PATH or set data.val_path")
+    tasks = load_tasks(cfg, "val", data)
+    workflow = load_workflow(cfg)
+    judge = load_judge(cfg)
+    out_dir = Path(out) if out else cfg.exp_path() / "eval" / Path(cfg.model.path).name
+    console = Console(highlight=False)
+    console.print(f"[bold]ajet eval[/] {cfg.experiment_name}: model={cfg.model.path} tasks={len(tasks)} "
+                  f"n={cfg.eval.n} temperature={cfg.eval.temperature}{' (greedy)' if cfg.eval.temperature == 0 else ''}")
+    bb = load_backbone(cfg.backbone)(cfg)
+    tools = McpHub(cfg.tools, cfg.config_dir, out_dir).start() if cfg.tools.mcp_servers else None
+    try:
+        t0 = time.perf_counter()
+        result = evaluate(cfg, bb.engine, bb.tokenizer, workflow, judge, tasks, tools=tools)
+    finally:
+        if tools is not None:
+            tools.stop()
+        bb.close()
+    result.metrics["time_s"] = time.perf_counter() - t0
+    write_result(result, out_dir)
+    table = Table("metric", "value", title=f"eval on {data or task_source_name(cfg, 'val')}")
+    for k, v in result.metrics.items():
+        table.add_row(k, f"{v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")
+    console.print(table)
+    console.print(f"per-task table: {out_dir / 'eval.jsonl'}")
+    return out_dir

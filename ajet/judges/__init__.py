@@ -1,0 +1,32 @@
+"""Judges: `(task, output) -> reward` (sync or async). Name one in the config as `judge: module:NAME`.
+
+    ajet.judges:math_answer_judge        the final number equals task.answer        (math_answer.py)
+    ajet.judges:countdown_judge          an expression reaching the target           (countdown.py)
+    ajet.judges:frozenlake_judge         the environment's reward, from the workflow (frozenlake.py)
+    ajet.judges.llm:LLMJudge             a rubric prompt to any OpenAI-compatible model (llm.py)
+    ajet.tasks.generator:reasoning_gym_judge   reasoning-gym's own scorer
+
+Any function of your own works the same way (`judge: my_file.py:my_judge`).
+"""
+
+from ajet.judges.countdown import countdown_judge, countdown_score
+from ajet.judges.frozenlake import frozenlake_judge
+from ajet.judges.math_answer import _normalise, extract_final_number, math_answer_judge
+
+__all__ = ["countdown_judge", "countdown_score", "extract_final_number", "frozenlake_judge", "load_judge", "math_answer_judge",
+           "_normalise"]
+
+
+def load_judge(cfg):
+    """The config's judge: the function `cfg.judge` names, or, when it names a class (e.g.
+    `ajet.judges.llm:LLMJudge`), an instance built with the config. None without a judge.
+
+    Raises:
+        WorkflowLoadError: the name cannot be imported.
+    """
+    from ajet.importing import load_object
+
+    if not cfg.judge:
+        return None
+    judge = load_object(cfg.judge, cfg.config_dir)
+    return judge(cfg) if isinstance(judge, type) else judge
