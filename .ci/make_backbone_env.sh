@@ -19,8 +19,8 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 constraints="$(mktemp)"
 echo "torch==2.13.0" > "$constraints"
-"$venv/bin/pip" install -c "$constraints" torch==2.13.0
-"$venv/bin/pip" install -c "$constraints" -e ".[$name]"
+# one resolver run for everything (torch first, then the extra, makes pip backtrack through old datasets/fsspec)
+"$venv/bin/pip" install -c "$constraints" torch==2.13.0 -e ".[$name]"
 if "$venv/bin/pip" list 2>/dev/null | grep -qi '^nvidia-'; then
     echo "the $name env pulled nvidia-* packages (a CUDA torch?): refusing" >&2; exit 1
 fi

@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL backend: debug (one process, CPU or one GPU), verl (Ray+FSDP+vLLM), trinity")
     p.add_argument("--exp-dir", metavar="DIR", help="where metrics, trajectories and checkpoints go")
     p.add_argument("--steps", type=int, metavar="N", help="override trainer.total_steps")
+    p.add_argument("--with-ray", nargs="?", const=2, type=int, metavar="N",
+                   help="run episodes on N Ray actors (default 2; rollout.ray_workers); needs pip install 'ajet[ray]'")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
     return p
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     overrides = {k: v for k, v in (("backbone", args.backbone), ("trainer.exp_dir", args.exp_dir),
-                                   ("trainer.total_steps", args.steps),
+                                   ("trainer.total_steps", args.steps), ("rollout.ray_workers", args.with_ray),
                                    ("trainer.resume", args.resume or None)) if v is not None}
     try:
         from ajet.config import load_config

@@ -25,34 +25,51 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
                       timeout_s: float, model_name: str = "ajet-policy") -> Episode:
     """Run `workflow` on `episode.task`, filling in the episode's calls, output, reward or error."""
     endpoint = proxy.open_episode(episode.episode_id)
-    tuner = Tuner(base_url=endpoint.base_url, api_key=endpoint.api_key, model=model_name,
-                  episode_id=episode.episode_id)
+    try:
+        out = await execute_workflow(workflow, episode.task, episode.episode_id, endpoint.base_url, endpoint.api_key,
+                                     judge, timeout_s, model_name)
+        episode.output, episode.reward, episode.error, episode.duration_s = (
+            out["output"], out["reward"], out["error"], out["duration_s"])
+    finally:
+        episode.calls = proxy.close_episode(endpoint)
+    return episode
+
+
+async def execute_workflow(workflow: Workflow, task: Task, episode_id: str, base_url: str, api_key: str,
+                           judge: Judge | None, timeout_s: float, model_name: str = "ajet-policy") -> dict:
+    """Run `workflow` on `task` against the proxy endpoint at `base_url` (here or in a Ray worker).
+
+    Returns:
+        {"output": WorkflowOutput | None, "reward": float | None, "error": traceback text | None,
+        "duration_s": wall-clock seconds}; never raises for a broken workflow (the error is recorded).
+    """
+    tuner = Tuner(base_url=base_url, api_key=api_key, model=model_name, episode_id=episode_id)
+    result: dict = {"output": None, "reward": None, "error": None}
     t0 = time.perf_counter()
     try:
-        output = await asyncio.wait_for(workflow.execute(episode.task, tuner), timeout=timeout_s)
+        output = await asyncio.wait_for(workflow.execute(task, tuner), timeout=timeout_s)
         if not isinstance(output, WorkflowOutput):
             raise TypeError(f"{type(workflow).__name__}.execute must return WorkflowOutput, got {type(output).__name__}")
-        episode.output = output
+        result["output"] = output
         reward = output.reward
         if reward is None:
             if judge is None:
                 raise ValueError("the workflow returned reward=None and the config names no `judge`")
-            reward = judge(episode.task, output)
+            reward = judge(task, output)
             if inspect.isawaitable(reward):
                 reward = await reward
         reward = float(reward)
         if not math.isfinite(reward):
             raise ValueError(f"reward is not finite: {reward}")
-        episode.reward = reward
+        result["reward"] = reward
     except asyncio.TimeoutError:
-        episode.error = f"TimeoutError: the workflow ran longer than episode_timeout_s={timeout_s}"
+        result["error"] = f"TimeoutError: the workflow ran longer than episode_timeout_s={timeout_s}"
     except Exception:  # noqa: BLE001 - a broken workflow is recorded and skipped, never a crashed run
-        episode.error = traceback.format_exc()
+        result["error"] = traceback.format_exc()
     finally:
-        episode.duration_s = time.perf_counter() - t0
-        episode.calls = proxy.close_episode(endpoint)
+        result["duration_s"] = time.perf_counter() - t0
         await tuner.aclose()
-    return episode
+    return result
 
 
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
@@ -67,8 +84,7 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
         "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run.
     """
     sem = asyncio.Semaphore(max_concurrency)
-    episodes = [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}", repeat_index=r)
-                for ti, task in enumerate(tasks) for r in range(num_repeat)]
+    episodes = new_episodes(tasks, num_repeat, step, attempt)
 
     async def _one(ep: Episode) -> Episode:
         async with sem:
@@ -78,3 +94,10 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
         return ep
 
     return list(await asyncio.gather(*(_one(ep) for ep in episodes)))
+
+
+def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0) -> list[Episode]:
+    """`[len(tasks) * num_repeat]` empty episodes grouped by task: group_id "<step>:<task_id>", episode id
+    "a<attempt>-s<step>-t<task index>-r<repeat>"."""
+    return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
+                    repeat_index=r) for ti, task in enumerate(tasks) for r in range(num_repeat)]

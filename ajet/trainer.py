@@ -97,6 +97,10 @@ def run(cfg: AjetConfig) -> Path:
                         host=cfg.proxy.host, max_body_bytes=cfg.proxy.max_body_bytes,
                         accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s).start()
     log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    if r.ray_workers:  # --with-ray: the same episodes, run by a pool of Ray actors
+        from ajet.ray_rollout import RayRollout
+
+        rollout = RayRollout(r.ray_workers, r.ray_address)
     total, failed_in_a_row = cfg.trainer.total_steps, 0
     try:
         for step in range(first_step, total + 1):
@@ -127,7 +131,9 @@ def run(cfg: AjetConfig) -> Path:
             assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
                               {e.episode_id: e.group_id for e in trainable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
+            backbone.sleep_rollout()           # rollout servers may free their memory for the update
             train = backbone.update(samples)
+            backbone.wake_rollout()            # ... and serve the new weights
             kill_point("update", step)
             store.mark_trained(step, attempt, [(e.episode_id, attempt) for e in trainable])
             kill_point("trained", step)
@@ -148,6 +154,8 @@ def run(cfg: AjetConfig) -> Path:
                     "step": step, "attempt": attempt, "sampler": (sampler.epoch, sampler.offset),
                     "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
     finally:
+        if hasattr(rollout, "close"):
+            rollout.close()
         proxy.stop()
         backbone.close()
         store.close()

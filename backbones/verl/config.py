@@ -43,7 +43,7 @@ def unsupported_keys(cfg: AjetConfig) -> list[str]:
         return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in TRANSLATED + AJET_SIDE)
 
     out = []
-    for name in cfg.model_fields_set:
+    for name in cfg.model_fields_set - {"config_dir"}:     # config_dir: where the YAML was, not a setting
         value = getattr(cfg, name)
         children = value.model_fields_set if hasattr(value, "model_fields_set") and name != "verl" else ()
         keys = [f"{name}.{c}" for c in children] if children and not known(name) else [name]
