@@ -6,7 +6,7 @@
 #
 # verl 0.9 and Trinity 0.6 cannot share one environment (pip: ResolutionImpossible), and neither can share
 # the core one (their transformers/numpy pins), hence one venv each. torch is pinned to the CPU 2.13.0 wheel
-# through a constraints file so that no dependency pulls a CUDA torch (or nvidia-* wheels).
+# through a constraints file so that no dependency pulls a CUDA torch (or nvidia-* CUDA wheels).
 # Prints the seconds it took; tests/test_backbone_conformance.py skips (with the reason) when the venv is absent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +19,17 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 constraints="$(mktemp)"
 echo "torch==2.13.0" > "$constraints"
-# one resolver run for everything (torch first, then the extra, makes pip backtrack through old datasets/fsspec)
-"$venv/bin/pip" install -c "$constraints" torch==2.13.0 -e ".[$name]"
-if "$venv/bin/pip" list 2>/dev/null | grep -qi '^nvidia-'; then
-    echo "the $name env pulled nvidia-* packages (a CUDA torch?): refusing" >&2; exit 1
+# 1) the extra's own requirements alone (the resolution verl/Trinity are tested with); resolving them together
+#    with ajet's core requirements makes pip backtrack through dozens of wandb/datasets releases
+extra=$(python3 -c "import sys, tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$name")
+mapfile -t reqs <<< "$extra"
+"$venv/bin/pip" install -q -c "$constraints" torch==2.13.0 "${reqs[@]}"
+# 2) ajet itself on top (editable), with the same extra: everything already satisfied stays
+"$venv/bin/pip" install -q -c "$constraints" -e ".[$name]"
+# nvidia-ml-py is NVML's Python binding (no CUDA); any other nvidia-* wheel means a CUDA build slipped in
+if "$venv/bin/pip" list 2>/dev/null | grep -i '^nvidia-' | grep -qvi '^nvidia-ml-py'; then
+    echo "the $name env pulled nvidia-* CUDA packages: refusing" >&2; exit 1
 fi
-touch "$venv/.complete"   # the tests use only a venv whose build finished
 rm -f "$constraints"
+touch "$venv/.complete"   # the tests use only a venv whose build finished
 echo "built $venv in $(( $(date +%s) - t0 )) s"
