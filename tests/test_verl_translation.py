@@ -15,10 +15,11 @@ from ajet.tracker.sample import Sample
 PAD = 0
 
 
-def _sample(ep, prompt, response, mask, adv, temp=1.0):
+def _sample(ep, prompt, response, mask, adv, temp=1.0, top_p=1.0):
     lps = [-0.5 - 0.1 * i if m else 0.0 for i, m in enumerate(mask)]
     return Sample(episode_id=ep, group_id="g", agent_tag="a", call_ids=[], prompt_ids=prompt, response_ids=response,
-                  loss_mask=mask, old_logprobs=lps, policy_versions=[0] * len(response), temperature=temp,
+                  loss_mask=mask, old_logprobs=lps, policy_versions=[0] * len(response),
+                  temperatures=[temp if m else 1.0 for m in mask], top_ps=[top_p if m else 1.0 for m in mask],
                   advantage=adv)
 
 
@@ -48,6 +49,10 @@ def test_bad_samples_are_refused():
         verl_batch_tensors([bad], PAD)
     with pytest.raises(ValueError, match="sampling_policy: config"):
         batch_temperature([_sample("e0", [1], [2], [1], 1.0, 1.0), _sample("e1", [1], [2], [1], 1.0, 0.7)])
+    with pytest.raises(ValueError, match="rollout.top_p: 1"):
+        batch_temperature([_sample("e0", [1], [2], [1], 1.0, 0.7, top_p=0.9)])
+    # tokens not sampled (mask 0) carry the placeholder 1.0: only loss tokens count
+    assert batch_temperature([_sample("e0", [1], [2, 3], [1, 0], 1.0, 0.6)]) == 0.6
 
 
 BASE = """

@@ -91,16 +91,22 @@ def verl_non_tensors(samples: list[Sample]) -> dict[str, Any]:
 
 
 def batch_temperature(samples: list[Sample]) -> float:
-    """The one sampling temperature of `samples` (verl scales the logits of a whole batch by one number).
+    """The one sampling temperature of the loss tokens of `samples`: verl's actor scales a whole batch's
+    logits by `meta_info["temperature"]` and applies no nucleus (top_p) truncation.
 
     Raises:
-        ValueError: the samples were sampled at different temperatures (use rollout.sampling_policy: config).
+        ValueError: the loss tokens were sampled at different temperatures, greedily (temperature 0), or with
+            top_p < 1 (their engine logprobs are not verl's); the message says which setting to change.
     """
-    temps = sorted({float(s.temperature) for s in samples})
-    if len(temps) != 1:
-        raise ValueError(f"verl trains a batch at one temperature, but these samples were sampled at {temps}: "
-                         f"set rollout.sampling_policy: config so every call uses rollout.temperature")
-    return temps[0]
+    temps = sorted({t for s in samples for t, m in zip(s.temperatures, s.loss_mask) if m})
+    tops = sorted({p for s in samples for p, m in zip(s.top_ps, s.loss_mask) if m})
+    if len(temps) > 1 or (temps and temps[0] <= 0):
+        raise ValueError(f"verl trains a batch at one temperature > 0, but these samples' tokens were sampled at "
+                         f"{temps}: set rollout.sampling_policy: config so every call uses rollout.temperature")
+    if tops and tops != [1.0]:
+        raise ValueError(f"verl's actor scores tokens without nucleus truncation, but these were sampled with top_p "
+                         f"{tops}: set rollout.top_p: 1 (and rollout.sampling_policy: config)")
+    return temps[0] if temps else 1.0
 
 
 def to_data_proto(samples: list[Sample], pad_id: int, meta_info: dict[str, Any] | None = None):
