@@ -19,6 +19,8 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 constraints="$(mktemp)"
 echo "torch==2.13.0" > "$constraints"
+# the resolution CI was measured with, pinned (pip otherwise backtracks for many minutes)
+if [ -f ".ci/constraints-$name.txt" ]; then cat ".ci/constraints-$name.txt" >> "$constraints"; fi
 # 1) the extra's own requirements alone (the resolution verl/Trinity are tested with); resolving them together
 #    with ajet's core requirements makes pip backtrack through dozens of wandb/datasets releases
 extra=$(python3 -c "import sys, tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$name")

@@ -73,7 +73,9 @@ def record(model_dir: str, num_tasks: int = 2, num_repeat: int = 3, max_tokens: 
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.input_ids])
-            lp, _ = token_logprobs(backbone.model, ids, torch.ones_like(ids), torch.tensor([[s.temperature]]))
+            temps = torch.tensor([[1.0] * len(s.prompt_ids) + s.temperatures])
+            tops = torch.tensor([[1.0] * len(s.prompt_ids) + s.top_ps])
+            lp, _ = token_logprobs(backbone.model, ids, torch.ones_like(ids), temps, tops)
             logprobs.append(lp[0, len(s.prompt_ids):].tolist())
     backbone.close()
     return {"pad_id": backbone.tokenizer.pad_token_id, "samples": [s.to_dict() for s in samples],
