@@ -56,16 +56,18 @@ def test_tutorial_on_two_ray_workers_records_what_the_in_process_run_records(tin
         assert [[c[k] for k in keys] for c in a["calls"]] == [[c[k] for k in keys] for c in b["calls"]]
         strip = lambda s: {k: v for k, v in s.items() if k != "call_ids"}  # noqa: E731
         assert [strip(s) for s in a["samples"]] == [strip(s) for s in b["samples"]]
-    assert any(len(e["calls"]) > 1 for e in on_ray)    # multi-turn episodes went through the workers
+    # the workflow and its judge ran in the workers, every call through the proxy (the random tiny model never
+    # completes the forced tool call in 12 tokens, so these episodes end after their first call)
+    assert all(e["calls"] and e["reward"] is not None for e in on_ray)
 
 
 class KillsItsWorker(Workflow):
-    """One call; then the episode of task `kill` kills the worker process it runs in (SIGKILL)."""
+    """One call; then the first episode of task `kill` kills the worker process it runs in (SIGKILL)."""
 
     async def execute(self, task, tuner):
         r = await tuner.client.chat.completions.create(model=tuner.model, max_tokens=4,
                                                        messages=[{"role": "user", "content": task.query}])
-        if task.task_id == "kill":
+        if task.task_id == "kill" and tuner.episode_id.endswith("-r0"):
             os.kill(os.getpid(), signal.SIGKILL)
         await asyncio.sleep(0.5)   # the other episodes of the killed worker are mid-flight when it dies
         return WorkflowOutput(reward=1.0, final_answer=r.choices[0].message.content)
@@ -85,13 +87,13 @@ def test_a_killed_worker_fails_only_its_own_episodes(tiny_model_dir, local_ray):
     proxy = ProxyServer(backbone.engine, backbone.tokenizer, SamplingParams(max_tokens=4)).start()
     pool = RayRollout(2)
     try:
-        # episode i runs on worker i % 2: task "kill" (episodes 0, 1) puts one episode on each worker
+        # episode i runs on worker i % 2: episode 0 kills worker 0 while episodes 2 and 4 run there too
         tasks = [Task("kill", "What is 1 plus 1?"), Task("t1", "What is 2 plus 2?"), Task("t2", "What is 3?")]
         eps = asyncio.run(pool(KillsItsWorker(), tasks, 2, proxy, None, 1, 8, 60.0))
         failed = [i for i, e in enumerate(eps) if not e.ok]
-        assert failed and all(i % 2 == 0 for i in failed)                  # only worker 0's episodes
+        assert 0 in failed and all(i % 2 == 0 for i in failed)             # only worker 0's episodes
         assert all(eps[i].ok for i in range(len(eps)) if i % 2 == 1)        # worker 1 never noticed
-        assert all("Ray worker running this episode failed" in eps[i].error for i in failed)
+        assert all("Ray worker running this episode failed" in eps[i].error for i in failed), eps[failed[0]].error
         assert len(eps[0].calls) == 1                                       # its call before dying is kept
         # the actor is restarted: the next step runs on both workers again
         again = asyncio.run(pool(KillsItsWorker(), [Task("t3", "What is 5?")], 2, proxy, None, 2, 8, 60.0))
