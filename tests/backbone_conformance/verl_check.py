@@ -49,7 +49,9 @@ def main(inp: str, out: str) -> None:
             "clip_ratio": 0.2, "clip_ratio_low": d["clip_ratio_low"], "clip_ratio_high": d["clip_ratio_high"],
             "clip_ratio_c": d["clip_ratio_c"], "loss_agg_mode": mode, "loss_scale_factor": d["loss_scale_factor"],
             "policy_loss": {"loss_mode": "vanilla"},
-            "global_batch_info": {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": B},
+            # what verl's ppo_loss (verl/workers/utils/losses.py) fills in before calling the policy loss
+            "global_batch_info": {"dp_size": 1, "batch_num_tokens": int(mask.sum()), "global_batch_size": B,
+                                  "loss_scale_factor": d["loss_scale_factor"]},
         })
         loss, _ = policy_loss(old_log_prob=old, log_prob=log_prob, advantages=adv,
                               response_mask=mask, loss_agg_mode=mode, config=cfg)
