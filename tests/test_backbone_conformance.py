@@ -159,3 +159,76 @@ def test_trinity_experiences_and_policy_loss_equal_ajets(recorded, tmp_path):
                                     CLIP["clip_ratio_low"], CLIP["clip_ratio_high"], clip_ratio_c=CLIP["clip_ratio_c"])
             expected = float(ajet) * (B if mode == "seq-mean-token-sum-norm" else 1)
             assert abs(res["loss"][f"{name}/{mode}"] - expected) < 1e-6, (name, mode, res["loss"], expected)
+
+
+CLI_CONF = """
+workflow: wf.py:W
+data: {train_path: tasks.jsonl}
+model: {path: Qwen/Qwen2.5-0.5B-Instruct}
+"""
+CLI_WORKFLOW = """
+from ajet.workflow import Workflow, WorkflowOutput
+class W(Workflow):
+    async def execute(self, task, tuner):
+        return WorkflowOutput(reward=0.0)
+"""
+
+
+def _ajet_cli(python, tmp_path):
+    (tmp_path / "c.yaml").write_text(CLI_CONF)
+    (tmp_path / "wf.py").write_text(CLI_WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "t", "query": "q", "answer": "a"}\n')
+    return subprocess.run([python, "-m", "ajet", "--conf", str(tmp_path / "c.yaml"), "--backbone", "verl",
+                           "--exp-dir", str(tmp_path / "exp")], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+
+
+def test_ajet_backbone_verl_without_the_extra_names_it(tmp_path):
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed in this environment")
+    proc = _ajet_cli(sys.executable, tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "pip install 'ajet[verl]'" in proc.stderr
+
+
+def test_ajet_backbone_verl_without_a_gpu_says_rollout_needs_one(tmp_path):
+    proc = _ajet_cli(venv_python("verl"), tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "needs a CUDA GPU" in proc.stderr and "vLLM or SGLang" in proc.stderr
+
+
+VERL_CONFIG_CHECK = """
+import sys
+from ajet.backbones.verl.backbone import verl_config
+from ajet.config import load_config
+from ajet.errors import ConfigError
+try:
+    c = verl_config(load_config(sys.argv[1]))
+except ConfigError as exc:
+    print("ConfigError:", exc)
+    sys.exit(0)
+a = c.actor_rollout_ref
+print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora_rank, a.rollout.n,
+      c.trainer.n_gpus_per_node)
+"""
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("model: {path: Qwen/Qwen2.5-0.5B-Instruct, lora: {rank: 8, alpha: 16}}\nrollout: {num_repeat: 5}\n"
+     "algorithm: {kl_coef: 0.01, loss_agg_mode: seq-mean-token-sum-norm, loss_scale_factor: 512}\n"
+     "verl: {trainer: {n_gpus_per_node: 8}}\n", "composed seq-mean-token-sum-norm 512.0 8 5 8"),
+    ("model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {actor_rollout_ref.rollout.nmae: vllm}\n",
+     "ConfigError: verl's config has no key `actor_rollout_ref.rollout.nmae`"),
+])
+def test_every_translated_key_exists_in_verls_own_config(tmp_path, extra, expected):
+    """verl's ppo_trainer.yaml composed by Hydra in the verl venv takes every key the translation writes;
+    a misspelt key in the `verl:` block is a ConfigError naming it."""
+    py = venv_python("verl")
+    (tmp_path / "c.yaml").write_text("workflow: wf.py:W\ndata: {train_path: tasks.jsonl}\n" + extra)
+    proc = subprocess.run([py, "-c", VERL_CONFIG_CHECK, str(tmp_path / "c.yaml")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith(expected), proc.stdout

@@ -117,7 +117,6 @@ def test_translation_key_by_key(tmp_path):
         "algorithm.use_kl_in_reward": False,
         "trainer.experiment_name": "ajet",
         "trainer.total_training_steps": 100,
-        "trainer.seed": 7,
         "data.seed": 7,
     }
     assert o == expected

@@ -114,7 +114,6 @@ def verl_overrides(cfg: AjetConfig) -> dict[str, Any]:
         # the run
         "trainer.experiment_name": cfg.experiment_name,
         "trainer.total_training_steps": t.total_steps,
-        "trainer.seed": t.seed,
         "data.seed": t.seed,
     }
     if a.loss_scale_factor is not None:
