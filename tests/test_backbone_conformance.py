@@ -232,3 +232,28 @@ def test_every_translated_key_exists_in_verls_own_config(tmp_path, extra, expect
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(expected), proc.stdout
+
+
+VERL_API_CHECK = """
+import inspect
+from verl.checkpoint_engine import CheckpointEngineManager
+from verl.trainer.main_ppo_v0 import BaseTaskRunner
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.utils.metric import reduce_metrics
+from verl.workers.rollout.llm_server import LLMServerManager
+import ajet.backbones.verl.backbone
+assert {"add_actor_rollout_worker", "init_resource_pool_mgr"} <= set(dir(BaseTaskRunner))
+assert {"init_workers", "_update_actor"} <= set(dir(RayPPOTrainer))
+assert {"sleep_replicas", "update_weights"} <= set(dir(CheckpointEngineManager))
+assert "self.server_addresses" in inspect.getsource(LLMServerManager)
+assert {"train_dataset", "val_dataset", "collate_fn"} <= set(inspect.signature(RayPPOTrainer.__init__).parameters)
+print("ok")
+"""
+
+
+def test_the_verl_api_the_adapter_calls_exists():
+    """The GPU-only adapter (backbones/verl/backbone.py) is written against verl 0.9.1: every verl name it
+    calls must exist in the pinned verl, so a verl bump that renames one fails here, not on a GPU cluster."""
+    proc = subprocess.run([venv_python("verl"), "-c", VERL_API_CHECK], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
