@@ -14,7 +14,7 @@ name="${1:?usage: .ci/make_backbone_env.sh verl|trinity}"
 case "$name" in verl|trinity) ;; *) echo "unknown backbone env: $name" >&2; exit 2;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 t0=$(date +%s)
-venv=".venvs/$name"
+venv="${AJET_BACKBONE_VENVS:-.venvs}/$name"   # AJET_BACKBONE_VENVS: build elsewhere (e.g. to time a build)
 rm -rf "$venv"
 python3 -m venv "$venv"
 constraints="$(mktemp)"
