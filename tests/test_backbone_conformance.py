@@ -60,9 +60,9 @@ def _padded(rows, B, R):
     return out
 
 
-def ajet_losses(d, samples):
+def ajet_losses(d, samples, loss_scale_factor=CLIP["loss_scale_factor"]):
     """ajet's loss on the verl-layout tensors, per logprob set and mode (rows as verl's sequences), in float64
-    (as the check scripts compute the other side)."""
+    (as the check scripts compute the other side); loss_scale_factor None: the padded response width."""
     t = verl_batch_tensors(samples, d["pad_id"])
     B, R = t["responses"].shape
     mask, old, adv = t["response_mask"].double(), t["old_log_probs"].double(), t["advantages"].double()
@@ -71,7 +71,7 @@ def ajet_losses(d, samples):
     for name, lps in d["logprob_sets"].items():
         lp = _padded(lps, B, R)
         for mode in LOSS_AGG_MODES:
-            w = torch.tensor(loss_token_weights(list(range(B)), counts, mode, CLIP["loss_scale_factor"], R),
+            w = torch.tensor(loss_token_weights(list(range(B)), counts, mode, loss_scale_factor, R),
                              dtype=torch.float64)
             loss, _ = ppo_clip_loss(lp, old, adv, w[:, None] * mask,
                                     CLIP["clip_ratio_low"], CLIP["clip_ratio_high"], clip_ratio_c=CLIP["clip_ratio_c"])
@@ -139,26 +139,18 @@ def test_trinity_experiences_and_policy_loss_equal_ajets(recorded, tmp_path):
     py = venv_python("trinity")
     d, samples = recorded
     res = _run(py, "trinity_check.py", {**d, **CLIP, "modes": list(LOSS_AGG_MODES)}, tmp_path)
-    t, _, _ = ajet_losses(d, samples)
+    t, ajet_loss, _ = ajet_losses(d, samples, loss_scale_factor=None)
     assert res["trinity_version"].startswith("0.6")
     # Trinity stacks the Experiences into exactly verl's layout
     for k, v in res["tensors"].items():
         assert v == t[k].tolist(), k
     assert res["rewards"] == [s.reward for s in samples]
     # Trinity's seq-mean-token-sum-norm divides by the horizon only (no 1/num_sequences) and uses the padded
-    # width: compare it with ajet at C = R, times the number of rows; the other three modes are equal
-    B, R = t["responses"].shape
-    mask, old, adv = t["response_mask"].double(), t["old_log_probs"].double(), t["advantages"].double()
-    counts = [s.num_loss_tokens for s in samples]
-    for name, lps in d["logprob_sets"].items():
-        lp = _padded(lps, B, R)
-        for mode in LOSS_AGG_MODES:
-            C = R if mode == "seq-mean-token-sum-norm" else None
-            w = torch.tensor(loss_token_weights(list(range(B)), counts, mode, C, R), dtype=torch.float64)
-            ajet, _ = ppo_clip_loss(lp, old, adv, w[:, None] * mask,
-                                    CLIP["clip_ratio_low"], CLIP["clip_ratio_high"], clip_ratio_c=CLIP["clip_ratio_c"])
-            expected = float(ajet) * (B if mode == "seq-mean-token-sum-norm" else 1)
-            assert abs(res["loss"][f"{name}/{mode}"] - expected) < 1e-6, (name, mode, res["loss"], expected)
+    # width: ajet's (at C = the padded width) times the number of rows; the other three modes are equal
+    rows = len(samples)
+    for key, value in ajet_loss.items():
+        expected = value * (rows if key.endswith("/seq-mean-token-sum-norm") else 1)
+        assert abs(res["loss"][key] - expected) < 1e-6, (key, res["loss"][key], expected)
 
 
 CLI_CONF = """
