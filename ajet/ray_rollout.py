@@ -54,7 +54,8 @@ class RayRollout:
         except ImportError as exc:
             raise ImportError("--with-ray needs the `ray` package: pip install 'ajet[ray]'") from exc
         self._ray = ray
-        if not ray.is_initialized():
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}})
         actor = ray.remote(num_cpus=0)(_EpisodeWorker)
@@ -102,6 +103,8 @@ class RayRollout:
         for w in self.workers:
             self._ray.kill(w)
         self.workers = []
+        if self._started_ray:
+            self._ray.shutdown()
 
 
 def _pickle_user_code_by_value(*objects: Any) -> None:
