@@ -19,6 +19,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraConfig(_Section):
+    """LoRA adapters on the policy (Hu et al. 2021, "LoRA"; via `peft`). The reference policy is the base model
+    with the adapter disabled (no second copy of the weights); checkpoints hold the adapter and a merged model.
+
+    target_modules: module names to adapt, or "all-linear" (peft's shorthand)."""
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
 class ModelConfig(_Section):
     """The policy model.
 
@@ -33,6 +45,7 @@ class ModelConfig(_Section):
     chat_template: str | None = None
     device: str = "auto"  # "auto" = cuda if available else cpu
     max_model_len: int = Field(4096, gt=0, description="prompt + completion limit, tokens")
+    lora: LoraConfig | None = None  # None: full-parameter training
 
 
 class DatasetConfig(_Section):
@@ -114,6 +127,10 @@ class RolloutConfig(_Section):
     # a failed episode (raised, timed out, non-finite or missing reward) is never trained on; with
     # "drop_group" the rest of its GRPO group is left out of the update too
     failed_episode_policy: Literal["drop_episode", "drop_group"] = "drop_episode"
+    # --with-ray: episodes run on this many Ray actors (0 = in this process); ray_address None starts a local
+    # Ray (ray.init()), "auto" joins the cluster `ray start` made on this node
+    ray_workers: int = Field(0, ge=0)
+    ray_address: str | None = None
 
 
 class ProxyConfig(_Section):
@@ -345,6 +362,9 @@ class AjetConfig(_Section):
     eval: EvalConfig = EvalConfig()
     llm_judge: LLMJudgeConfig = LLMJudgeConfig()
     backbone: Literal["debug", "verl", "trinity"] = "debug"
+    # verl backbone only: verl config keys passed through as they are (dotted or nested), applied after the
+    # translation of the sections above; see ajet.backbones.verl.config
+    verl: dict[str, Any] | None = None
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)

@@ -156,7 +156,9 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
             used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
             store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in trainable for s in e.samples])
+            backbone.sleep_rollout()           # rollout servers may free their memory for the update
             train = backbone.update(samples)
+            backbone.wake_rollout()            # ... and serve the new weights
             kill_point("update", step)
             store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable])
             kill_point("trained", step)

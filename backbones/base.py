@@ -1,21 +1,36 @@
-"""The one small protocol every backbone implements, and lazy lookup by name."""
+"""The one small protocol every backbone implements, and lazy lookup by name.
+
+A backbone owns the policy: it serves generation (its `engine`, which the proxy calls token-in-token-out)
+and runs the RL update on the samples the context tracker built. The trainer loop drives every backbone the
+same way, so the proxy, the context tracker and the GRPO accounting never depend on which one runs:
+
+    episodes = rollout(...)                 # the proxy calls backbone.engine.generate(...)
+    backbone.sleep_rollout()                # rollout servers may free their memory (verl's hybrid engine)
+    metrics  = backbone.update(samples)     # one RL step; policy_version += 1
+    backbone.wake_rollout()                 # rollout servers serve the new weights again
+    backbone.save_checkpoint(dir)           # every trainer.save_freq steps
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ajet.engine import Engine
 from ajet.errors import BackboneUnavailable
 from ajet.tracker.sample import Sample
 
 
+@runtime_checkable
 class Backbone(Protocol):
     """Runs the RL update and serves the current policy.
 
     Attributes:
-        engine: the inference engine the proxy sends prompts to; serves the newest weights after `update`.
+        engine: where generation is served: an in-process `Engine` (debug) or a `RemoteEngine` over the
+            backbone's token-in-token-out rollout servers (verl, trinity); it serves the newest weights
+            once `wake_rollout` returned. `engine.policy_version` is the backbone's policy version.
         tokenizer: the policy's tokenizer (with the chat template the proxy renders with).
     """
 
@@ -23,7 +38,20 @@ class Backbone(Protocol):
     tokenizer: object
 
     def update(self, samples: list[Sample]) -> dict[str, float]:
-        """One RL step on `samples` (advantages already set); returns scalar training metrics."""
+        """One RL step on `samples` (advantages already set); returns scalar training metrics (floats).
+
+        Raises:
+            RuntimeError: the workers failed (the step's samples are not lost: they are in the trajectory store).
+        """
+        ...
+
+    def sleep_rollout(self) -> None:
+        """Called after the step's rollout, before `update`: rollout servers may release their GPU memory
+        (weights, KV cache). A no-op where training and generation share one copy of the weights."""
+        ...
+
+    def wake_rollout(self) -> None:
+        """Called after `update`: rollout servers hold the updated weights and accept requests again."""
         ...
 
     def save_checkpoint(self, path: Path) -> None:
@@ -38,6 +66,18 @@ class Backbone(Protocol):
     def close(self) -> None:
         """Release the engine and workers."""
         ...
+
+
+def policy_version(backbone: Backbone) -> int:
+    """The optimizer steps applied to the weights the engine serves (0 = initial weights)."""
+    return backbone.engine.policy_version
+
+
+def missing_members(backbone: object) -> list[str]:
+    """The names of the `Backbone` protocol that `backbone` lacks (empty when it conforms)."""
+    names = ["engine", "tokenizer", "update", "sleep_rollout", "wake_rollout", "save_checkpoint",
+             "load_checkpoint", "close"]
+    return [n for n in names if not hasattr(backbone, n)]
 
 
 # name -> (module with the adapter, the package it needs, the pip extra that installs it)
@@ -59,8 +99,8 @@ def load_backbone(name: str) -> type:
     module, needs, extra = _BACKBONES[name]
     if needs is not None and importlib.util.find_spec(needs) is None:
         raise BackboneUnavailable(
-            f"the {name} backbone needs the `{needs}` package (CUDA machines only): pip install 'ajet[{extra}]', "
-            f"or run with --backbone=debug")
+            f"the {name} backbone needs the `{needs}` package, which is not installed: pip install 'ajet[{extra}]' "
+            f"in its own environment (see docs/backbones.md; it needs a CUDA GPU), or run with --backbone=debug")
     try:
         return importlib.import_module(module).BACKBONE
     except ModuleNotFoundError as exc:

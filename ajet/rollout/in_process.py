@@ -52,22 +52,48 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
     With `tools` (the run's MCP servers), the tuner offers `tuner.tools` / `tuner.call_tool`."""
     episode_tools = await tools.open_episode() if tools is not None else None
     endpoint = proxy.open_episode(episode.episode_id)
-    tuner = Tuner(base_url=endpoint.base_url, api_key=endpoint.api_key, model=model_name,
-                  episode_id=episode.episode_id, _tools=episode_tools)
-    t0 = time.perf_counter()
     try:
-        episode.output, episode.error = await execute_workflow(workflow, episode.task, tuner, timeout_s)
-        if episode.error is None:
-            try:
-                episode.reward = await _score(episode.task, episode.output, judge)
-            except Exception:  # noqa: BLE001 - a broken judge or reward fails the episode only
-                episode.error = traceback.format_exc()
+        out = await execute_episode(workflow, episode.task, episode.episode_id, endpoint.base_url, endpoint.api_key,
+                                    judge, timeout_s, model_name, episode_tools)
+        episode.output, episode.reward, episode.error, episode.duration_s = (
+            out["output"], out["reward"], out["error"], out["duration_s"])
     finally:
-        episode.duration_s = time.perf_counter() - t0
         episode.calls = proxy.close_episode(endpoint)
         episode.tool_calls = list(episode_tools.records) if episode_tools is not None else []
-        await tuner.aclose()
     return episode
+
+
+async def execute_episode(workflow: Workflow, task: Task, episode_id: str, base_url: str, api_key: str,
+                          judge: Judge | None, timeout_s: float, model_name: str = "ajet-policy",
+                          episode_tools=None) -> dict[str, Any]:
+    """Run `workflow` on `task` against the proxy endpoint at `base_url` and score it (here, or in a Ray
+    worker: ajet/ray_rollout.py).
+
+    Returns:
+        {"output": WorkflowOutput | None, "reward": float | None, "error": traceback text | None,
+        "duration_s": wall-clock seconds}; never raises for a broken workflow or judge (the error is recorded).
+    """
+    tuner = Tuner(base_url=base_url, api_key=api_key, model=model_name, episode_id=episode_id, _tools=episode_tools)
+    reward, t0 = None, time.perf_counter()
+    try:
+        output, error = await execute_workflow(workflow, task, tuner, timeout_s)
+        if error is None:
+            try:
+                reward = await _score(task, output, judge)
+            except Exception:  # noqa: BLE001 - a broken judge or reward fails the episode only
+                error = traceback.format_exc()
+    finally:
+        duration_s = time.perf_counter() - t0
+        await tuner.aclose()
+    return {"output": output, "reward": reward, "error": error, "duration_s": duration_s}
+
+
+def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0) -> list[Episode]:
+    """`[len(tasks) * num_repeat]` fresh episodes, grouped by task; group_id is "<step>:<task_id>"; episode ids
+    "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run."""
+    return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
+                    repeat_index=r, attempt=attempt)
+            for ti, task in enumerate(tasks) for r in range(num_repeat)]
 
 
 async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> float:
@@ -96,13 +122,10 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
     `tools` are the run's MCP servers (see `run_episode`).
 
     Returns:
-        `[len(tasks) * num_repeat]` episodes, grouped by task; group_id is "<step>:<task_id>"; episode ids
-        "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run.
+        `[len(tasks) * num_repeat]` episodes as `new_episodes` names and groups them.
     """
     sem = asyncio.Semaphore(max_concurrency)
-    episodes = [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
-                        repeat_index=r, attempt=attempt)
-                for ti, task in enumerate(tasks) for r in range(num_repeat)]
+    episodes = new_episodes(tasks, num_repeat, step, attempt)
 
     async def _one(ep: Episode) -> Episode:
         async with sem:
@@ -137,6 +160,12 @@ class InProcessRollout:
         self.ctx, self.workflow, self.judge = ctx, workflow, judge
         self.sampler = ctx.sampler()
         self.proxy: ProxyServer | None = None
+        self.run_episodes: Callable[..., Any] = rollout   # or, with --with-ray, a pool of Ray actors
+        r = ctx.cfg.rollout
+        if r.ray_workers:
+            from ajet.ray_rollout import RayRollout
+
+            self.run_episodes = RayRollout(r.ray_workers, r.ray_address)
 
     @classmethod
     def from_context(cls, ctx: RolloutContext) -> InProcessRollout:
@@ -155,7 +184,7 @@ class InProcessRollout:
     def collect(self, step: int) -> list[Episode]:
         r = self.ctx.cfg.rollout
         tasks = self.sampler.next_batch(self.ctx.cfg.trainer.tasks_per_step)
-        return asyncio.run(rollout(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
+        return asyncio.run(self.run_episodes(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
                                    r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
                                    attempt=self.ctx.attempt, tools=self.ctx.tools))
 
@@ -172,4 +201,5 @@ class InProcessRollout:
         return {}
 
     def close(self) -> None:
-        pass
+        if hasattr(self.run_episodes, "close"):
+            self.run_episodes.close()

@@ -2,6 +2,10 @@
 
 One model object both generates (`HFEngine`) and trains, so the next step's rollouts use the updated
 weights without a copy. Breakpoints work anywhere (no Ray, no subprocesses).
+
+With `model.lora` the policy is the base model plus LoRA adapters (Hu et al. 2021, via `peft`): only the
+adapters train, the engine serves the adapted model, and the reference policy of the KL term is the same
+model with the adapter disabled (no second copy of the weights).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class DebugBackbone:
         path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(path, cfg.model.chat_template)
         self.model = load_model(path, cfg.model.dtype, cfg.model.device)
+        if cfg.model.lora is not None:
+            self.model = _with_lora(self.model, cfg.model.lora)
         self.model.config.use_cache = True
         self.device = next(self.model.parameters()).device
         eos = {self.tokenizer.eos_token_id}
@@ -44,9 +50,11 @@ class DebugBackbone:
                                decode_fn=self.tokenizer.decode)
         self.engine.seed(cfg.trainer.seed)
         alg = cfg.algorithm
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=alg.lr, weight_decay=alg.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=alg.lr,
+                                           weight_decay=alg.weight_decay)
+        self.lora = cfg.model.lora is not None
         self.ref_model = None
-        if alg.kl_coef > 0:
+        if alg.kl_coef > 0 and not self.lora:   # with LoRA the reference is the model with its adapter off
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._rng = random.Random(cfg.trainer.seed)
 
@@ -98,7 +106,8 @@ class DebugBackbone:
         stats = self.accumulate_gradients(samples)
         if stats["_tokens"] == 0:  # every advantage is 0: nothing to learn from this mini-batch
             return {**stats, "grad_norm": 0.0}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.algorithm.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                   self.cfg.algorithm.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**stats, "grad_norm": float(grad_norm)}
@@ -107,7 +116,7 @@ class DebugBackbone:
         """Whether the loss needs a forward of `sample`: a token with advantage 0 adds exactly 0 to the PPO
         loss and its gradient, so without a KL term such samples are skipped (after the weights were
         computed over all of them, so the loss is unchanged)."""
-        return sample.advantage != 0.0 or self.ref_model is not None
+        return sample.advantage != 0.0 or self.cfg.algorithm.kl_coef > 0
 
     def accumulate_gradients(self, samples: list[Sample]) -> dict[str, float]:
         """Backward the GRPO loss of `samples` (one mini-batch) into `.grad`, micro-batch by micro-batch.
@@ -133,11 +142,7 @@ class DebugBackbone:
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                batch["temperatures"], batch["top_ps"], with_entropy=True,
                                                score_mask=batch["loss_mask"])
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
-                                            batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+            ref = self._ref_logprobs(batch) if alg.kl_coef > 0 else None
             loss, s = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["weights"],
                                     alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
             loss.backward()
@@ -147,6 +152,19 @@ class DebugBackbone:
             for k, v in _first_pass_sums(logprobs.detach(), entropy, batch).items():
                 stats[k] += v
         return stats
+
+    @torch.no_grad()
+    def _ref_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`[batch, seq]` logprobs under the reference policy: the initial weights (a frozen copy), or with LoRA
+        the base model, i.e. this model with its adapter disabled."""
+        if self.lora:
+            with self.model.disable_adapter():
+                ref, _ = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                        batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+            return ref
+        ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
+                                batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+        return ref
 
     @torch.no_grad()
     def measure(self, samples: list[Sample]) -> dict[str, float]:
@@ -165,13 +183,25 @@ class DebugBackbone:
         n = sums["_tokens"]
         return {"entropy": sums["_entropy"] / n if n else 0.0, "logprob_diff": sums["_logprob_diff"] / n if n else 0.0}
 
+    # ---- rollout servers ----------------------------------------------------------------------------
+    def sleep_rollout(self) -> None:
+        """No-op: the engine generates with the very weights the update trains."""
+
+    def wake_rollout(self) -> None:
+        """No-op (see `sleep_rollout`)."""
+
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """Hugging Face format (`AutoModelForCausalLM.from_pretrained(path)` loads it), plus
-        `backbone_state.pt`: optimizer state, sampler RNG and policy version, for `load_checkpoint`."""
+        """Hugging Face format (`AutoModelForCausalLM.from_pretrained(path)` loads it; with LoRA the adapters
+        merged in, and the adapter alone in `path/adapter`, which `peft.PeftModel.from_pretrained` loads onto
+        the base model), plus `backbone_state.pt`: optimizer state, sampler RNG and policy version."""
         path.mkdir(parents=True, exist_ok=True)
         with self.engine.weights_lock:
-            self.model.save_pretrained(path)
+            if self.lora:
+                self.model.save_pretrained(path / "adapter")
+                self.model.get_base_model().save_pretrained(path, state_dict=merged_lora_state_dict(self.model))
+            else:
+                self.model.save_pretrained(path)
             torch.save({"optimizer": self.optimizer.state_dict(), "engine_rng": self.engine._generator.get_state(),
                         "update_rng": self._rng.getstate(), "policy_version": self.engine.policy_version},
                        path / "backbone_state.pt")
@@ -182,9 +212,15 @@ class DebugBackbone:
         from transformers import AutoModelForCausalLM
 
         state = torch.load(path / "backbone_state.pt", weights_only=False)
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
         with self.engine.weights_lock:
-            self.model.load_state_dict(saved.state_dict())
+            if self.lora:   # the base weights never train: restoring the adapter restores the policy
+                from peft import set_peft_model_state_dict
+                from safetensors.torch import load_file
+
+                set_peft_model_state_dict(self.model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+            else:
+                saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+                self.model.load_state_dict(saved.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
             self.engine._generator.set_state(state["engine_rng"])
             self._rng.setstate(state["update_rng"])
@@ -192,6 +228,34 @@ class DebugBackbone:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _with_lora(model, lora):
+    """`model` wrapped by peft with trainable LoRA adapters (base weights frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
+                                            lora_dropout=lora.dropout, task_type="CAUSAL_LM"))
+
+
+@torch.no_grad()
+def merged_lora_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA delta (scale * B @ A, peft's `get_delta_weight`) added to
+    the weight it adapts: what `merge_and_unload` would save, without touching (or copying) the live model.
+    Keys are the base model's own, so `AutoModelForCausalLM.from_pretrained` loads the result."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas = {name: m.get_delta_weight(m.active_adapters[0]) for name, m in base.named_modules()
+              if isinstance(m, LoraLayer) and m.active_adapters}
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        module, _, leaf = key.replace(".base_layer", "").rpartition(".")
+        out[f"{module}.{leaf}"] = value + deltas[module].to(value.dtype) if leaf == "weight" and module in deltas \
+            else value
+    return out
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperatures: torch.Tensor,

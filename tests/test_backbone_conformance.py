@@ -1,0 +1,251 @@
+"""Conformance with the real verl and Trinity packages, each in its own venv (.ci/make_backbone_env.sh).
+
+Episodes are recorded here (real proxy, tiny model, tool results between calls, a forked call), saved as
+JSON and loaded inside the backbone's venv by a script that uses only that project's own functions. The
+test compares, in this environment: the tensors ajet's conversion produces here with those verl's
+`DataProto` holds there, and ajet's loss (`ppo_clip_loss` with `loss_token_weights`, and `agg_loss`) with
+verl's `compute_policy_loss_vanilla` / `agg_loss` (Trinity's policy loss) for every `loss_agg_mode`.
+Each venv test skips, naming the build command, when that venv is absent.
+"""
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ajet.backbones.verl.data import verl_batch_tensors
+from ajet.grpo import LOSS_AGG_MODES, agg_loss, loss_token_weights, ppo_clip_loss
+from ajet.tracker.sample import Sample
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = Path(__file__).resolve().parent / "backbone_conformance"
+CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_scale_factor": 64.0}
+
+
+def venv_python(name: str) -> str:
+    venv = ROOT / ".venvs" / name
+    if not (venv / ".complete").exists():
+        pytest.skip(f"the {name} venv is absent: build it with `.ci/make_backbone_env.sh {name}`")
+    return str(venv / "bin" / "python")
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_model_dir):
+    from tests.backbone_conformance.record import record
+
+    d = record(tiny_model_dir)
+    samples = [Sample(**s) for s in d["samples"]]
+    # a second policy: the model's logprobs moved token by token (some ratios clip, some dual-clip)
+    moved = [[lp + 0.6 * math.sin(7 * i + j) for j, lp in enumerate(lps)] for i, lps in enumerate(d["logprobs"])]
+    d["logprob_sets"] = {"model": d.pop("logprobs"), "moved": moved}
+    return d, samples
+
+
+def test_recorded_episodes_are_multi_turn_with_tool_tokens_and_forks(recorded):
+    _, samples = recorded
+    assert any("fork_reason" in s.flags for s in samples)                              # forked branches
+    merged = [s for s in samples if "fork_reason" not in s.flags]
+    # tool result between the calls: a run of 0s inside the loss mask, 1s on both sides
+    assert all(0 in s.loss_mask[s.loss_mask.index(1):] and s.loss_mask[-1] == 1 for s in merged)
+    assert len({s.advantage for s in samples}) > 1
+
+
+def _padded(rows, B, R):
+    out = torch.zeros((B, R), dtype=torch.float64)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r)
+    return out
+
+
+def ajet_losses(d, samples, loss_scale_factor=CLIP["loss_scale_factor"]):
+    """ajet's loss on the verl-layout tensors, per logprob set and mode (rows as verl's sequences), in float64
+    (as the check scripts compute the other side); loss_scale_factor None: the padded response width."""
+    t = verl_batch_tensors(samples, d["pad_id"])
+    B, R = t["responses"].shape
+    mask, old, adv = t["response_mask"].double(), t["old_log_probs"].double(), t["advantages"].double()
+    counts = [s.num_loss_tokens for s in samples]
+    out = {}
+    for name, lps in d["logprob_sets"].items():
+        lp = _padded(lps, B, R)
+        for mode in LOSS_AGG_MODES:
+            w = torch.tensor(loss_token_weights(list(range(B)), counts, mode, loss_scale_factor, R),
+                             dtype=torch.float64)
+            loss, _ = ppo_clip_loss(lp, old, adv, w[:, None] * mask,
+                                    CLIP["clip_ratio_low"], CLIP["clip_ratio_high"], clip_ratio_c=CLIP["clip_ratio_c"])
+            out[f"{name}/{mode}"] = float(loss)
+    loss_mat = torch.sin(torch.arange(B * R, dtype=torch.float64).reshape(B, R)) + 0.5
+    agg = {m: float(agg_loss(loss_mat, mask, m, CLIP["loss_scale_factor"])) for m in LOSS_AGG_MODES}
+    return t, out, agg
+
+
+def _run(py, script, payload, tmp_path):
+    inp, out = tmp_path / "in.json", tmp_path / "out.json"
+    inp.write_text(json.dumps(payload))
+    proc = subprocess.run([py, str(CHECKS / script), str(inp), str(out)], capture_output=True, text=True,
+                          timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_verl_dataproto_and_losses_equal_ajets(recorded, tmp_path):
+    py = venv_python("verl")
+    d, samples = recorded
+    res = _run(py, "verl_check.py", {**d, **CLIP, "modes": list(LOSS_AGG_MODES)}, tmp_path)
+    t, ajet_loss, ajet_agg = ajet_losses(d, samples)
+    assert res["verl_version"].startswith("0.9")
+    # identical tensors through verl's DataProto (TensorDict), and verl's own position-id helper agrees
+    assert res["len"] == len(samples) and set(res["tensors"]) == set(t)
+    for k, v in t.items():
+        assert res["tensors"][k] == v.tolist(), k
+    assert res["verl_position_ids"] == t["position_ids"].tolist()
+    assert res["uid"] == [s.group_id for s in samples] and res["temperature"] == 1.0
+    for i, s in enumerate(samples):     # response_mask is ajet's loss mask, zeros on the tool tokens
+        assert res["tensors"]["response_mask"][i][:len(s.loss_mask)] == s.loss_mask
+    # the same loss under verl's policy loss + agg_loss, every mode, both policies
+    assert set(res["loss"]) == set(ajet_loss)
+    for key, value in ajet_loss.items():
+        assert abs(res["loss"][key] - value) < 1e-6, (key, res["loss"][key], value)
+    for mode, value in ajet_agg.items():
+        assert abs(res["agg"][mode] - value) < 1e-6, (mode, res["agg"][mode], value)
+    assert len({round(v, 6) for v in ajet_loss.values()}) > 4          # the modes really differ on this data
+
+
+def test_the_debug_backbones_loss_equals_verls_token_mean(recorded, tiny_model_dir, tmp_path):
+    """The whole debug-backbone path (collate, forward, weights by episode) against verl's vanilla loss on
+    the DataProto; token-mean counts tokens, so episode vs row does not matter there."""
+    py = venv_python("verl")
+    from ajet.backbones.debug.backbone import DebugBackbone
+    from ajet.config import AjetConfig
+
+    d, samples = recorded
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"},
+                     model={"path": tiny_model_dir, "device": "cpu", "max_model_len": 1024},
+                     algorithm={"loss_agg_mode": "token-mean", "clip_ratio_high": CLIP["clip_ratio_high"],
+                                "clip_ratio_c": CLIP["clip_ratio_c"]})
+    bb = DebugBackbone(cfg)
+    try:
+        stats = bb.accumulate_gradients([Sample(**s) for s in d["samples"]])
+    finally:
+        bb.close()
+    res = _run(py, "verl_check.py", {**d, **CLIP, "modes": ["token-mean"],
+                                     "logprob_sets": {"model": d["logprob_sets"]["model"]}}, tmp_path)
+    assert abs(stats["loss"] - res["loss"]["model/token-mean"]) < 1e-6, (stats["loss"], res["loss"])
+
+
+def test_trinity_experiences_and_policy_loss_equal_ajets(recorded, tmp_path):
+    py = venv_python("trinity")
+    d, samples = recorded
+    res = _run(py, "trinity_check.py", {**d, **CLIP, "modes": list(LOSS_AGG_MODES)}, tmp_path)
+    t, ajet_loss, _ = ajet_losses(d, samples, loss_scale_factor=None)
+    assert res["trinity_version"].startswith("0.6")
+    # Trinity stacks the Experiences into exactly verl's layout
+    for k, v in res["tensors"].items():
+        assert v == t[k].tolist(), k
+    assert res["rewards"] == [s.reward for s in samples]
+    # Trinity's seq-mean-token-sum-norm divides by the horizon only (no 1/num_sequences) and uses the padded
+    # width: ajet's (at C = the padded width) times the number of rows; the other three modes are equal
+    rows = len(samples)
+    for key, value in ajet_loss.items():
+        expected = value * (rows if key.endswith("/seq-mean-token-sum-norm") else 1)
+        assert abs(res["loss"][key] - expected) < 1e-6, (key, res["loss"][key], expected)
+
+
+CLI_CONF = """
+workflow: wf.py:W
+data: {train_path: tasks.jsonl}
+model: {path: Qwen/Qwen2.5-0.5B-Instruct}
+"""
+CLI_WORKFLOW = """
+from ajet.workflow import Workflow, WorkflowOutput
+class W(Workflow):
+    async def execute(self, task, tuner):
+        return WorkflowOutput(reward=0.0)
+"""
+
+
+def _ajet_cli(python, tmp_path):
+    (tmp_path / "c.yaml").write_text(CLI_CONF)
+    (tmp_path / "wf.py").write_text(CLI_WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "t", "query": "q", "answer": "a"}\n')
+    return subprocess.run([python, "-m", "ajet", "--conf", str(tmp_path / "c.yaml"), "--backbone", "verl",
+                           "--exp-dir", str(tmp_path / "exp")], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+
+
+def test_ajet_backbone_verl_without_the_extra_names_it(tmp_path):
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed in this environment")
+    proc = _ajet_cli(sys.executable, tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "pip install 'ajet[verl]'" in proc.stderr
+
+
+def test_ajet_backbone_verl_without_a_gpu_says_rollout_needs_one(tmp_path):
+    proc = _ajet_cli(venv_python("verl"), tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "needs a CUDA GPU" in proc.stderr and "vLLM or SGLang" in proc.stderr
+
+
+VERL_CONFIG_CHECK = """
+import sys
+from ajet.backbones.verl.backbone import verl_config
+from ajet.config import load_config
+from ajet.errors import ConfigError
+try:
+    c = verl_config(load_config(sys.argv[1]))
+except ConfigError as exc:
+    print("ConfigError:", exc)
+    sys.exit(0)
+a = c.actor_rollout_ref
+print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora_rank, a.rollout.n,
+      c.trainer.n_gpus_per_node)
+"""
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ("model: {path: Qwen/Qwen2.5-0.5B-Instruct, lora: {rank: 8, alpha: 16}}\nrollout: {num_repeat: 5}\n"
+     "algorithm: {kl_coef: 0.01, loss_agg_mode: seq-mean-token-sum-norm, loss_scale_factor: 512}\n"
+     "verl: {trainer: {n_gpus_per_node: 8}}\n", "composed seq-mean-token-sum-norm 512.0 8 5 8"),
+    ("model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {actor_rollout_ref.rollout.nmae: vllm}\n",
+     "ConfigError: verl's config has no key `actor_rollout_ref.rollout.nmae`"),
+])
+def test_every_translated_key_exists_in_verls_own_config(tmp_path, extra, expected):
+    """verl's ppo_trainer.yaml composed by Hydra in the verl venv takes every key the translation writes;
+    a misspelt key in the `verl:` block is a ConfigError naming it."""
+    py = venv_python("verl")
+    (tmp_path / "c.yaml").write_text("workflow: wf.py:W\ndata: {train_path: tasks.jsonl}\n" + extra)
+    proc = subprocess.run([py, "-c", VERL_CONFIG_CHECK, str(tmp_path / "c.yaml")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith(expected), proc.stdout
+
+
+VERL_API_CHECK = """
+import inspect
+from verl.checkpoint_engine import CheckpointEngineManager
+from verl.trainer.main_ppo_v0 import BaseTaskRunner
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.utils.metric import reduce_metrics
+from verl.workers.rollout.llm_server import LLMServerManager
+import ajet.backbones.verl.backbone
+assert {"add_actor_rollout_worker", "init_resource_pool_mgr"} <= set(dir(BaseTaskRunner))
+assert {"init_workers", "_update_actor"} <= set(dir(RayPPOTrainer))
+assert {"sleep_replicas", "update_weights"} <= set(dir(CheckpointEngineManager))
+assert "self.server_addresses" in inspect.getsource(LLMServerManager)
+assert {"train_dataset", "val_dataset", "collate_fn"} <= set(inspect.signature(RayPPOTrainer.__init__).parameters)
+print("ok")
+"""
+
+
+def test_the_verl_api_the_adapter_calls_exists():
+    """The GPU-only adapter (backbones/verl/backbone.py) is written against verl 0.9.1: every verl name it
+    calls must exist in the pinned verl, so a verl bump that renames one fails here, not on a GPU cluster."""
+    proc = subprocess.run([venv_python("verl"), "-c", VERL_API_CHECK], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
