@@ -27,6 +27,9 @@ from ajet.task import Task
 from ajet.workflow import Workflow
 
 
+_RESTART_RETRIES, _RESTART_WAIT_S = 20, 0.5   # an episode waits up to ~10 s for a restarting actor
+
+
 class _EpisodeWorker:
     """A Ray actor (async: up to `max_concurrency` workflows at once on its event loop)."""
 
@@ -86,19 +89,26 @@ class RayRollout:
 
         async def _one(i: int, ep: Episode) -> Episode:
             async with sem:
-                endpoint = proxy.open_episode(ep.episode_id)
                 t0 = time.perf_counter()
-                try:
-                    out = await self.workers[i % len(self.workers)].run.remote(
-                        wf_ref, judge_ref, ep.task, ep.episode_id, endpoint.base_url, endpoint.api_key, timeout_s,
-                        "ajet-policy")
-                    ep.output, ep.reward, ep.error = out["output"], out["reward"], out["error"]
-                    ep.duration_s = out["duration_s"]
-                except Exception as exc:  # noqa: BLE001 - a lost worker fails its own episodes only
-                    ep.error = f"{type(exc).__name__}: the Ray worker running this episode failed: {exc}"
-                    ep.duration_s = time.perf_counter() - t0
-                finally:
-                    ep.calls = proxy.close_episode(endpoint)
+                for attempt_no in range(_RESTART_RETRIES + 1):
+                    endpoint = proxy.open_episode(ep.episode_id)
+                    try:
+                        out = await self.workers[i % len(self.workers)].run.remote(
+                            wf_ref, judge_ref, ep.task, ep.episode_id, endpoint.base_url, endpoint.api_key, timeout_s,
+                            "ajet-policy")
+                        ep.output, ep.reward, ep.error = out["output"], out["reward"], out["error"]
+                        ep.duration_s = out["duration_s"]
+                    except Exception as exc:  # noqa: BLE001 - a lost worker fails its own episodes only
+                        ep.error = f"{type(exc).__name__}: the Ray worker running this episode failed: {exc}"
+                        ep.duration_s = time.perf_counter() - t0
+                    finally:
+                        ep.calls = proxy.close_episode(endpoint)
+                    # an actor that is still restarting (after a kill in an earlier step) refuses the episode;
+                    # when the policy saw no call, nothing was trained-visible yet: wait and send it again
+                    restarting = ep.error is not None and ep.error.startswith("ActorUnavailableError")
+                    if not (restarting and not ep.calls) or attempt_no == _RESTART_RETRIES:
+                        break
+                    await asyncio.sleep(_RESTART_WAIT_S)
             if on_episode_done is not None:
                 on_episode_done(ep)
             return ep

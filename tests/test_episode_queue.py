@@ -164,5 +164,5 @@ def test_multi_task_config_and_reproducible_mix(tmp_path):
     assert draws[0] == draws[1]                                   # the mix is reproducible
     assert 20 < sum(t.metadata["dataset"] == "math" for t in draws[0]) < 40
     conf.write_text("workflow: wf.py:W\ndata: {train_path: math.jsonl, train: [{name: a, path: math.jsonl}]}\n")
-    with pytest.raises(ConfigError, match="exactly one of `data.train_path`"):
+    with pytest.raises(ConfigError, match="name exactly one task source"):
         load_config(conf)

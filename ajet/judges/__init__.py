@@ -1,6 +1,7 @@
 """Judges: `(task, output) -> reward` (sync or async). Name one in the config as `judge: module:NAME`.
 
     ajet.judges:math_answer_judge        the final number equals task.answer        (math_answer.py)
+    ajet.judges:answer_with_tool_use_judge   ... and the answer came after a valid tool call (math_answer.py)
     ajet.judges:countdown_judge          an expression reaching the target           (countdown.py)
     ajet.judges:frozenlake_judge         the environment's reward, from the workflow (frozenlake.py)
     ajet.judges.llm:LLMJudge             a rubric prompt to any OpenAI-compatible model (llm.py)
@@ -11,10 +12,10 @@ Any function of your own works the same way (`judge: my_file.py:my_judge`).
 
 from ajet.judges.countdown import countdown_judge, countdown_score
 from ajet.judges.frozenlake import frozenlake_judge
-from ajet.judges.math_answer import _normalise, extract_final_number, math_answer_judge
+from ajet.judges.math_answer import _normalise, answer_with_tool_use_judge, extract_final_number, math_answer_judge
 
-__all__ = ["countdown_judge", "countdown_score", "extract_final_number", "frozenlake_judge", "load_judge", "math_answer_judge",
-           "_normalise"]
+__all__ = ["answer_with_tool_use_judge", "countdown_judge", "countdown_score", "extract_final_number", "frozenlake_judge",
+           "load_judge", "math_answer_judge", "_normalise"]
 
 
 def load_judge(cfg):

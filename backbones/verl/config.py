@@ -22,6 +22,7 @@ AJET_SIDE = (
     "rollout.max_concurrency", "rollout.episode_timeout_s", "rollout.failed_episode_policy",
     "rollout.ray_workers", "rollout.ray_address", "algorithm.name", "algorithm.adv_eps",
     "algorithm.group_by_agent_tag", "algorithm.trainable_targets", "algorithm.train_greedy_calls",
+    "trainer.loggers", "trainer.val_freq", "serve.*", "tools.*", "eval.*", "llm_judge.*",
 )
 
 
