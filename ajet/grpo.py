@@ -183,7 +183,8 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
         r_t      = exp(clamp(log pi_theta - log pi_old, -20, 20))
         pg_t     = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))          (PPO-clip)
         pg_t     = min(pg_t, -A clip_ratio_c)          where A < 0               (dual-clip)
-        kl_t     = clamp(exp(d) - d - 1, -10, 10),  d = clamp(log pi_ref - log pi_theta, -20, 20)   (k3)
+        kl_t     = clamp(exp(d) - d - 1, -10, 10),  d = clamp(log pi_ref - log pi_theta, -20, 20)   (k3;
+                   d = 0 where both are -inf: a token outside both nuclei under top_p < 1)
         loss     = sum_t w_t (pg_t + kl_coef kl_t)
 
     Args:
@@ -224,7 +225,9 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
     if kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
-        d = torch.where(live, ref_logprobs - logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        # both -inf (the token is outside both nuclei under top_p < 1): no divergence, d = 0, not NaN
+        both_zero = torch.isneginf(ref_logprobs) & torch.isneginf(logprobs)
+        d = torch.where(live & ~both_zero, ref_logprobs - logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3 = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)               # >= 0, unbiased
         kl = torch.where(live, weights * k3, zero).sum()
         loss = loss + kl_coef * kl

@@ -147,6 +147,22 @@ def test_weight_zero_positions_never_give_nan():
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 1:].abs().sum() == 0
 
 
+def test_a_trained_token_outside_both_nuclei_gives_a_finite_kl():
+    """With top_p < 1 the current and the reference policy can both give a sampled token -inf (it fell out
+    of both nuclei after an update): -inf - (-inf) is NaN, which must not reach the loss or the gradient.
+    Both policies giving it no mass is no divergence (k3 = 0); one giving it none is the clamped bound."""
+    logp = torch.tensor([[float("-inf"), float("-inf"), -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, -0.5]])
+    ref = torch.tensor([[float("-inf"), -0.5, float("-inf")]])
+    w = torch.full((1, 3), 1 / 3)
+    loss, stats = ppo_clip_loss(logp, old, torch.ones(1, 3), w, ref_logprobs=ref, kl_coef=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in stats.values())
+    assert torch.isfinite(logp.grad).all()
+    # k3: token 0 both -inf -> 0; token 1 d = +20 clamped -> 10; token 2 d = -20 -> e^-20 + 19 -> 10
+    assert stats["kl"] == pytest.approx((0.0 + 10.0 + 10.0) / 3)
+
+
 def test_log_ratio_and_kl_are_clamped_as_in_verl():
     logp = torch.tensor([[50.0, -100.0]], requires_grad=True)
     old = torch.zeros(1, 2)
