@@ -1,12 +1,13 @@
 """TRL's GRPOTrainer doing the main job's work; run by benchmarks/vs_trl.py inside the TRL environment.
 
-    .trl-venv/bin/python benchmarks/trl_grpo_job.py --model DIR --tasks FILE --steps N --out metrics.jsonl
+    .trl-venv/bin/python benchmarks/trl_grpo_job.py --model DIR --tasks FILE --steps N --out metrics.jsonl \
+        [--temperature T] [--lr LR]
 
 Configured as the main job (tutorial/example_math_agent/math_agent.yaml): the same converted SmolLM2 weights and
 tokenizer (with ajet's tool chat template), the same tasks in the same order (4 per step, no shuffling), the same
 system prompt and `calculate` tool (rendered by the same template, so the first turn's prompt text is the one ajet
 renders, without the tool-call opening ajet's proxy forces: TRL has no such option), group 4
-(`num_generations`), 48 tokens per turn, temperature 0.6, lr 1e-5, fp32 on the CPU, loss "grpo", no KL
+(`num_generations`), 48 tokens per turn, the main job's temperature and lr (vs_trl.py passes them), fp32 on the CPU, loss "grpo", no KL
 (`beta=0`), one PPO epoch per generation batch; the tool runs in TRL's own tool loop (one round of tool calls,
 then the answer turn), and the reward is the main job's (`math_agent_reward`).
 
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--tasks", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--temperature", type=float, default=0.8, help="the main job's rollout.temperature")
+    ap.add_argument("--lr", type=float, default=3e-5, help="the main job's algorithm.lr")
     args = ap.parse_args()
 
     import torch
@@ -85,7 +88,7 @@ def main() -> None:
 
     config = GRPOConfig(
         output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps, per_device_train_batch_size=16,
-        num_generations=4, max_completion_length=48 * 2 + 64, temperature=0.6, top_p=1.0, learning_rate=1e-5,
+        num_generations=4, max_completion_length=48 * 2 + 64, temperature=args.temperature, top_p=1.0, learning_rate=args.lr,
         lr_scheduler_type="constant", beta=0.0, loss_type="grpo", num_iterations=1, steps_per_generation=1, shuffle_dataset=False,
         use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
         max_tool_calling_iterations=1, gradient_checkpointing=False, seed=0,

@@ -5,7 +5,7 @@
 
 Each pair runs the main job (`ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug`) and
 `benchmarks/trl_grpo_job.py` (TRL, configured as described there: same weights, template, tasks in ajet's order,
-group 4, 48 tokens per turn, T=0.6, lr 1e-5, fp32, loss "grpo", no KL), one after the other, alternating which
+group 4, 48 tokens per turn, the main job's temperature and lr, fp32, loss "grpo", no KL), one after the other, alternating which
 goes first; each does `--warmup` untimed steps then `--steps` timed ones. Before each run the load average is
 printed (the machine may be shared: the ratios of paired steps are what to read). Per step: wall, rollout and
 update seconds, generated tokens, forwarded tokens (prompt + completion in the update) and trained tokens (under
@@ -104,7 +104,8 @@ def main() -> None:
         return
     from ajet.config import load_config
     from ajet.model import resolve_model_path
-    model_dir = resolve_model_path(load_config(str(CONF)).model.path)
+    cfg = load_config(str(CONF))
+    model_dir = resolve_model_path(cfg.model.path)
     total = args.warmup + args.steps
     work = Path(tempfile.mkdtemp(prefix="ajet_vs_trl_"))
     tasks = ordered_tasks(total, work / "tasks.jsonl")
@@ -122,14 +123,19 @@ def main() -> None:
             t0 = time.perf_counter()
             run_dir = work / f"{side}_{pair}"
             if side == "ajet":
-                peak = run_measured([sys.executable, "-m", "ajet", "--conf", str(CONF), "--backbone=debug",
-                                     "--steps", str(total), "--exp-dir", str(run_dir)], work / f"{side}_{pair}.log")
+                # the main job as the CLI runs it, without its held-out evaluation (TRL's run has none)
+                overrides = {"backbone": "debug", "trainer.total_steps": total, "trainer.exp_dir": str(run_dir),
+                             "trainer.val_freq": 0}
+                peak = run_measured([sys.executable, "-c", "import sys, json; from ajet.config import load_config; "
+                                     "from ajet.trainer import run; run(load_config(sys.argv[1], json.loads(sys.argv[2])))",
+                                     str(CONF), json.dumps(overrides)], work / f"{side}_{pair}.log")
                 steps = ajet_steps(run_dir)
             else:
                 run_dir.mkdir()
                 out = run_dir / "metrics.jsonl"
                 peak = run_measured([str(python), str(ROOT / "benchmarks" / "trl_grpo_job.py"), "--model", model_dir,
-                                     "--tasks", str(tasks), "--steps", str(total), "--out", str(out)],
+                                     "--tasks", str(tasks), "--steps", str(total), "--out", str(out),
+                                     "--temperature", str(cfg.rollout.temperature), "--lr", str(cfg.algorithm.lr)],
                                     work / f"{side}_{pair}.log")
                 steps = [json.loads(line) for line in out.read_text().splitlines()]
             timed = steps[args.warmup:]

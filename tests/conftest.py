@@ -9,6 +9,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (one per test module: a module may patch it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_experiment(tiny_model_dir, tmp_path_factory):
     """An experiment folder written by a real 2-step `ajet` run of the tiny model (tests/tiny_experiment.py):

@@ -21,7 +21,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
@@ -50,11 +49,6 @@ def _cli(name: str) -> str:
     if not found:
         pytest.skip(f"{name}: {PACKAGES[name]} installed no `{name}` executable")
     return found
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def _run(tokenizer, tool_call: dict, command) -> tuple[subprocess.CompletedProcess, list, ScriptedEngine]:

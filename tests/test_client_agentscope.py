@@ -35,11 +35,6 @@ CALL_5_TIMES_2 = '<tool_call>\n{"name": "calculate", "arguments": {"expression":
 REMINDER = "<current-time>"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def _run(tokenizer, replies, injection, steps):
     """Run `steps(agent)` for an agent on a fresh proxy episode. Returns (calls, engine, agent, tool inputs)."""
     engine = ScriptedEngine(tokenizer, replies)

@@ -9,7 +9,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
@@ -21,11 +20,6 @@ CALC = {"name": "calculate", "description": "Evaluate an arithmetic expression."
 REPLIES = ['Let me compute.<tool_call>\n{"name": "calculate", "arguments": {"expression": "2*3"}}\n</tool_call>',
            "The answer is 6."]
 SYSTEM = [{"type": "text", "text": "You are a calculator.", "cache_control": {"type": "ephemeral"}}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture

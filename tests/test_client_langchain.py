@@ -7,7 +7,6 @@ import warnings
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
@@ -26,11 +25,6 @@ def _tool_call(expression: str, text: str = "") -> str:
 def _evaluate(expression: str) -> str:
     a, op, b = expression.partition("+") if "+" in expression else expression.partition("*")
     return str(int(a) + int(b) if op == "+" else int(a) * int(b))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture

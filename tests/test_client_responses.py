@@ -11,7 +11,6 @@ import json
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
@@ -23,11 +22,6 @@ CALC = {"type": "function", "name": "calculate", "description": "Evaluate an ari
                        "additionalProperties": False}, "strict": True}
 REPLIES = ['Let me compute.<tool_call>\n{"name": "calculate", "arguments": {"expression": "2*3"}}\n</tool_call>',
            "The answer is 6."]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture

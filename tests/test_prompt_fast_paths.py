@@ -10,7 +10,6 @@ the end-of-turn token out.
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.llm_call import LLMCall, SamplingParams
 from ajet.proxy.prompt import PromptBuilder
@@ -26,11 +25,6 @@ CONVERSATIONS = [
     [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": "because"},
      {"role": "user", "content": "z"}],
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.mark.parametrize("tools", [None, TOOLS])

@@ -5,7 +5,6 @@ import json
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
@@ -15,11 +14,6 @@ from tests.scripted_engine import ScriptedEngine
 CALC_TOOL = {"type": "function", "function": {
     "name": "calculate", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def _proxy(tokenizer, replies, **kw):

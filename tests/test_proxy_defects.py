@@ -20,7 +20,6 @@ import time
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from ajet.episode import Episode
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
@@ -31,11 +30,6 @@ from tests.scripted_engine import ScriptedEngine
 from tests.test_proxy_hardening import CALC_TOOL, assert_error, assert_ok, chat_url, running
 
 USER = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 # ---- 13: the event loop keeps serving while a huge request is prepared --------------------------------

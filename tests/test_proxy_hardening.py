@@ -15,7 +15,6 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import DEFAULT_MAX_BODY_BYTES, ProxyError, ProxyServer
@@ -26,11 +25,6 @@ CALC_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 TOOL_REPLY = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "1+1"}}\n</tool_call>'
 USER = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @contextmanager

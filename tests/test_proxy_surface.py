@@ -33,11 +33,6 @@ def model_proxy(tiny_model_dir):
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def test_seeded_stream_and_non_stream_record_identical_tokens_and_text(model_proxy):
     proxy, _ = model_proxy
     ep = proxy.open_episode("seeded")

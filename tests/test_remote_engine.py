@@ -7,7 +7,6 @@ import socket
 import openai
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
@@ -17,11 +16,6 @@ from benchmarks.instant_engine_server import InstantServer, raw_distribution, to
 
 CLIENTS = ["aiohttp", "httpx"]
 MAX_MODEL_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from transformers import AutoTokenizer
 
 from ajet.importing import load_object
 from ajet.llm_call import SamplingParams
@@ -25,11 +24,6 @@ VARIANTS = {
     "langchain": ("langchain_openai", "math_workflow_langchain.py:MathAgentLangChainWorkflow"),
     "httpx": ("httpx", "math_workflow_httpx.py:MathAgentHttpxWorkflow"),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def _first_task() -> Task:
