@@ -65,8 +65,6 @@ def test_calculator_tool():
     assert calc('{"expression": "7 / 2"}') == "3.5"
     assert calc('{"expression": "-(2 ** 3)"}') == "-8"
     assert calc('{"expression": "1/0"}').startswith("error:")
-    for lone in ("8", "1.5", "-5", "(9)"):                     # no calculation: an error the model sees
-        assert calc(json.dumps({"expression": lone})).startswith("error: write the whole calculation"), lone
     assert calc("not json").startswith("error:")
     for bad in ("__import__('os').system('echo hi')", "open('x')", "2 ** 1000", "a + 1"):
         with pytest.raises(ValueError):

@@ -9,7 +9,6 @@ the last answer against the reference (`math_agent_reward`).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
@@ -18,7 +17,6 @@ from ajet.tools.sandbox import run_python_async
 from calculator import format_value, safe_eval  # noqa: F401 - re-exported for tests and variants
 
 MAX_TURNS = 3
-_COMBINES = re.compile(r"[\d)]\s*(\*\*|[-+*/])\s*[-(\d]")   # an operator between two operands
 CALCULATOR_SOURCE = (Path(__file__).resolve().parent / "calculator.py").read_text()
 SYSTEM_PROMPT = ("You are a math assistant. First call the calculate tool with the arithmetic expression that "
                  "answers the question. Then use its result and reply: The answer is N.")
@@ -65,10 +63,6 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
 async def calculate_tool(arguments: str) -> str:
     """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises).
 
-    An expression must combine numbers with an operator: a lone number is an error (in a run where a bare
-    number counted as a valid call, one seed learned to copy a number from the question into every call,
-    collecting the +0.2 format reward without doing the arithmetic: held-out accuracy rose 7.5 points vs 28).
-
     The expression is evaluated by `calculator.safe_eval` in the tool sandbox (`ajet.tools.sandbox`: no network,
     no environment, 2 s, 256 MiB), so nothing the model writes can hang, exhaust or read the training process.
     It is awaited: while the child runs, the event loop serves the other episodes' model calls, so their
@@ -78,8 +72,6 @@ async def calculate_tool(arguments: str) -> str:
         expression = str(json.loads(arguments)["expression"])
     except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
         return f"error: {exc}"
-    if not _COMBINES.search(expression):   # a lone number is no calculation (and no "valid call" bonus)
-        return "error: write the whole calculation with the question's numbers and + - * /, e.g. '9 + 8'"
     result = await run_python_async(CALCULATOR_SOURCE, timeout_s=2.0, memory_mb=256, stdin=expression)
     if result.timed_out:
         return "error: the calculation took too long"
