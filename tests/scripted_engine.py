@@ -7,6 +7,7 @@ proxy, template, tool-call parser and tracker all run on real token ids.
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 
@@ -54,3 +55,17 @@ class FailingEngine(ScriptedEngine):
         if self.broken:
             return Completion(None, [], "stop", self.policy_version)  # type: ignore[arg-type]
         return await super().generate(prompt_ids, params, on_tokens)
+
+
+@contextmanager
+def scripted_proxy(tokenizer, replies: list[str]):
+    """A started `ProxyServer` over a `ScriptedEngine` answering `replies` in order (T=1, 64 tokens);
+    yields (proxy, engine) and stops the proxy after."""
+    from ajet.proxy.server import ProxyServer
+
+    engine = ScriptedEngine(tokenizer, replies)
+    server = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=64)).start()
+    try:
+        yield server, engine
+    finally:
+        server.stop()

@@ -10,10 +10,8 @@ import httpx
 import openai
 import pytest
 
-from ajet.llm_call import SamplingParams
-from ajet.proxy.server import ProxyServer
 from tests.exact_sample import assert_one_exact_sample
-from tests.scripted_engine import ScriptedEngine
+from tests.scripted_engine import scripted_proxy
 
 CALC = {"name": "calculate", "description": "Evaluate an arithmetic expression.",
         "input_schema": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}
@@ -24,10 +22,8 @@ SYSTEM = [{"type": "text", "text": "You are a calculator.", "cache_control": {"t
 
 @pytest.fixture
 def proxy(tokenizer):
-    engine = ScriptedEngine(tokenizer, REPLIES)
-    server = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=64)).start()
-    yield server, engine
-    server.stop()
+    with scripted_proxy(tokenizer, REPLIES) as proxy_and_engine:
+        yield proxy_and_engine
 
 
 def _client(ep) -> anthropic.Anthropic:

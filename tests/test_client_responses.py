@@ -12,10 +12,8 @@ import httpx
 import openai
 import pytest
 
-from ajet.llm_call import SamplingParams
-from ajet.proxy.server import ProxyServer
 from tests.exact_sample import assert_one_exact_sample
-from tests.scripted_engine import ScriptedEngine
+from tests.scripted_engine import scripted_proxy
 
 CALC = {"type": "function", "name": "calculate", "description": "Evaluate an arithmetic expression.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"],
@@ -26,10 +24,8 @@ REPLIES = ['Let me compute.<tool_call>\n{"name": "calculate", "arguments": {"exp
 
 @pytest.fixture
 def proxy(tokenizer):
-    engine = ScriptedEngine(tokenizer, REPLIES)
-    server = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=64)).start()
-    yield server, engine
-    server.stop()
+    with scripted_proxy(tokenizer, REPLIES) as proxy_and_engine:
+        yield proxy_and_engine
 
 
 def _create(client: openai.OpenAI, stream: bool, **kw):
