@@ -40,6 +40,15 @@ def test_plots_survive_a_torn_line_a_resumed_step_and_missing_keys(tmp_path):
     assert write_plots(tmp_path / "empty") == []
 
 
+def test_held_out_evaluations_get_their_own_plot(tmp_path):
+    rows = [{"step": 0, "val/pass@1": 0.14, "val/reward_mean": 0.26},
+            {"step": 1, "reward/mean": 0.2, "reward/std": 0.1},
+            {"step": 2, "reward/mean": 0.4, "reward/std": 0.1, "val/pass@1": 0.42, "val/reward_mean": 0.62}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = {f.name: f for f in write_plots(tmp_path)}
+    assert "val.png" in files and files["val.png"].read_bytes().startswith(PNG)
+
+
 def test_a_plotting_problem_never_fails_the_run(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 1.0}) + "\n")
     (tmp_path / "plots").write_text("a file where the folder should be")

@@ -6,6 +6,7 @@
     ratios.png          context-tracker token ratio (one sample per call / merged) and merge ratio (calls/sample)
     time.png            update time vs rollout time per step, seconds
     train.png           KL, clip fraction, entropy, grad norm per step (those the backbone logged)
+    val.png             held-out evaluation (`trainer.val_freq`): val/pass@1 and val/reward_mean per evaluation
 
 Inputs are `metrics.jsonl` (one line per step) and, for the shares, `trajectories.sqlite` (read-only).
 `python -m ajet.viewer.plots EXP_DIR` redraws them for any finished or running experiment.
@@ -158,6 +159,19 @@ def write_plots(exp_dir: str | Path, window: int = 3) -> list[Path]:
             ax.plot(steps, _series(rows, key), "o-", ms=3)
             ax.set(xlabel="step", title=key)
         save(fig, "train.png")
+
+    # held-out evaluation: one point per evaluation (step 0 = before training)
+    val = [r for r in rows if "val/pass@1" in r]
+    if val:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for key, marker in (("val/pass@1", "o-"), ("val/reward_mean", "s--")):
+            ax.plot([r["step"] for r in val], _series(val, key), marker, label=key)
+        for r in val:
+            ax.annotate(f"{r['val/pass@1']:.1%}", (r["step"], r["val/pass@1"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)
+        ax.set(xlabel="step", ylabel="held-out", title=f"{name}: held-out evaluation")
+        ax.legend(fontsize=8)
+        save(fig, "val.png")
     return written
 
 
