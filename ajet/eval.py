@@ -107,7 +107,7 @@ def evaluate(cfg: AjetConfig, engine, tokenizer, workflow, judge, tasks: list[Ta
     Returns an `EvalResult`; never raises for a failing workflow (its episodes count as failed).
     """
     from ajet.proxy.server import ProxyServer
-    from ajet.rollout import rollout
+    from ajet.rollout.episodes import rollout
 
     e, r = cfg.eval, cfg.rollout
     proxy = ProxyServer(engine, tokenizer, eval_sampling(e.temperature, e.top_p, r.max_tokens), sampling_policy="config",

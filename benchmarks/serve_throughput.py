@@ -6,7 +6,7 @@ figures are ajet's own cost. The serve side is the real episode API + proxy on o
 (`ajet.serve.api`), fed by an `EpisodeQueue` whose groups a collector thread takes as fast as they complete
 (no training); each client process runs `ajet.client.AjetClient` episodes of `--calls` chat calls
 (begin -> calls through the OpenAI SDK -> finish). The in-process side runs the same agent as a `Workflow`
-through `ajet.rollout.in_process.rollout` with the same number of episodes in flight.
+through `ajet.rollout.episodes.rollout` with the same number of episodes in flight.
 
     python benchmarks/serve_throughput.py [--episodes 64] [--calls 2] [--clients 1 4 16]
 
@@ -113,7 +113,7 @@ def _serve_side(tok, tasks, n_clients: int, episodes: int, calls: int) -> float:
 def _in_process_side(tok, tasks, concurrency: int, episodes: int, calls: int) -> float:
     from ajet.llm_call import SamplingParams
     from ajet.proxy.server import ProxyServer
-    from ajet.rollout.in_process import rollout
+    from ajet.rollout.episodes import rollout
 
     proxy = ProxyServer(InstantEngine(tok), tok, SamplingParams(max_tokens=64)).start()
     t0 = time.perf_counter()

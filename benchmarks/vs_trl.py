@@ -71,7 +71,7 @@ def ordered_tasks(n_steps: int, out: Path) -> Path:
     """The tasks ajet's main job trains on, in its order (seeded shuffle, 4 per step), as a jsonl for TRL."""
     sys.path.insert(0, str(ROOT))
     from ajet.config import load_config, resolve_path
-    from ajet.task_reader import read_jsonl_tasks
+    from ajet.tasks.jsonl import read_jsonl_tasks
     from ajet.task_sampler import TaskSampler
     cfg = load_config(str(CONF))
     tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)

@@ -19,7 +19,7 @@ from ajet.episode import Episode
 from ajet.judges import answer_with_tool_use_judge
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
-from ajet.rollout import run_episode
+from ajet.rollout.episodes import run_episode
 from ajet.task import Task
 from ajet.tool_agent import ToolAgent
 from ajet.tools.episode_tools import tool_metrics

@@ -78,7 +78,7 @@ def test_a_killed_worker_fails_only_its_own_episodes(tiny_model_dir, local_ray):
     from ajet.config import AjetConfig
     from ajet.llm_call import SamplingParams
     from ajet.proxy.server import ProxyServer
-    from ajet.ray_rollout import RayRollout
+    from ajet.rollout.ray import RayRollout
     from ajet.task import Task
 
     cfg = AjetConfig.model_validate({"workflow": "x:y", "data": {"train_path": "x"},

@@ -8,7 +8,7 @@ import pytest
 from ajet.errors import ConfigError
 from ajet.judges import extract_final_number, math_answer_judge
 from ajet.task import Task
-from ajet.task_reader import read_jsonl_tasks
+from ajet.tasks.jsonl import read_jsonl_tasks
 from ajet.workflow import WorkflowOutput
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"

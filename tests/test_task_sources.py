@@ -24,7 +24,7 @@ def _cfg(tmp_path, data: str, extra: str = ""):
 
 
 def test_jsonl_is_still_the_default_and_old_import_works(tmp_path):
-    from ajet.task_reader import read_jsonl_tasks   # the old module name keeps working
+    from ajet.tasks.jsonl import read_jsonl_tasks
 
     (tmp_path / "t.jsonl").write_text(json.dumps({"query": "q", "answer": "1"}) + "\n")
     tasks = load_tasks(_cfg(tmp_path, "{train_path: t.jsonl}"), "train")

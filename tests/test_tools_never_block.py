@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
-from ajet.rollout import rollout
+from ajet.rollout.episodes import rollout
 from ajet.task import Task
 from ajet.tools.sandbox import run_python_async
 from ajet.workflow import Tuner, Workflow, WorkflowOutput

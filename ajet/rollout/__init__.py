@@ -4,6 +4,8 @@ The trainer (ajet/trainer.py) is the one training loop; it asks a `RolloutSource
 episodes and does the rest (merge, advantages, update, ledger, checkpoint). Sources:
 
     in_process.py     ajet runs the `Workflow` (or a command, see command.py) per episode: `ajet --conf`
+    episodes.py       how one episode runs and is scored (shared by in_process.py and ray.py)
+    ray.py            `--with-ray`: the same episodes on a pool of Ray actors
     episode_queue.py  clients anywhere begin and finish episodes over HTTP: `ajet serve`
     command.py        a `Workflow` that runs the user's unmodified program per episode
 """
@@ -82,11 +84,3 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Stop handing out work."""
 
-
-def __getattr__(name: str):
-    """`from ajet.rollout import rollout, run_episode` (the in-process functions, as before the package)."""
-    if name in ("rollout", "run_episode"):
-        from ajet.rollout import in_process
-
-        return getattr(in_process, name)
-    raise AttributeError(f"module 'ajet.rollout' has no attribute {name!r}")

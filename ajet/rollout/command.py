@@ -10,7 +10,7 @@ scores. Its stderr (the last 16 KiB) is kept in the episode record (`output.meta
 exit fails the episode with the stderr tail; at the timeout (or when the episode is cancelled) its whole
 process group is killed. It runs in the config file's folder unless `cwd` says otherwise, with the
 trainer's environment plus `env` (this is the user's own program, not model-written code: see
-ajet/sandbox.py for that).
+ajet/tools/sandbox.py for that).
 """
 
 from __future__ import annotations

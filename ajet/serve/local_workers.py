@@ -2,7 +2,7 @@
 `serve.local_workers` clients of its own episode queue, beside the remote ones.
 
 Each worker loops: take the next place from the queue (as a remote client's `begin` would), run the
-workflow against the episode's endpoint (`ajet.rollout.in_process.execute_workflow`), finish the episode
+workflow against the episode's endpoint (`ajet.rollout.episodes.execute_workflow`), finish the episode
 with its reward (the queue applies the judge and the finite-reward check) or with its error. They stop
 when the run is finished.
 """
@@ -44,7 +44,7 @@ class LocalWorkers:
         await asyncio.gather(*(self._worker(i) for i in range(self.n)))
 
     async def _worker(self, i: int) -> None:
-        from ajet.rollout.in_process import execute_workflow
+        from ajet.rollout.episodes import execute_workflow
 
         while True:
             try:

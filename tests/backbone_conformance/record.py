@@ -47,7 +47,7 @@ def record(model_dir: str, num_tasks: int = 2, num_repeat: int = 3, max_tokens: 
     from ajet.grpo import assign_advantages
     from ajet.llm_call import SamplingParams
     from ajet.proxy.server import ProxyServer
-    from ajet.rollout import rollout
+    from ajet.rollout.episodes import rollout
     from ajet.task import Task
     from ajet.tracker import merge_calls
 

@@ -3,7 +3,7 @@
 The proxy stays in the trainer process: for every episode it opens an endpoint (a base URL and a per-episode
 key), a Ray actor runs the user's workflow against that URL with an OpenAI client, and the trainer closes the
 endpoint and collects the recorded calls. Calls, samples and rewards are therefore exactly those of the
-in-process rollout (`ajet.rollout.in_process.rollout`, same call signature); only where the workflow code runs changes.
+in-process rollout (`ajet.rollout.episodes.rollout`, same call signature); only where the workflow code runs changes.
 
 A worker that dies mid-step (killed, out of memory, node lost) fails only the episodes it was running: each
 is recorded with the Ray error as its `error` (and the calls it made before dying); Ray restarts the actor
@@ -22,7 +22,7 @@ from typing import Any, Callable
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.proxy.server import ProxyServer
-from ajet.rollout.in_process import Judge, new_episodes
+from ajet.rollout.episodes import Judge, execute_episode, new_episodes
 from ajet.task import Task
 from ajet.workflow import Workflow
 
@@ -36,8 +36,6 @@ class _EpisodeWorker:
     async def run(self, workflow: Workflow, judge: Judge | None, task: Task, episode_id: str, base_url: str,
                   api_key: str, timeout_s: float, model_name: str) -> dict[str, Any]:
         """Run one episode against the proxy at `base_url`; returns output, reward, error, duration_s."""
-        from ajet.rollout.in_process import execute_episode
-
         return await execute_episode(workflow, task, episode_id, base_url, api_key, judge, timeout_s, model_name)
 
 
@@ -72,10 +70,10 @@ class RayRollout:
                        judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                        on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
                        tools=None) -> list[Episode]:
-        """`ajet.rollout.in_process.rollout` on the pool: episode i runs on worker i mod num_workers.
+        """`ajet.rollout.episodes.rollout` on the pool: episode i runs on worker i mod num_workers.
 
         Returns:
-            `[len(tasks) * num_repeat]` episodes, as `ajet.rollout.in_process.new_episodes` names and groups them.
+            `[len(tasks) * num_repeat]` episodes, as `ajet.rollout.episodes.new_episodes` names and groups them.
         Raises:
             ConfigError: `tools` (MCP servers) given: their sessions live in the trainer process.
         """
