@@ -52,7 +52,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
 
     from ajet.backbones import load_backbone
     from ajet.eval import Validator
-    from ajet.grpo import assign_advantages
+    from ajet.algorithm.advantage import assign_advantages
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext

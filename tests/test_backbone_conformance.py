@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ajet.backbones.verl.data import verl_batch_tensors
-from ajet.grpo import LOSS_AGG_MODES, agg_loss, loss_token_weights, ppo_clip_loss
+from ajet.algorithm.loss import LOSS_AGG_MODES, agg_loss, loss_token_weights, ppo_clip_loss
 from ajet.tracker.sample import Sample
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import torch
 
 from ajet.backbones.debug.backbone import DebugBackbone, _collate, token_logprobs
 from ajet.config import AjetConfig
-from ajet.grpo import assign_advantages, grpo_advantages
+from ajet.algorithm.advantage import assign_advantages, grpo_advantages
 from ajet.llm_call import LLMCall, SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.tracker import merge_calls

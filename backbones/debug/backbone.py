@@ -19,7 +19,7 @@ import torch
 
 from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
-from ajet.grpo import loss_token_weights, ppo_clip_loss
+from ajet.algorithm.loss import loss_token_weights, ppo_clip_loss
 from ajet.model import load_model, load_tokenizer, resolve_model_path
 from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample

@@ -44,7 +44,7 @@ def record(model_dir: str, num_tasks: int = 2, num_repeat: int = 3, max_tokens: 
     tokens `[response_len]` (what a trainer would compute before its first update)."""
     from ajet.backbones.debug.backbone import DebugBackbone, token_logprobs
     from ajet.config import AjetConfig
-    from ajet.grpo import assign_advantages
+    from ajet.algorithm.advantage import assign_advantages
     from ajet.llm_call import SamplingParams
     from ajet.proxy.server import ProxyServer
     from ajet.rollout.episodes import rollout
