@@ -143,10 +143,35 @@ class ProxyConfig(_Section):
     retry_after_s: int = Field(1, ge=0)
 
 
+class DynamicSamplingConfig(_Section):
+    """DAPO's dynamic sampling (Yu et al. 2025, "DAPO", sec. 3.2): a group whose rewards are all equal has no
+    GRPO signal, so it is dropped and more tasks are rolled out, until the step has `trainer.tasks_per_step`
+    groups with signal or `max_oversample` extra tasks were tried (see ajet/algorithm/sampling.py)."""
+
+    enabled: bool = False
+    max_oversample: int = Field(8, ge=0, description="extra tasks a step may roll out to replace zero-std groups")
+
+
+class GuardsConfig(_Section):
+    """What the update refuses before it trains (see ajet/algorithm/guards.py); each is counted per step
+    (guards/* in metrics.jsonl) and the episode's `not_trained` reason names it."""
+
+    stale_policy: Literal["drop", "flag"] = Field(
+        "drop", description="a call served by a policy version more than trainer.async max_staleness behind: drop its "
+                            "episode, or only count it")
+
+
 class AlgorithmConfig(_Section):
-    """GRPO with a PPO-clip token loss (Shao et al. 2024, DeepSeekMath; Schulman et al. 2017)."""
+    """GRPO-family update with a PPO-clip token loss (Shao et al. 2024, DeepSeekMath; Schulman et al. 2017)."""
 
     name: Literal["grpo"] = "grpo"
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="verl's names and definitions (ajet/algorithm/advantage.py)")
+    episode_weight: Literal["episode", "sample"] = Field(
+        "episode", description="the 'seq' of the seq-mean-* loss modes: the episode (a forked episode counts once) or "
+                               "each sample (verl's per-row semantics)")
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    guards: GuardsConfig = GuardsConfig()
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_ratio_low: float = Field(0.2, ge=0)

@@ -153,7 +153,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             # every trainable episode is in its group's baseline, with or without a trained sample
             assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
                               {e.episode_id: e.group_id for e in trainable},
-                              cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std)
+                              cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std, cfg.algorithm.adv_estimator)
             used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
             store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in trainable for s in e.samples])
             backbone.sleep_rollout()           # rollout servers may free their memory for the update

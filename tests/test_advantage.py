@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ajet.algorithm.advantage import grpo_advantages
+from ajet.algorithm.advantage import ADV_ESTIMATORS, assign_advantages, compute_advantages, grpo_advantages
 
 
 def test_advantages_normalised_per_group():
@@ -26,3 +26,58 @@ def test_uniform_group_gives_zero_not_nan_and_dr_grpo_skips_std():
 def test_advantages_reject_shape_mismatch():
     with pytest.raises(ValueError, match="num_episodes"):
         grpo_advantages(torch.tensor([1.0, 2.0]), ["a"])
+
+
+# ---- RLOO, REINFORCE++ and its baseline variant (verl's definitions; every expected number by hand) --------
+def test_rloo_subtracts_the_mean_of_the_other_episodes_and_keeps_a_lone_reward():
+    adv = compute_advantages("rloo", torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0]), ["g"] * 4 + ["h"])
+    # A_0 = 1 - (0+0+1)/3, A_1 = 0 - (1+0+1)/3 ...; the lone episode of "h" keeps r (verl: no baseline)
+    assert adv.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 3.0])
+
+
+def test_reinforce_plus_plus_whitens_over_the_batch_tokens():
+    # rewards 1, 0, 0 with 1, 1, 2 loss tokens: token values [1, 0, 0, 0]: mean 1/4,
+    # unbiased var ((3/4)^2 + 3 (1/4)^2) / 3 = 1/4, std 1/2
+    adv = compute_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0, 0.0]), ["a", "b", "c"],
+                             torch.tensor([1.0, 1.0, 2.0]))
+    assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5], abs=1e-6)
+    # groups play no part: the same rewards in one group give the same advantages
+    same = compute_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0, 0.0]), ["g"] * 3,
+                              torch.tensor([1.0, 1.0, 2.0]))
+    assert same.tolist() == pytest.approx(adv.tolist())
+
+
+def test_reinforce_plus_plus_baseline_centres_each_group_then_whitens_the_batch():
+    # g: [1, 0] -> [0.5, -0.5]; h: [2, 2] -> [0, 0]; one token each: mean 0, var (0.25 + 0.25) / 3 = 1/6
+    adv = compute_advantages("reinforce_plus_plus_baseline", torch.tensor([1.0, 0.0, 2.0, 2.0]),
+                             ["g", "g", "h", "h"], torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    assert adv.tolist() == pytest.approx([0.5 * 6 ** 0.5, -0.5 * 6 ** 0.5, 0.0, 0.0], abs=1e-6)
+    # a lone episode has baseline 0: [1, 0] -> [0.5, -0.5], lone 4 stays 4; mean 4/3,
+    # var ((5/6)^2 + (11/6)^2 + (8/3)^2) / 2 = 201/36
+    adv = compute_advantages("reinforce_plus_plus_baseline", torch.tensor([1.0, 0.0, 4.0]), ["a", "a", "s"],
+                             torch.tensor([1.0, 1.0, 1.0]))
+    std = (201 / 36) ** 0.5
+    assert adv.tolist() == pytest.approx([(0.5 - 4 / 3) / std, (-0.5 - 4 / 3) / std, (4 - 4 / 3) / std], abs=1e-6)
+
+
+def test_estimators_reject_unknown_names_and_mismatched_lengths():
+    with pytest.raises(ValueError, match="adv_estimator 'ppo' is not one of"):
+        compute_advantages("ppo", torch.tensor([1.0]), ["g"])
+    for name in ADV_ESTIMATORS:
+        with pytest.raises(ValueError, match="must be"):
+            compute_advantages(name, torch.tensor([1.0, 2.0]), ["a"])
+
+
+def test_assign_advantages_counts_each_episode_with_its_loss_tokens():
+    from ajet.tracker.sample import Sample
+
+    def sample(ep, n):
+        return Sample(episode_id=ep, group_id=ep, agent_tag="default", call_ids=["c"], prompt_ids=[1],
+                      response_ids=[2] * n, loss_mask=[1] * n, old_logprobs=[-1.0] * n, policy_versions=[0] * n)
+
+    # e1 forked into two samples of 1 token each (2 tokens), e2 has 1, e3 has 1: rewards 1, 0, 0
+    samples = [sample("e1", 1), sample("e1", 1), sample("e2", 1), sample("e3", 1)]
+    assign_advantages(samples, {"e1": 1.0, "e2": 0.0, "e3": 0.0}, adv_estimator="reinforce_plus_plus")
+    # tokens [1, 1, 0, 0]: mean 1/2, var (4 * 1/4) / 3 = 1/3
+    a = 0.5 * 3 ** 0.5
+    assert [s.advantage for s in samples] == pytest.approx([a, a, -a, -a], abs=1e-6)

@@ -177,6 +177,24 @@ def test_each_episode_of_a_mini_batch_contributes_its_share(backbone):
     torch.testing.assert_close(grads(samples), sum(each) / 3, rtol=1e-4, atol=1e-7)
 
 
+def test_episode_weight_counts_a_forked_episode_once_or_each_sample(backbone):
+    # e0 forked into two samples, e1 is one: seq-mean-token-sum weighs every token 1/S
+    samples = _on_policy(backbone, _episodes(3, seed=2))
+    samples[1].episode_id = "e0"
+    tokens = sum(s.num_loss_tokens for s in samples)
+    alg = backbone.cfg.algorithm
+    alg.loss_agg_mode = "seq-mean-token-sum"
+    try:
+        by_episode = backbone.accumulate_gradients(samples)["weight_sum"]
+        alg.episode_weight = "sample"
+        by_sample = backbone.accumulate_gradients(samples)["weight_sum"]
+    finally:
+        alg.loss_agg_mode, alg.episode_weight = "seq-mean-token-mean", "episode"
+        backbone.model.zero_grad(set_to_none=True)
+    assert by_episode == pytest.approx(tokens / 2)    # S = 2 episodes
+    assert by_sample == pytest.approx(tokens / 3)     # S = 3 samples (verl's per-row semantics)
+
+
 def test_algorithm_config_names_the_loss_choices():
     cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"},
                      algorithm={"norm_adv_by_std": False, "loss_agg_mode": "seq-mean-token-sum-norm",

@@ -121,7 +121,8 @@ class DebugBackbone:
     def accumulate_gradients(self, samples: list[Sample]) -> dict[str, float]:
         """Backward the GRPO loss of `samples` (one mini-batch) into `.grad`, micro-batch by micro-batch.
 
-        Per-token weights come from `loss_token_weights` over all of `samples` (a sequence = an episode),
+        Per-token weights come from `loss_token_weights` over all of `samples` (a sequence = an episode, or
+        a sample with `algorithm.episode_weight: sample`),
         so the summed gradient is exactly the `algorithm.loss_agg_mode` aggregate of the mini-batch,
         however the episodes were split into samples and micro-batches.
 
@@ -131,7 +132,9 @@ class DebugBackbone:
             under the weights before this backward) and _tokens (how many).
         """
         alg = self.cfg.algorithm
-        weights = loss_token_weights([s.episode_id for s in samples], [s.num_loss_tokens for s in samples],
+        # a "sequence" of the seq-mean-* modes: the episode (however many samples it forked into), or each sample
+        seq_ids = [s.episode_id if alg.episode_weight == "episode" else i for i, s in enumerate(samples)]
+        weights = loss_token_weights(seq_ids, [s.num_loss_tokens for s in samples],
                                      alg.loss_agg_mode, alg.loss_scale_factor,
                                      max(len(s.response_ids) for s in samples) if samples else None)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "weight_sum",
