@@ -31,6 +31,8 @@ class Episode:
         attempt: the trainer attempt that ran and stored it (its key in trajectories.sqlite with
             `episode_id`; an episode that a resumed `ajet serve` adopts keeps its first attempt's number).
         tool_calls: every `tuner.call_tool` call of the episode with its result, in call order.
+        not_trained: why a successful episode is left out of the update (e.g. "zero_std_group", a guard's
+            reason; see ajet/algorithm/), or None; the trainer records it in the store's ledger.
     """
 
     episode_id: str
@@ -45,6 +47,7 @@ class Episode:
     duration_s: float = 0.0
     attempt: int = 0
     tool_calls: list[ToolResult] = field(default_factory=list)
+    not_trained: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,6 +72,7 @@ class Episode:
             "calls": [c.to_dict() for c in self.calls],
             "tool_calls": [t.to_dict() for t in self.tool_calls],
             "samples": [s.to_dict() for s in self.samples],
+            "not_trained": self.not_trained,
         }
 
     @classmethod

@@ -2,12 +2,14 @@
 GRPO advantages -> backbone update -> ledger -> log -> checkpoint.
 
     source = make_source(ctx)                                 # in-process workflow, or `ajet serve`'s clients
+                                                              # (wrapped by DynamicSampling when enabled)
     for step in first_step..total_steps:
         episodes = source.collect(step)                       # complete GRPO groups, each committed to the store
         samples  = merge_calls(episode.calls) for each episode   # context tracker
-        advantage per episode = GRPO over its task group          # shared by the episode's samples
+        advantage per episode = adv_estimator over its task group  # shared by the episode's samples
         backbone.update(samples)                                  # the engine serves the new weights
-        store.mark_trained(step, attempt, episodes)               # the ledger: which update used which episode
+        store.mark_trained(step, attempt, episodes, left_out)     # the ledger: which update used which episode,
+                                                                  # and why the others were left out
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ajet import checkpoint
+from ajet.algorithm.sampling import zero_std_groups
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
@@ -56,6 +59,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext
+    from ajet.rollout.dynamic_sampling import DynamicSampling
     from ajet.rollout.in_process import InProcessRollout
     from ajet.tools.episode_tools import tool_metrics
     from ajet.tools.mcp_hub import McpHub
@@ -93,6 +97,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, log.console)
     try:
         source = (make_source or InProcessRollout.from_context)(ctx)   # loads the workflow: fails before the model
+        if cfg.algorithm.dynamic_sampling.enabled:   # refills the step's groups with signal (DAPO)
+            source = DynamicSampling(source, cfg)
     except BaseException:
         store.close()
         log.close()
@@ -140,27 +146,29 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 progress[0] = lambda status=None: None
             kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
-            trainable = _trainable(episodes, r.failed_episode_policy)
-            failed_in_a_row = 0 if trainable else failed_in_a_row + 1
+            usable = _trainable(episodes, r.failed_episode_policy)
+            failed_in_a_row = 0 if usable else failed_in_a_row + 1
             if failed_in_a_row >= cfg.trainer.max_failed_steps:
                 raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
-            for e in trainable:
+            for e in usable:
                 e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
                                         cfg.algorithm.train_greedy_calls)
+            trainable = [e for e in usable if e.not_trained is None]   # minus dropped zero-std groups
             samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
-            # every trainable episode is in its group's baseline, with or without a trained sample
-            assign_advantages(samples, {e.episode_id: e.reward for e in trainable},
-                              {e.episode_id: e.group_id for e in trainable},
+            # every usable episode is in its group's baseline, with or without a trained sample
+            assign_advantages(samples, {e.episode_id: e.reward for e in usable},
+                              {e.episode_id: e.group_id for e in usable},
                               cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std, cfg.algorithm.adv_estimator)
             used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
-            store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in trainable for s in e.samples])
+            store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in usable for s in e.samples])
             backbone.sleep_rollout()           # rollout servers may free their memory for the update
             train = backbone.update(samples)
             backbone.wake_rollout()            # ... and serve the new weights
             kill_point("update", step)
-            store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable])
+            store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable],
+                               _left_out(episodes, trainable))
             kill_point("trained", step)
             source.step_done(step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
@@ -168,6 +176,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             metrics.update(tool_metrics(episodes))
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
+            for _, _, why in _left_out(episodes, trainable):
+                metrics[f"rollout/not_trained/{why}"] = metrics.get(f"rollout/not_trained/{why}", 0) + 1
             metrics.update(source.metrics())
             metrics["time/step_s"] = time.perf_counter() - t0
             metrics["policy_version"] = backbone.engine.policy_version
@@ -235,6 +245,13 @@ def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:
     return [e for e in episodes if e.ok and (policy == "drop_episode" or e.group_id not in failed_groups)]
 
 
+def _left_out(episodes: list[Episode], trainable: list[Episode]) -> list[tuple[str, int, str]]:
+    """(episode_id, attempt, reason) of every successful episode the update leaves out: its `not_trained`
+    reason, or "failed_group" (failed_episode_policy drop_group)."""
+    used = {id(e) for e in trainable}
+    return [(e.episode_id, e.attempt, e.not_trained or "failed_group") for e in episodes if e.ok and id(e) not in used]
+
+
 def _trained_samples(episodes: list[Episode], targets: list[str] | None) -> list[Sample]:
     """The samples of `episodes` from the agents in `targets` (all of them when None). Warns when the
     episodes called the policy under none of the targeted tags (a misspelt tag trains nothing)."""
@@ -265,6 +282,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         "reward/mean": statistics.fmean(rewards) if rewards else float("nan"),
         "reward/std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "reward/max": max(rewards) if rewards else float("nan"),
+        "rollout/zero_std_groups": len(zero_std_groups(episodes)),   # groups without GRPO signal
         "rollout/calls": len(calls),
         "rollout/calls_per_episode": len(calls) / len(ok) if ok else 0.0,
         "rollout/strict_violations": sum(len(c.strict_violations) for c in calls),

@@ -14,6 +14,8 @@ Each episode is committed in one transaction as soon as it finishes, before trai
     trained    one row per episode that went into an update: (episode_id, attempt, step, trained_attempt);
                `attempt` is the episode's, `trained_attempt` the one that ran the update of `step` (they
                differ when a resumed `ajet serve` trains episodes its killed predecessor had finished)
+    not_trained  one row per successful episode the update of a step left out on purpose, with the reason
+               (e.g. "zero_std_group" under dynamic sampling, "failed_group", a guard's reason)
 
 An update of step S in attempt A is *live* (its weights are in the run's lineage) unless a later attempt
 resumed from a checkpoint before S. An episode stored by attempt A under step S that no live update
@@ -52,6 +54,9 @@ CREATE TABLE IF NOT EXISTS trained (
 CREATE TABLE IF NOT EXISTS samples (
     episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, idx INTEGER NOT NULL, step INTEGER NOT NULL,
     advantage REAL, record TEXT NOT NULL, PRIMARY KEY (episode_id, attempt, idx));
+CREATE TABLE IF NOT EXISTS not_trained (
+    episode_id TEXT NOT NULL, attempt INTEGER NOT NULL, step INTEGER NOT NULL, trained_attempt INTEGER NOT NULL,
+    reason TEXT NOT NULL, PRIMARY KEY (episode_id, attempt, trained_attempt));
 """
 
 
@@ -99,13 +104,18 @@ class TrajectoryStore:
             self._db.executemany("INSERT INTO calls VALUES (?, ?, ?, ?, ?)",
                                  [(c["call_id"], record["episode_id"], attempt, c["index"], json.dumps(c)) for c in calls])
 
-    def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]]) -> None:
+    def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]],
+                     not_trained: Iterable[tuple[str, int, str]] = ()) -> None:
         """Record, in one transaction, that the update of `step` run by `attempt` trained on `episodes`,
-        given as (episode_id, the attempt that stored the episode)."""
+        given as (episode_id, the attempt that stored the episode), and left out `not_trained`, given as
+        (episode_id, its attempt, reason)."""
         with self._write, self._db:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
                                  [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
+            self._db.executemany("INSERT INTO not_trained VALUES (?, ?, ?, ?, ?)",
+                                 [(eid, ep_attempt, step, attempt, why) for eid, ep_attempt, why in not_trained])
+
     def add_samples(self, step: int, attempt: int, samples: list[dict[str, Any]]) -> None:
         """Commit the training samples built for `step` (each a `Sample.to_dict()` plus `trained`: whether the
         update used it), after their advantages are set, in one transaction. Samples are derived data (the
@@ -135,7 +145,8 @@ class TrajectoryStore:
         """The fate of every stored episode, in insertion order: dicts with `episode_id`, `attempt`, `step`,
         `ok` (finished with a finite reward), `trained_in`: the (step, trained_attempt) of every *live*
         update that used it (normally [] or one), `rolled_back`: the same for updates a later resume
-        discarded, and `abandoned`: no live update used it and a later attempt resumed from a checkpoint
+        discarded, `not_trained`: the reason a live update left it out on purpose (None otherwise), and
+        `abandoned`: no live update used or left it out and a later attempt resumed from a checkpoint
         before its step."""
         resumes = self.attempts()
 
@@ -147,24 +158,27 @@ class TrajectoryStore:
         for eid, att, st, by in self._db.execute("SELECT episode_id, attempt, step, trained_attempt FROM trained "
                                                  "ORDER BY rowid"):
             (dead if discarded(st, by) else live).setdefault((eid, att), []).append((st, by))
+        left_out = {(eid, att): why for eid, att, st, by, why in self._db.execute(
+            "SELECT episode_id, attempt, step, trained_attempt, reason FROM not_trained ORDER BY rowid")
+            if not discarded(st, by)}
         out = []
         for eid, att, st, reward, error in self._db.execute(
                 "SELECT episode_id, attempt, step, reward, error FROM episodes ORDER BY rowid"):
-            trained_in = live.get((eid, att), [])
+            trained_in, why = live.get((eid, att), []), left_out.get((eid, att))
             out.append({"episode_id": eid, "attempt": att, "step": st, "ok": error is None and reward is not None,
-                        "trained_in": trained_in, "rolled_back": dead.get((eid, att), []),
-                        "abandoned": not trained_in and discarded(st, att)})
+                        "trained_in": trained_in, "rolled_back": dead.get((eid, att), []), "not_trained": why,
+                        "abandoned": not trained_in and why is None and discarded(st, att)})
         return out
 
     def untrained(self) -> list[dict[str, Any]]:
-        """Records (with their `attempt`) of the ok episodes that no live update used, oldest first: what a
-        resumed `ajet serve` adopts instead of asking clients to run them again."""
+        """Records (with their `attempt`) of the ok episodes that no live update used or left out on purpose,
+        oldest first: what a resumed `ajet serve` adopts instead of asking clients to run them again."""
         fates = {(e["episode_id"], e["attempt"]): e for e in self.ledger()}
         rows = self._db.execute("SELECT episode_id, attempt, record FROM episodes ORDER BY rowid")
         out = []
         for eid, att, record in rows:
             fate = fates[(eid, att)]
-            if fate["ok"] and not fate["trained_in"]:
+            if fate["ok"] and not fate["trained_in"] and fate["not_trained"] is None:
                 out.append({**json.loads(record), "attempt": att})
         return out
 

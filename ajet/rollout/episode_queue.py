@@ -270,16 +270,20 @@ class EpisodeQueue:
     def collect(self, step: int) -> list[Episode]:
         """Block until `tasks_per_step` groups are complete; take them (oldest first) and return their
         episodes `[tasks_per_step * num_repeat]`, grouped. Idle episodes are abandoned while waiting."""
+        return self.collect_more(step, self.tasks_per_step)
+
+    def collect_more(self, step: int, num_tasks: int) -> list[Episode]:
+        """As `collect`, for `num_tasks` groups (dynamic sampling's refill of `step`)."""
         with self._changed:
             self.collecting_step = step
             while True:
                 self._reap_idle()
                 done = sorted((g for g in self._groups.values() if len(g.finished) == self.num_repeat),
                               key=lambda g: g.order)
-                if len(done) >= self.tasks_per_step:
+                if len(done) >= num_tasks:
                     break
                 self._changed.wait(timeout=0.5)
-            taken = done[: self.tasks_per_step]
+            taken = done[:num_tasks]
             for g in taken:
                 del self._groups[g.group_id]
             self.collecting_step = step + 1

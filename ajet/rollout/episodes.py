@@ -83,12 +83,14 @@ async def execute_episode(workflow: Workflow, task: Task, episode_id: str, base_
     return {"output": output, "reward": reward, "error": error, "duration_s": duration_s}
 
 
-def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0) -> list[Episode]:
+def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0,
+                 first_task_index: int = 0) -> list[Episode]:
     """`[len(tasks) * num_repeat]` fresh episodes, grouped by task; group_id is "<step>:<task_id>"; episode ids
-    "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run."""
+    "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run (task indices
+    count from `first_task_index`: a step's extra tasks under dynamic sampling continue its numbering)."""
     return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
                     repeat_index=r, attempt=attempt)
-            for ti, task in enumerate(tasks) for r in range(num_repeat)]
+            for ti, task in enumerate(tasks, start=first_task_index) for r in range(num_repeat)]
 
 
 async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> float:
@@ -110,17 +112,17 @@ async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> flo
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                   judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                   on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
-                  tools: McpHub | None = None) -> list[Episode]:
+                  tools: McpHub | None = None, first_task_index: int = 0) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
 
     `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar);
-    `tools` are the run's MCP servers (see `run_episode`).
+    `tools` are the run's MCP servers (see `run_episode`); `first_task_index` as `new_episodes`.
 
     Returns:
         `[len(tasks) * num_repeat]` episodes as `new_episodes` names and groups them.
     """
     sem = asyncio.Semaphore(max_concurrency)
-    episodes = new_episodes(tasks, num_repeat, step, attempt)
+    episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index)
 
     async def _one(ep: Episode) -> Episode:
         async with sem:

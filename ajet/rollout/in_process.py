@@ -42,6 +42,7 @@ class InProcessRollout:
         self.ctx, self.workflow, self.judge = ctx, workflow, judge
         self.sampler = ctx.sampler()
         self.proxy: ProxyServer | None = None
+        self.handed_out = 0   # tasks of the current step so far
         self.run_episodes: Callable[..., Any] = rollout   # or, with --with-ray, a pool of Ray actors
         r = ctx.cfg.rollout
         if r.ray_workers:
@@ -64,11 +65,18 @@ class InProcessRollout:
         self.proxy = proxy
 
     def collect(self, step: int) -> list[Episode]:
+        self.handed_out = 0
+        return self.collect_more(step, self.ctx.cfg.trainer.tasks_per_step)
+
+    def collect_more(self, step: int, num_tasks: int) -> list[Episode]:
+        """`num_tasks` more tasks for `step` (dynamic sampling's refill), the next ones in sampler order;
+        their episode ids continue the step's task numbering."""
         r = self.ctx.cfg.rollout
-        tasks = self.sampler.next_batch(self.ctx.cfg.trainer.tasks_per_step)
+        tasks = self.sampler.next_batch(num_tasks)
+        first, self.handed_out = self.handed_out, self.handed_out + num_tasks
         return asyncio.run(self.run_episodes(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
                                    r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
-                                   attempt=self.ctx.attempt, tools=self.ctx.tools))
+                                   attempt=self.ctx.attempt, tools=self.ctx.tools, first_task_index=first))
 
     def step_done(self, step: int) -> None:
         pass

@@ -1,0 +1,63 @@
+"""Dynamic sampling as a rollout-source wrapper: the trainer's one loop asks it for a step's episodes as
+it asks any source; it drops the groups without signal (ajet/algorithm/sampling.py) and asks the source
+for more tasks until the step has `trainer.tasks_per_step` groups with signal, or `max_oversample` extra
+tasks were rolled out (DAPO, Yu et al. 2025, sec. 3.2).
+
+Nothing is lost: every episode it was handed is returned (and was committed to the store by the source);
+the dropped groups' episodes carry `not_trained = "zero_std_group"`, which the trainer records in the
+ledger instead of training them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ajet.algorithm.sampling import ZERO_STD_REASON, groups_with_signal, zero_std_groups
+from ajet.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ajet.config import AjetConfig
+    from ajet.episode import Episode
+    from ajet.rollout import RolloutSource
+
+
+class DynamicSampling:
+    """Wraps a `RolloutSource` that has `collect_more(step, num_tasks)`; every other attribute is the
+    wrapped source's.
+
+    Args:
+        source: the rollout source.
+        cfg: the experiment config (`trainer.tasks_per_step`, `algorithm.dynamic_sampling.max_oversample`).
+    Raises:
+        ConfigError: the source cannot roll out extra tasks (no `collect_more`).
+    """
+
+    def __init__(self, source: RolloutSource, cfg: AjetConfig):
+        if not callable(getattr(source, "collect_more", None)):
+            raise ConfigError(f"algorithm.dynamic_sampling needs a rollout source that can roll out extra tasks; "
+                              f"{type(source).__name__} cannot: set algorithm.dynamic_sampling.enabled: false")
+        self.source, self.tasks_per_step = source, cfg.trainer.tasks_per_step
+        self.max_oversample = cfg.algorithm.dynamic_sampling.max_oversample
+        self.oversampled = 0
+
+    def collect(self, step: int) -> list[Episode]:
+        """The source's episodes of `step` plus those of up to `max_oversample` extra tasks, grouped; the
+        episodes of every group without signal get `not_trained = "zero_std_group"`."""
+        episodes = self.source.collect(step)
+        self.oversampled = 0
+        while (missing := self.tasks_per_step - len(groups_with_signal(episodes))) > 0 \
+                and self.oversampled < self.max_oversample:
+            n = min(missing, self.max_oversample - self.oversampled)
+            episodes += self.source.collect_more(step, n)
+            self.oversampled += n
+        flat = set(zero_std_groups(episodes))
+        for e in episodes:
+            if e.group_id in flat and e.ok and e.not_trained is None:
+                e.not_trained = ZERO_STD_REASON
+        return episodes
+
+    def metrics(self) -> dict[str, Any]:
+        return {**self.source.metrics(), "rollout/oversampled_tasks": self.oversampled}
+
+    def __getattr__(self, name: str) -> Any:   # bind, step_done, state_dict, workflow, ... : the source's
+        return getattr(self.source, name)

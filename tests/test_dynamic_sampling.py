@@ -1,0 +1,122 @@
+"""Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and replaced by extra tasks
+within `max_oversample`; every episode stays in the ledger, trained once or left out with its reason."""
+
+import json
+import textwrap
+
+import pytest
+
+from ajet.algorithm.sampling import groups_with_signal, zero_std_groups
+from ajet.config import AjetConfig, load_config
+from ajet.episode import Episode
+from ajet.task import Task
+from ajet.trainer import run
+from ajet.trajectory_store import TrajectoryStore
+
+WORKFLOW = '''
+from ajet.workflow import Workflow, WorkflowOutput
+
+
+class RepeatReward(Workflow):
+    """One policy call; tasks "flat*" always score 1 (a group without signal), the others score their
+    repeat index (every group has signal)."""
+
+    async def execute(self, task, tuner):
+        r = await tuner.client.chat.completions.create(model=tuner.model,
+                                                       messages=[{"role": "user", "content": task.query}])
+        repeat = int(tuner.episode_id.rsplit("-r", 1)[1])
+        return WorkflowOutput(reward=1.0 if task.task_id.startswith("flat") else float(repeat),
+                              final_answer=r.choices[0].message.content or "")
+'''
+TASKS = ["flat0", "flat1", "var0", "var1", "flat2", "var2", "flat3", "flat4", "flat5", "flat6", "var3", "var4"]
+
+
+def _ep(group, reward, i=0):
+    return Episode(episode_id=f"{group}-{i}", task=Task(task_id=group, query="q"), group_id=group, repeat_index=i,
+                   reward=reward, error=None if reward is not None else "boom")
+
+
+def test_zero_std_groups_are_those_whose_successful_episodes_agree():
+    eps = [_ep("a", 1.0, 0), _ep("a", 1.0, 1), _ep("b", 0.0, 0), _ep("b", 1.0, 1), _ep("c", 2.0, 0),
+           _ep("c", None, 1), _ep("d", None, 0), _ep("e", 0.5, 0), _ep("e", 0.5, 1), _ep("e", 0.25, 2)]
+    # a: equal; c: one success (nothing to compare with); d: no success (nothing to drop); e: 0.5 vs 0.25
+    assert zero_std_groups(eps) == ["a", "c"]
+    assert groups_with_signal(eps) == ["b", "e"]
+
+
+def _conf(tmp_path, tiny_model_dir, steps, enabled=True, exp="exp", resume=False):
+    (tmp_path / "wf.py").write_text(WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": t, "query": f"Say {t}."}) + "\n"
+                                                  for t in TASKS))
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        workflow: wf.py:RepeatReward
+        model: {{path: "{tiny_model_dir}", max_model_len: 256}}
+        data: {{train_path: tasks.jsonl, shuffle: false}}
+        rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
+        algorithm: {{lr: 1.0e-3, dynamic_sampling: {{enabled: {str(enabled).lower()}, max_oversample: 3}}}}
+        trainer: {{total_steps: {steps}, tasks_per_step: 2, tensorboard: false, exp_dir: "{tmp_path / exp}",
+                   resume: {str(resume).lower()}}}
+    """))
+    return load_config(tmp_path / "conf.yaml")
+
+
+def _metrics(exp):
+    return [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines() if '"val/' not in line]
+
+
+def test_zero_std_groups_are_replaced_within_the_bound_and_every_episode_is_accounted_for(tiny_model_dir, tmp_path):
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=2))
+    m1, m2 = _metrics(exp)
+    # step 1: flat0, flat1 have no signal -> 2 extra tasks (var0, var1) fill the step
+    assert (m1["rollout/zero_std_groups"], m1["rollout/oversampled_tasks"], m1["rollout/trained_episodes"]) == (2, 2, 4)
+    assert m1["rollout/episodes"] == 8 and m1["rollout/not_trained/zero_std_group"] == 4
+    # step 2: flat2, var2, then flat3, flat4, flat5 (the bound, 3) and still one group short: train on var2 alone
+    assert (m2["rollout/zero_std_groups"], m2["rollout/oversampled_tasks"], m2["rollout/trained_episodes"]) == (4, 3, 2)
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    ledger, records = store.ledger(), store.episodes()
+    store.close()
+    assert len(ledger) == 18 and len({e["episode_id"] for e in ledger}) == 18
+    task_of = {r["episode_id"]: r["task"]["task_id"] for r in records}
+    for e in ledger:   # each episode trained exactly once, or left out with its reason; never both, never neither
+        flat = task_of[e["episode_id"]].startswith("flat")
+        assert e["ok"] and not e["abandoned"]
+        assert (e["trained_in"], e["not_trained"]) == (([], "zero_std_group") if flat else ([(e["step"], 0)], None))
+    assert sorted(task_of.values()) == sorted(t for t in TASKS[:9] for _ in range(2))
+
+
+def test_resume_after_an_oversampled_step_continues_with_the_next_task(tiny_model_dir, tmp_path):
+    run(_conf(tmp_path, tiny_model_dir, steps=1))
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=2, resume=True))
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    step2 = [r["task"]["task_id"] for r in store.episodes(step=2)]
+    store.close()
+    assert step2[::2] == ["flat2", "var2", "flat3", "flat4", "flat5"]   # the sampler position after var1
+
+
+def test_a_source_that_cannot_roll_out_more_tasks_is_refused_by_name():
+    from ajet.errors import ConfigError
+    from ajet.rollout.dynamic_sampling import DynamicSampling
+
+    class Fixed:
+        def collect(self, step):
+            return []
+
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"},
+                     algorithm={"dynamic_sampling": {"enabled": True}})
+    with pytest.raises(ConfigError, match="Fixed cannot: set algorithm.dynamic_sampling.enabled: false"):
+        DynamicSampling(Fixed(), cfg)
+
+
+def test_an_episode_left_out_on_purpose_is_not_adopted_again_unless_its_step_was_rolled_back(tmp_path):
+    store = TrajectoryStore(tmp_path / "t.sqlite")
+    a0 = store.begin_attempt(0)
+    for eid in ("x", "y", "z"):
+        store.add_episode(1, a0, _ep(eid, 1.0).to_dict())
+    store.mark_trained(1, a0, [("x-0", a0)], [("y-0", a0, "zero_std_group")])
+    assert [r["episode_id"] for r in store.untrained()] == ["z-0"]        # y is not a leftover to adopt
+    assert {e["episode_id"]: e["not_trained"] for e in store.ledger()} == {"x-0": None, "y-0": "zero_std_group",
+                                                                            "z-0": None}
+    store.begin_attempt(0)                                                 # a resume from before step 1
+    fates = {e["episode_id"]: e for e in store.ledger()}
+    assert fates["y-0"]["not_trained"] is None and fates["y-0"]["abandoned"]   # that decision was rolled back too
+    store.close()
