@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ajet import checkpoint
+from ajet.algorithm.guards import (NON_FINITE_LOGPROB, OUT_OF_VOCAB, STALE_POLICY, empty_loss_samples, policy_lag,
+                                   sampled_token_reason, stale_policy_reason)
 from ajet.algorithm.sampling import zero_std_groups
 from ajet.config import AjetConfig
 from ajet.episode import Episode
@@ -152,10 +154,13 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
+            guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version, None,
+                                            cfg.algorithm.guards.stale_policy)
             for e in usable:
-                e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
-                                        cfg.algorithm.train_greedy_calls)
-            trainable = [e for e in usable if e.not_trained is None]   # minus dropped zero-std groups
+                if id(e) not in guarded:   # a guarded episode's ids may not even decode: no samples
+                    e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
+                                            cfg.algorithm.train_greedy_calls)
+            trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
             samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
             # every usable episode is in its group's baseline, with or without a trained sample
             assign_advantages(samples, {e.episode_id: e.reward for e in usable},
@@ -173,6 +178,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             source.step_done(step)
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)
+            metrics.update(guard_metrics, **{"guards/empty_loss_samples": empty_loss_samples(samples)})
             metrics.update(tool_metrics(episodes))
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
@@ -243,6 +249,35 @@ def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:
     "drop_group"."""
     failed_groups = {e.group_id for e in episodes if not e.ok}
     return [e for e in episodes if e.ok and (policy == "drop_episode" or e.group_id not in failed_groups)]
+
+
+def _guard(episodes: list[Episode], vocab_size: int, policy_version: int, max_staleness: int | None,
+           stale_policy: str) -> tuple[set[int], dict[str, Any]]:
+    """Apply the sampled-token and staleness guards (ajet/algorithm/guards.py) to `episodes`: each episode
+    that fails one gets `not_trained` set to the reason (unless it already has one).
+
+    Args:
+        vocab_size: ids the trainer's tokenizer knows; policy_version: the weights the update starts from;
+        max_staleness: updates a call may lag behind (None: no bound); stale_policy: "drop" or "flag".
+    Returns:
+        (ids (`id()`) of the episodes dropped for their sampled tokens, the step's guards/* counts).
+    """
+    dropped: set[int] = set()
+    counts = dict.fromkeys((f"guards/{OUT_OF_VOCAB}_episodes", f"guards/{NON_FINITE_LOGPROB}_episodes",
+                            f"guards/{STALE_POLICY}_episodes"), 0)
+    for e in episodes:
+        why = sampled_token_reason(e.calls, vocab_size)
+        if why is not None:
+            dropped.add(id(e))
+        elif stale_policy_reason(e.calls, policy_version, max_staleness) is not None:
+            why = STALE_POLICY
+        if why is None:
+            continue
+        counts[f"guards/{why}_episodes"] += 1
+        if e.not_trained is None and (why != STALE_POLICY or stale_policy == "drop"):
+            e.not_trained = why
+    counts["guards/max_policy_lag"] = max((policy_lag(e.calls, policy_version) for e in episodes), default=0)
+    return dropped, counts
 
 
 def _left_out(episodes: list[Episode], trainable: list[Episode]) -> list[tuple[str, int, str]]:

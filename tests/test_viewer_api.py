@@ -48,7 +48,8 @@ def test_overview_has_every_step_and_the_charted_metrics(base):
     assert run["steps"][0]["failed"] == 3 and run["steps"][1]["failed"] == 0   # step 1 ran the failing task
     assert [m["step"] for m in run["metrics"]] == [1, 2]
     for key in ("reward/mean", "tracker/merge_ratio", "tracker/token_ratio", "train/clip_frac", "time/step_s",
-                "workflow/turns"):
+                "workflow/turns", "rollout/zero_std_groups", "guards/empty_loss_samples",
+                "guards/out_of_vocab_token_episodes", "guards/non_finite_logprob_episodes", "guards/max_policy_lag"):
         assert key in run["chart_keys"]
     assert run["policy_version"] == 2 and run["has_samples_table"]
 

@@ -30,7 +30,8 @@ from ajet.viewer.run_reader import NotFound, RunReader
 
 STATIC_DIR = Path(__file__).parent / "static"
 # metrics.jsonl keys the overview charts, in order (a key a run does not log is left out)
-OVERVIEW_KEYS = ["reward/mean", "reward/std", "rollout/episodes", "rollout/failed", "tracker/merge_ratio",
+OVERVIEW_KEYS = ["reward/mean", "reward/std", "rollout/episodes", "rollout/failed", "rollout/zero_std_groups",
+                 "rollout/oversampled_tasks", "tracker/merge_ratio",
                  "tracker/token_ratio", "train/kl", "train/clip_frac", "train/entropy", "train/grad_norm",
                  "time/step_s", "time/rollout_s", "train/update_s", "rollout/tokens_per_s", "policy_version"]
 
@@ -71,6 +72,8 @@ def create_app(exp_dir: str | Path) -> Starlette:
     def overview(request: Request) -> dict[str, Any]:
         metrics = run.metrics()
         keys = [k for k in OVERVIEW_KEYS if any(k in m for m in metrics)]
+        # the guards' counts and why episodes were left out (ajet/algorithm/), then the workflow's own metrics
+        keys += sorted({k for m in metrics for k in m if k.startswith(("guards/", "rollout/not_trained/"))})
         keys += sorted({k for m in metrics for k in m if k.startswith("workflow/")})
         model = run.config.get("model") or {}
         plots = sorted(p.name for p in (run.exp_dir / "plots").glob("*.png")) if (run.exp_dir / "plots").is_dir() else []
