@@ -249,3 +249,35 @@ def test_the_verl_api_the_adapter_calls_exists():
     proc = subprocess.run([venv_python("verl"), "-c", VERL_API_CHECK], capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+VERL_AGG_LOSS = """
+import json, sys
+import torch
+from verl.trainer.ppo.core_algos import agg_loss
+d = json.load(sys.stdin)
+mat, mask = torch.tensor(d["loss_mat"], dtype=torch.float64), torch.tensor(d["mask"], dtype=torch.float64)
+print(json.dumps({f"{m}/{f}": float(agg_loss(mat, mask, m, loss_scale_factor=f)) for m in d["modes"]
+                  for f in (None, 64.0)}))
+"""
+
+
+def test_agg_loss_equals_verls_own_with_fully_masked_rows():
+    """ajet's `agg_loss` against verl 0.9.1's own `agg_loss` (not a re-written reference) on a batch with a
+    fully masked row, which verl leaves out of the sequence count of the seq-mean modes (1e-7: verl adds 1e-8
+    to each row's token count in seq-mean-token-mean)."""
+    g = torch.Generator().manual_seed(0)
+    loss_mat = torch.randn(5, 9, generator=g, dtype=torch.float64)
+    mask = (torch.rand(5, 9, generator=g) > 0.4).double()
+    mask[2] = 0
+    mask[4] = 0
+    mask[0, 0] = 1
+    payload = {"loss_mat": loss_mat.tolist(), "mask": mask.tolist(), "modes": list(LOSS_AGG_MODES)}
+    proc = subprocess.run([venv_python("verl"), "-c", VERL_AGG_LOSS], input=json.dumps(payload), capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verl = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mode in LOSS_AGG_MODES:
+        for factor in (None, 64.0):
+            ours = float(agg_loss(loss_mat, mask, mode, factor))
+            assert abs(verl[f"{mode}/{factor}"] - ours) < 1e-7, (mode, factor, verl[f"{mode}/{factor}"], ours)

@@ -33,8 +33,9 @@ def loss_token_weights(seq_ids: list, loss_tokens: list[int], loss_agg_mode: str
 
     A "sequence" is all the samples sharing a `seq_ids` entry: the trainer passes episode ids (an episode
     is one sequence however many samples it forked into); pass `range(num_samples)` for verl's per-row
-    semantics. With S sequences, n_s loss tokens in sequence s and N = sum_s n_s (verl's definitions,
-    one data-parallel rank, `global_batch_size` unset):
+    semantics. With S sequences that have a loss token (a fully masked one counts in no mode, as in verl
+    0.9.1), n_s loss tokens in sequence s and N = sum_s n_s (verl's definitions, one data-parallel rank,
+    `global_batch_size` unset):
 
         token-mean               sum_t l_t / N                      (DAPO; longer sequences weigh more)
         seq-mean-token-mean      (1/S) sum_s (sum_{t in s} l_t / n_s)   (every sequence weighs the same)
@@ -49,8 +50,8 @@ def loss_token_weights(seq_ids: list, loss_tokens: list[int], loss_agg_mode: str
             padded response length, which is constant when responses are padded to the generation budget).
         max_response_len: tokens; the fallback for C.
     Returns:
-        `[num_samples]` one weight per sample, applied to each of its loss-masked tokens (0 for samples
-        whose sequence has no loss tokens under the seq-mean-token-mean mode; token-mean with N = 0 gives 0).
+        `[num_samples]` one weight per sample, applied to each of its loss-masked tokens (it multiplies no
+        token of a sample without one; with N = 0 every weight is 0, where verl's token-mean divides by 0).
     Raises:
         ValueError: an unknown mode, or seq-mean-token-sum-norm without a positive C.
     """
@@ -61,17 +62,18 @@ def loss_token_weights(seq_ids: list, loss_tokens: list[int], loss_agg_mode: str
     per_seq: dict = defaultdict(int)
     for s, n in zip(seq_ids, loss_tokens):
         per_seq[s] += n
-    S, N = len(per_seq), sum(per_seq.values())
+    S = sum(1 for n in per_seq.values() if n > 0)   # sequences with a loss token (verl 0.9.1's `seq_mask`)
+    N = sum(per_seq.values())
     if loss_agg_mode == "token-mean":
         return [1.0 / N if N else 0.0] * len(seq_ids)
     if loss_agg_mode == "seq-mean-token-mean":
         return [1.0 / (S * per_seq[s]) if per_seq[s] else 0.0 for s in seq_ids]
     if loss_agg_mode == "seq-mean-token-sum":
-        return [1.0 / S] * len(seq_ids)
+        return [1.0 / S if S else 0.0] * len(seq_ids)
     C = loss_scale_factor if loss_scale_factor is not None else max_response_len
     if not C or C <= 0:
         raise ValueError("seq-mean-token-sum-norm needs algorithm.loss_scale_factor > 0 (or a max_response_len)")
-    return [1.0 / (S * C)] * len(seq_ids)
+    return [1.0 / (S * C) if S else 0.0] * len(seq_ids)
 
 
 def episode_token_weights(episode_ids: list[str], loss_tokens: list[int]) -> list[float]:
