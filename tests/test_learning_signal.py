@@ -109,6 +109,27 @@ def test_greedy_calls_are_recorded_but_not_trained_unless_configured(backbone):
     assert _trainer_logprobs(backbone, [t]) == _trainer_logprobs(backbone, [at_one])
 
 
+def test_a_trained_greedy_call_with_a_nucleus_is_scored_as_the_engine_recorded_it(backbone):
+    """train_greedy_calls with temperature 0 and top_p < 1: the engine records the argmax token's logprob
+    under T = 1 without truncation; the trainer must score that same distribution, not the nucleus."""
+    proxy = ProxyServer(backbone.engine, backbone.tokenizer, SamplingParams(temperature=1.0, max_tokens=8),
+                        sampling_policy="client", max_model_len=1024).start()
+    try:
+        ep = proxy.open_episode("ep-greedy-top-p")
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi."}],
+                                       temperature=0.0, top_p=0.3, max_tokens=8)
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    (s,) = merge_calls(calls, "g", train_greedy_calls=True)
+    sampled = [i for i, m in enumerate(s.loss_mask) if m]
+    assert sampled and all(s.top_ps[i] == 0.3 and s.temperatures[i] == 0.0 for i in sampled)
+    (trainer,) = _trainer_logprobs(backbone, [s])
+    torch.testing.assert_close(torch.tensor([trainer[i] for i in sampled]),
+                               torch.tensor([s.old_logprobs[i] for i in sampled]), rtol=0, atol=1e-4)
+
+
 # ---- item 2: the GRPO baseline counts every trainable episode --------------------------------------------
 def _s(ep, group="g", tag="default"):
     return Sample(episode_id=ep, group_id=group, agent_tag=tag, call_ids=["c"], prompt_ids=[1], response_ids=[2],
@@ -205,3 +226,32 @@ def test_algorithm_config_names_the_loss_choices():
     for bad in ({"loss_agg_mode": "seq-mean"}, {"clip_ratio_c": 1.0}, {"loss_scale_factor": 0}):
         with pytest.raises(Exception, match=next(iter(bad))):
             AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}, algorithm=bad)
+
+
+# ---- models that scale their logits after the LM head ------------------------------------------------------
+def _scaled_model(kind):
+    import transformers
+
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "granite":   # logits / logits_scaling
+        return transformers.GraniteForCausalLM(transformers.GraniteConfig(logits_scaling=0.125, **common)).eval()
+    return transformers.CohereForCausalLM(transformers.CohereConfig(logit_scale=8.0, **common)).eval()   # logits * scale
+
+
+@pytest.mark.parametrize("kind", ["granite", "cohere"])
+def test_models_that_scale_logits_after_the_head_get_ratio_one_on_fresh_data(kind):
+    """The engine samples from the model's own forward (`model(...).logits`, scaling included); the update's
+    head must give the same logprobs, or the PPO ratio is off on fresh data."""
+    from ajet.sampling_dist import processed_logprobs
+
+    model = _scaled_model(kind)
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    temps, tops = torch.full((2, 12), 0.7), torch.ones((2, 12))   # random ids: a nucleus would drop most of them
+    with torch.no_grad():
+        engine = processed_logprobs(model(input_ids=ids).logits[:, :-1], temps[:, 1:], tops[:, 1:])   # [2, 11, V]
+        engine = engine.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        trainer, _ = token_logprobs(model, ids, torch.ones_like(ids), temps, tops)
+    assert engine.std() > 0.5                    # the scaling matters: a sharp distribution, far from uniform
+    torch.testing.assert_close(trainer[:, 1:], engine, rtol=0, atol=1e-5)

@@ -269,7 +269,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     Each scored token is scored with its own temperature and top_p through
     `ajet.sampling_dist.processed_logprobs` (the engine records old logprobs under the same function), so a
     sample that merges calls made at different temperatures gets ratio 1 on fresh data. A temperature of 0
-    (a greedy call, trained only under `algorithm.train_greedy_calls`) is scored at T = 1.
+    (a greedy call, trained only under `algorithm.train_greedy_calls`) is scored at T = 1 and top_p = 1,
+    whatever top_p the call asked for (the engine records a greedy token's logprob so).
 
     Only where trained: the transformer body runs over every position (attention needs the whole
     sequence), but the final hidden states are gathered at the N positions that predict a scored token
@@ -280,8 +281,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     Args:
         model: a causal LM whose logits are `get_output_embeddings()(get_decoder()(...).last_hidden_state)`,
-            plus Gemma's `final_logit_softcapping` when its config sets one (Llama, SmolLM2, Qwen2, Mistral;
-            a PEFT-wrapped one resolves both through its base model).
+            plus the scaling `_lm_head` applies when its config sets one (Llama, SmolLM2, Qwen2, Mistral,
+            Gemma 2, Granite, Cohere; a PEFT-wrapped one resolves both through its base model).
         input_ids: `[batch, seq]` right-padded sequences.
         attention_mask: `[batch, seq]` 1 on real tokens.
         temperatures: `[batch, seq]` temperature that sampled token t (1.0 on prompt and padding);
@@ -302,8 +303,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     want[:, 0] = False                                                          # token 0 has no prediction
     rows, cols = want.nonzero(as_tuple=True)                                    # [N], [N]: the scored tokens
     temps = temperatures.expand(B, S)[rows, cols]                               # [N]
-    temps = torch.where(temps > 0, temps, torch.ones_like(temps))               # greedy: scored at T = 1
-    tops = None if top_ps is None else top_ps.expand(B, S)[rows, cols]         # [N]
+    greedy = temps <= 0                  # greedy: scored at T = 1 without a nucleus, as the engine records it
+    temps = torch.where(greedy, torch.ones_like(temps), temps)
+    tops = None if top_ps is None else torch.where(greedy, torch.ones_like(temps), top_ps.expand(B, S)[rows, cols])
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                  use_cache=False).last_hidden_state             # [B, S, H]
     logits = _lm_head(model, hidden[rows, cols - 1])                            # [N, V]: token t from t-1
@@ -319,8 +321,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 def _lm_head(model, hidden: torch.Tensor) -> torch.Tensor:
     """`[N, vocab]` logits of `[N, hidden]` final hidden states: what the causal LM's forward applies after
-    its decoder (the output embedding, then Gemma 2's tanh softcap when the config sets one)."""
+    its decoder: the output embedding, then the model's own logit scaling when its config sets one (Granite
+    divides by `logits_scaling`, Cohere multiplies by `logit_scale`, as their transformers forwards do), then
+    Gemma 2's tanh softcap (`final_logit_softcapping`)."""
     logits = model.get_output_embeddings()(hidden)
+    if scaling := getattr(model.config, "logits_scaling", None):     # Granite, GraniteMoe
+        logits = logits / scaling
+    if scale := getattr(model.config, "logit_scale", None):          # Cohere, Cohere2
+        logits = logits * scale
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
 
