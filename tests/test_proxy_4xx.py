@@ -188,6 +188,8 @@ def test_a_body_with_too_many_items_is_400_naming_the_field(tokenizer):
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         r = http.post(u["chat"], json={"model": "m", "messages": USER, "tools": [tool] * 4})
         assert_error(r, 400, "invalid_value", "tools")                   # 1 + 12 in tools, 2 in messages
-        r = http.post(u["chat"], json={"model": "m", "messages": [msg] * 7, "tools": [tool] * 0})
-        assert r.status_code == 200, r.text[:300]                        # 8 + 1: within the cap
+        # exactly at the cap (root, 2 lists, 7 messages), brackets in text not counted: served
+        text = {"role": "user", "content": "{[{[ brackets in text are not objects or arrays"}
+        r = http.post(u["chat"], json={"model": "m", "messages": [msg] * 6 + [text], "tools": []})
+        assert r.status_code == 200, r.text[:300]
         assert len(proxy.close_episode(ep)) == 1

@@ -126,7 +126,7 @@ def _shape_problem(data: Any, max_depth: int, max_items: int) -> tuple[str, str]
     """`(message, param)` when `data` nests deeper than `max_depth` objects/arrays or holds more than
     `max_items` of them, else None. Iterative (no recursion however deep `data` is) and stops at the
     first problem, so it costs O(min(size, max_items)). A count over the cap names the top-level field
-    holding the most of them."""
+    holding the most of them (of those seen: the walk stops as soon as the cap is certainly exceeded)."""
     stack: list[tuple[Any, int, str]] = [(x, 1, str(k)) for k, x in data.items() if type(x) in (dict, list)]
     per_field: dict[str, int] = {}
     n = 1
@@ -138,13 +138,15 @@ def _shape_problem(data: Any, max_depth: int, max_items: int) -> tuple[str, str]
                     "flatten it"), where
         n += 1
         per_field[field] = per_field.get(field, 0) + 1
-        if n > max_items:
-            where = printable(cut(max(per_field, key=per_field.get), 200))
-            return (f"{where}: the request holds more than {max_items} JSON objects and arrays (most of them in "
-                    f"{where}), more than this proxy accepts in one request: send fewer messages, content parts "
-                    "or tools"), where
-        children = v.values() if type(v) is dict else v
-        stack.extend((x, depth + 1, field) for x in children if type(x) in (dict, list))
+        for x in v.values() if type(v) is dict else v:
+            if type(x) in (dict, list):
+                stack.append((x, depth + 1, field))
+                if n + len(stack) > max_items:     # each one stacked will be counted: over the cap already
+                    per_field[field] += len(stack)
+                    where = printable(cut(max(per_field, key=per_field.get), 200))
+                    return (f"{where}: the request holds more than {max_items} JSON objects and arrays (most of "
+                            f"them in {where}), more than this proxy accepts in one request: send fewer messages, "
+                            "content parts or tools"), where
     return None
 
 
