@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 
 from ajet.config import McpServerConfig, ToolsConfig
 from ajet.errors import AjetError
-from ajet.tools.episode_tools import EpisodeTools, ToolResult
+from ajet.tool_types import ToolResult
+from ajet.tools.episode_tools import EpisodeTools
 from ajet.tools.sandbox import isolation_warning
 
 log = logging.getLogger(__name__)
