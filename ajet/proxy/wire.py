@@ -24,7 +24,8 @@ from ajet.proxy.schema import short_repr
 MAX_JSON_DEPTH = 100   # nesting levels a request body may have (deeper: a 400, never a RecursionError)
 # objects + arrays one request body may hold (more: a 400 before validating, rendering or tokenizing it).
 # Each costs ~10 us through the request path, so the cap bounds one request's work to ~0.2 s; 200k tiny
-# messages in three requests used to hold both prepare threads, and every other episode's calls, for 16.7 s.
+# messages in three requests held both prepare threads, and every other episode's calls, for 17-21 s
+# (benchmarks/proxy_big_requests.py).
 # A long agent conversation holds a few thousand (a message, its content list, a tool call, its arguments).
 MAX_JSON_ITEMS = 20_000
 

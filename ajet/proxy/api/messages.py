@@ -272,7 +272,8 @@ def _to_chat(m: dict[str, Any], where: str) -> list[dict[str, Any]]:
                                        "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
             result = block.get("content")
-            text = result if isinstance(result, str) else _text_blocks([] if result is None else result, f"{here}.content")
+            text = (result if isinstance(result, str)
+                    else _text_blocks([] if result is None else result, f"{here}.content"))
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
         else:
             raise ProxyError(400, f"{here}: block type {short_repr(kind)} is not supported in a {role} message "

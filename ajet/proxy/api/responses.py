@@ -167,7 +167,8 @@ class ResponsesApi(Api):
                 "tool_choice": r.tool_choice or "auto", "tools": r.tools or [], "temperature": r.temperature,
                 "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
                 "previous_response_id": r.previous_response_id, "metadata": r.metadata or {},
-                "text": r.text.model_dump() if r.text else {"format": {"type": "text"}}, "truncation": r.truncation or "disabled",
+                "text": r.text.model_dump() if r.text else {"format": {"type": "text"}},
+                "truncation": r.truncation or "disabled",
                 "store": r.store is not False, "background": False, "reasoning": r.reasoning or {},
                 "service_tier": "default", "user": r.user, "usage": None}
         if choice is not None:
