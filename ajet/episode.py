@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ajet.llm_call import LLMCall
     from ajet.task import Task
-    from ajet.tools.episode_tools import ToolResult
+    from ajet.tool_types import ToolResult
     from ajet.tracker.sample import Sample
     from ajet.workflow import WorkflowOutput
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # keep `import ajet` light: openai is imported only when a cl
     from openai import AsyncOpenAI
 
     from ajet.task import Task
-    from ajet.tools.episode_tools import EpisodeTools, ToolResult
+    from ajet.tool_types import ToolCaller, ToolResult
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Tuner:
     model: str
     episode_id: str
     _client: AsyncOpenAI | None = field(default=None, repr=False)
-    _tools: EpisodeTools | None = field(default=None, repr=False)
+    _tools: ToolCaller | None = field(default=None, repr=False)
 
     @property
     def client(self) -> AsyncOpenAI:

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -266,3 +267,64 @@ def _processes_with(token: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+@needs_bwrap
+def test_a_python_whose_venv_lives_under_tmp_still_runs_sandboxed():
+    """The private /tmp was mounted over the interpreter's folders: a venv under /tmp made bwrap fail
+    (`execvp .../bin/python: No such file`), the probe report isolation "none" and the escape tests skip."""
+    import ajet
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(ajet.__file__)))
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="ajet-venv-") as d:
+        venv = os.path.join(d, "venv")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv], check=True,
+                       timeout=120)
+        code = "import os, sys; open('/tmp/scratch', 'w').write('x'); print(sys.prefix, sorted(os.listdir('/tmp')))"
+        trainer = ("import sys; from ajet.tools.sandbox import bwrap_status, run_python; print(bwrap_status()); "
+                   f"r = run_python({code!r}, isolation='bwrap'); print(r.isolation, r.returncode, r.stdout, r.stderr)")
+        out = subprocess.run([os.path.join(venv, "bin", "python"), "-c", trainer], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHONPATH": repo})
+        assert out.returncode == 0, out.stderr[-2000:]
+        probe, result = out.stdout.split("\n", 1)
+        assert probe == "(True, '')", out.stdout
+        # the code ran under bwrap with the venv's interpreter, and /tmp is its own, writable and otherwise empty
+        assert result.startswith(f"bwrap 0 {venv} {sorted([os.path.basename(d), 'scratch'])}"), result
+
+
+def test_without_bubblewrap_the_run_warns_at_start_and_the_tool_promises_no_isolation(tmp_path, monkeypatch,
+                                                                                      caplog):
+    """Isolation "none" said nowhere a person looks, and the model read "No network" anyway: now the MCP
+    hub (the trainer's start) and the sandbox server (its log) warn, and the description drops the promise."""
+    from ajet.config import ToolsConfig
+    from ajet.tools.mcp_hub import McpHub
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)      # this process: no bwrap
+    bwrap_status.cache_clear()
+    servers = {"sandbox": {"command": "python", "args": ["-m", "ajet.tools.sandbox_server"],
+                           "env": {"PATH": str(tmp_path)}}}                 # the server's process: none either
+    try:
+        with caplog.at_level("WARNING"), McpHub(ToolsConfig(mcp_servers=servers), log_dir=tmp_path) as hub:
+            (schema,) = hub.schemas
+            description = schema["function"]["description"]
+
+            async def call():
+                return await (await hub.open_episode()).call("run_python", {"code": "print(6 * 7)"})
+            result = asyncio.run(call())
+    finally:
+        bwrap_status.cache_clear()
+    assert "network" not in description.lower() and description.startswith("Run a Python 3 program"), description
+    assert result.text.startswith("42\n\n[isolation: none: bubblewrap (bwrap) is not installed"), result.text
+    assert "'sandbox' (ajet's code sandbox): the code sandbox runs WITHOUT isolation" in caplog.text
+    assert "the proxy's port" in caplog.text
+    assert "WARNING  ajet sandbox server: the code" in (tmp_path / "mcp_sandbox.log").read_text()   # rich wraps it
+
+
+@needs_bwrap
+def test_with_bubblewrap_the_tool_says_no_network_and_nothing_warns(caplog):
+    from ajet.tools.sandbox_server import build_server
+
+    with caplog.at_level("WARNING"):
+        (tool,) = asyncio.run(build_server().list_tools())
+        assert run_python("print(1)").isolation == "bwrap"
+    assert tool.description.endswith("No network.") and "WITHOUT isolation" not in caplog.text

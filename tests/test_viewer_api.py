@@ -46,7 +46,8 @@ def test_overview_has_every_step_and_the_charted_metrics(base):
     assert [s["step"] for s in run["steps"]] == [1, 2]
     assert [s["episodes"] for s in run["steps"]] == [6, 6]
     assert run["steps"][0]["failed"] == 3 and run["steps"][1]["failed"] == 0   # step 1 ran the failing task
-    assert [m["step"] for m in run["metrics"]] == [1, 2]
+    # step 0: the held-out evaluation before training (the tiny experiment runs with val_freq)
+    assert [m["step"] for m in run["metrics"]] == [0, 1, 2]
     for key in ("reward/mean", "tracker/merge_ratio", "tracker/token_ratio", "train/clip_frac", "time/step_s",
                 "workflow/turns", "rollout/zero_std_groups", "guards/empty_loss_samples",
                 "guards/out_of_vocab_token_episodes", "guards/non_finite_logprob_episodes", "guards/max_policy_lag"):

@@ -1,7 +1,9 @@
 """A real experiment folder for the viewer tests: the `ajet` CLI trains the tiny random model for 2 steps.
 
 The workflow calls the policy twice around a tool result (the tracker merges the calls into one sample)
-and raises on one task, so the folder holds merged samples, advantages and failed episodes.
+and raises on one task, so the folder holds merged samples, advantages and failed episodes. The run is
+started as the README's is: from its folder, with a relative config and a relative experiment folder,
+tensorboard and the held-out evaluation on, so it leaves every output the README lists.
 """
 
 from __future__ import annotations
@@ -50,13 +52,13 @@ def make_tiny_experiment(root: Path, model_dir: str, steps: int = 2, timeout_s: 
         experiment_name: tiny
         workflow: wf.py:ToolLoopWorkflow
         model: {{path: "{model_dir}", max_model_len: 1024}}
-        data: {{train_path: tasks.jsonl, shuffle: false}}
+        data: {{train_path: tasks.jsonl, val_path: tasks.jsonl, shuffle: false}}
         rollout: {{num_repeat: 3, max_tokens: 12, temperature: 1.0}}
         algorithm: {{lr: 1.0e-3}}
-        trainer: {{total_steps: {steps}, tasks_per_step: 2, tensorboard: false}}
+        trainer: {{total_steps: {steps}, tasks_per_step: 2, val_freq: {steps}}}
     """))
-    exp = root / "exp"
-    proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", str(root / "conf.yaml"), "--backbone=debug",
-                           "--exp-dir", str(exp)], capture_output=True, text=True, timeout=timeout_s, cwd=root)
+    proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp"],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return exp
+    (root / "run.log").write_text(proc.stdout + proc.stderr)
+    return root / "exp"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 
 class _Wire(BaseModel):
@@ -103,11 +103,12 @@ class NamedToolChoice(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ChatCompletionRequest(BaseModel):
-    """`POST /v1/chat/completions` body. Unknown top-level fields are rejected with a 400 naming them."""
+    """`POST /v1/chat/completions` body. Unknown top-level fields are rejected with a 400 naming them; flags
+    are JSON booleans (`"stream": "yes"` is a 400, not a stream)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -115,7 +116,7 @@ class ChatCompletionRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, gt=0)
@@ -123,16 +124,16 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     n: int | None = Field(None, ge=1, le=16)  # choices per request; each is recorded as its own call
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
 
     def wire_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts, None-valued keys dropped (the form the chat template and records use)."""

@@ -54,14 +54,14 @@ from ajet.proxy.stream import cut_at_stop
 from ajet.proxy.strict import StrictTools
 from ajet.proxy.turn import (Choice, Episode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
                              reject_unsupported)
-from ajet.proxy.wire import (MAX_JSON_DEPTH, ProxyError, bearer, cut, json_response, load_json, printable,
-                             read_body)
+from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ProxyError, bearer, cut, json_response, load_json,
+                             printable, read_body)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
 PREPARE_WORKERS = 2                  # threads that parse, render and tokenize requests off the event loop
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_ITEMS", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
 
 
 @dataclass
@@ -101,6 +101,9 @@ class ProxyServer:
         accepted_models: the `model` names accepted besides `model_name`; None (the default) accepts any
             name. With a set, other names get a 404 `model_not_found` listing the accepted ones.
         retry_after_s: the `Retry-After` (seconds) of the 503 answered when the engine fails.
+        max_body_items: most JSON objects + arrays a request body may hold (messages, content parts, tools,
+            ...); more get a 400 naming the field holding most of them, before any validation or rendering,
+            so that one request's work in the prepare pool stays bounded. Default `MAX_JSON_ITEMS` (20,000).
 
     Parsing, rendering and tokenizing a request run in a pool of `PREPARE_WORKERS` threads, never on the
     event loop, so that a request near the body limit does not stall other episodes' calls.
@@ -109,7 +112,7 @@ class ProxyServer:
     def __init__(self, engine: Engine, tokenizer, defaults: SamplingParams, sampling_policy: str = "config",
                  max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, accepted_models: Iterable[str] | None = None,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, max_body_items: int = MAX_JSON_ITEMS):
         self.engine = engine
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -123,6 +126,7 @@ class ProxyServer:
             accepted_models = [accepted_models]
         self.accepted_models = None if accepted_models is None else {model_name, *accepted_models}
         self.retry_after_s = retry_after_s
+        self.max_body_items = max_body_items
         self.port: int | None = None
         self._episodes: dict[str, Episode] = {}   # token -> episode
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()   # recently closed tokens
@@ -331,7 +335,7 @@ class ProxyServer:
         a request the episode already received, its prompt ids (token-in-token-out). Raises ProxyError 400
         for bad input, including a prompt longer than the context (rejected from a lower bound on its
         tokens before tokenizing when the bound already exceeds it)."""
-        req, context = api.parse(load_json(raw), ep)
+        req, context = api.parse(load_json(raw, self.max_body_items), ep)
         self._check_model(req.model)
         reject_unsupported(req)
         key = _request_key(raw, api.name + "\0" + agent_tag, idempotency_key)
@@ -438,7 +442,7 @@ class ProxyServer:
         raw = await read_body(request, self.max_body_bytes)
 
         def count() -> int:
-            req, _ = api.parse(load_json(raw), ep, count_only=True)
+            req, _ = api.parse(load_json(raw, self.max_body_items), ep, count_only=True)
             return len(self.prompts.encode(self.prompts.render(req.wire_messages(), req.wire_tools())))
 
         n = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, count)

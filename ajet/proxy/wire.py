@@ -3,7 +3,9 @@
 `ProxyError` is the one error type of the request path; each API writes it in its own shape (OpenAI
 `{"error": {...}}` for Chat Completions and Responses, Anthropic `{"type": "error", "error": {...}}` for
 Messages). `load_json` turns a body into plain JSON data or a 400: never a RecursionError (nesting is
-bounded by `MAX_JSON_DEPTH`) and never a string that cannot be encoded back (a lone surrogate).
+bounded by `MAX_JSON_DEPTH`), never a string that cannot be encoded back (a lone surrogate, whether a
+`\\ud800` escape or raw surrogate bytes), and never more objects and arrays than `MAX_JSON_ITEMS` (so the
+work one request costs the prepare pool is bounded before it starts).
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from starlette.responses import Response
 from ajet.proxy.schema import short_repr
 
 MAX_JSON_DEPTH = 100   # nesting levels a request body may have (deeper: a 400, never a RecursionError)
+# objects + arrays one request body may hold (more: a 400 before validating, rendering or tokenizing it).
+# Each costs ~10 us through the request path, so the cap bounds one request's work to ~0.2 s; 200k tiny
+# messages in three requests held both prepare threads, and every other episode's calls, for 17-21 s
+# (benchmarks/proxy_big_requests.py).
+# A long agent conversation holds a few thousand (a message, its content list, a tool call, its arguments).
+MAX_JSON_ITEMS = 20_000
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -91,9 +99,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
 def _lone_surrogate_path(data: Any) -> str | None:
     """The dotted path of the first string (key or value) holding a lone UTF-16 surrogate, else None.
     JSON `\\ud800` escapes decode to such strings, which cannot be encoded as UTF-8 (tokenizer, response)."""
@@ -118,18 +123,31 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _too_deep_path(data: Any, limit: int) -> str | None:
-    """The dotted path of the first value nested deeper than `limit` objects/arrays, else None (iterative:
-    no recursion however deep `data` is). The walk keeps only depths; the path is traced on a hit."""
-    stack: list[tuple[Any, int]] = [(data, 0)]
+def _shape_problem(data: Any, max_depth: int, max_items: int) -> tuple[str, str] | None:
+    """`(message, param)` when `data` nests deeper than `max_depth` objects/arrays or holds more than
+    `max_items` of them, else None. Iterative (no recursion however deep `data` is) and stops at the
+    first problem, so it costs O(min(size, max_items)). A count over the cap names the top-level field
+    holding the most of them (of those seen: the walk stops as soon as the cap is certainly exceeded)."""
+    stack: list[tuple[Any, int, str]] = [(x, 1, str(k)) for k, x in data.items() if type(x) in (dict, list)]
+    per_field: dict[str, int] = {}
+    n = 1
     while stack:
-        v, depth = stack.pop()
-        if depth >= limit:
-            return _trace(data, v)
-        if type(v) is dict:
-            stack.extend((x, depth + 1) for x in v.values() if type(x) in (dict, list))
-        elif type(v) is list:
-            stack.extend((x, depth + 1) for x in v if type(x) in (dict, list))
+        v, depth, field = stack.pop()
+        if depth >= max_depth:
+            where = _trace(data, v)
+            return (f"{where}: the value is nested more than {max_depth} levels deep (objects and arrays): "
+                    "flatten it"), where
+        n += 1
+        per_field[field] = per_field.get(field, 0) + 1
+        for x in v.values() if type(v) is dict else v:
+            if type(x) in (dict, list):
+                stack.append((x, depth + 1, field))
+                if n + len(stack) > max_items:     # each one stacked will be counted: over the cap already
+                    per_field[field] += len(stack)
+                    where = printable(cut(max(per_field, key=per_field.get), 200))
+                    return (f"{where}: the request holds more than {max_items} JSON objects and arrays (most of "
+                            f"them in {where}), more than this proxy accepts in one request: send fewer messages, "
+                            "content parts or tools"), where
     return None
 
 
@@ -158,9 +176,10 @@ def _utf8_ok(s: str) -> bool:
         return False
 
 
-def load_json(raw: bytes) -> dict[str, Any]:
+def load_json(raw: bytes, max_items: int = MAX_JSON_ITEMS) -> dict[str, Any]:
     """The body as a JSON object. Raises ProxyError 400 for anything malformed (not JSON, not an object,
-    nested deeper than MAX_JSON_DEPTH, lone surrogates), naming where."""
+    nested deeper than MAX_JSON_DEPTH, more than `max_items` objects and arrays, lone surrogates), naming
+    where."""
     fallback = False
     try:   # orjson for speed; the standard parser for what it refuses (it gives the precise error, or accepts)
         try:
@@ -173,16 +192,17 @@ def load_json(raw: bytes) -> dict[str, Any]:
                          code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ProxyError(400, "the request body must be a JSON object", code="invalid_json")
-    # nesting: a small body's bracket count bounds its depth, so only one with many brackets is walked (a
-    # large one is walked at once: few values, or the walk costs little beside parsing them)
-    if ((len(raw) > 2**20 or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH)
-            and (where := _too_deep_path(data, MAX_JSON_DEPTH))):
-        raise ProxyError(400, f"{where}: the value is nested more than {MAX_JSON_DEPTH} levels deep (objects and "
-                              "arrays): flatten it", param=where, code="invalid_value")
-    # lone surrogates: orjson refuses them, so only a body the standard parser accepted can hold one
-    if fallback and _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate_path(data)) is not None:
-        raise ProxyError(400, f"{where}: the string holds a lone UTF-16 surrogate (\\ud800-\\udfff escape), "
-                              "which is not valid Unicode text", param=where, code="invalid_value")
+    # nesting and size: the bracket count (counted in C) bounds both, so only a body with many brackets is
+    # walked, and the walk stops at the first problem
+    if (raw.count(b"[") + raw.count(b"{") > min(MAX_JSON_DEPTH, max_items)
+            and (problem := _shape_problem(data, MAX_JSON_DEPTH, max_items))):
+        message, where = problem
+        raise ProxyError(400, message, param=where, code="invalid_value")
+    # lone surrogates: orjson refuses them (a `\ud800` escape, or raw surrogate bytes that the standard
+    # parser decodes with "surrogatepass"), so only a body the standard parser accepted can hold one
+    if fallback and (where := _lone_surrogate_path(data)) is not None:
+        raise ProxyError(400, f"{where}: the string holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape, or "
+                              "its bytes), which is not valid Unicode text", param=where, code="invalid_value")
     return data
 
 

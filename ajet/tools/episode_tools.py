@@ -9,53 +9,23 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from ajet.tool_types import ToolCaller, ToolResult
 
 if TYPE_CHECKING:
     from ajet.episode import Episode
-    from ajet.tools.mcp_hub import McpHub
-
-ErrorKind = Literal["tool_error", "timeout", "limit", "unknown_tool", "bad_arguments", "server_down"]
-
-
-@dataclass
-class ToolResult:
-    """One tool call and its result, as the model sees it and as the episode records it.
-
-    Attributes:
-        name: the tool's name as the model called it.
-        arguments: the parsed arguments (the raw text when they were not a JSON object).
-        text: the result text for the `tool` message (an error says what went wrong, as real agents see it).
-        is_error: the call failed (error_kind says how).
-        error_kind: None, "tool_error" (the server's tool reported an error), "timeout", "limit" (the
-            episode's call limit), "unknown_tool", "bad_arguments" or "server_down" (crashed or unreachable).
-        server: the MCP server that owns the tool ("" when none does).
-        duration_s: seconds from the call to the result.
-    """
-
-    name: str
-    arguments: Any
-    text: str
-    is_error: bool = False
-    error_kind: ErrorKind | None = None
-    server: str = ""
-    duration_s: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form (trajectories.jsonl, the trajectory store)."""
-        return asdict(self)
 
 
 class EpisodeTools:
     """The tools of one episode: `schemas` (OpenAI format) and `call` with a per-episode call limit.
 
     Args:
-        hub: the run's McpHub (owns the servers, applies the per-call timeout).
+        hub: the run's tools, e.g. its `McpHub` (owns the servers, applies the per-call timeout).
         max_calls: calls allowed in this episode; later calls get a "limit" error result without reaching a server.
     """
 
-    def __init__(self, hub: McpHub, max_calls: int):
+    def __init__(self, hub: ToolCaller, max_calls: int):
         self.hub, self.max_calls = hub, max_calls
         self.records: list[ToolResult] = []
 

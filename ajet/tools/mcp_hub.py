@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 
 from ajet.config import McpServerConfig, ToolsConfig
 from ajet.errors import AjetError
-from ajet.tools.episode_tools import EpisodeTools, ToolResult
+from ajet.tool_types import ToolResult
+from ajet.tools.episode_tools import EpisodeTools
+from ajet.tools.sandbox import isolation_warning
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -167,7 +169,14 @@ class McpHub:
 
     # ---- lifecycle (call from any thread without a running hub loop) --------------------------------
     def start(self) -> McpHub:
-        """Start every server and list its tools; raises ToolServerError naming the first that fails."""
+        """Start every server and list its tools; raises ToolServerError naming the first that fails. Logs a
+        warning first when a server is ajet's code sandbox and bubblewrap does not work here (its own
+        warning would only reach its log file)."""
+        for name, srv in self._servers.items():
+            argv = [srv.cfg.command or "", *srv.cfg.args]
+            if srv.cfg.command is not None and any("ajet.tools.sandbox_server" in a for a in argv):
+                if (warning := isolation_warning()) is not None:
+                    log.warning("MCP server %r (ajet's code sandbox): %s", name, warning)
         self._thread.start()
         try:
             self._run(self._start_all())

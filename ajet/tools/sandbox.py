@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Isolation = Literal["bwrap", "none"]
+log = logging.getLogger(__name__)
 
 SANDBOX_DIR = "/sandbox"          # the working directory as the code sees it under bwrap
 NOBODY_UID = 65534                # the uid the code runs as when bwrap is started by root
@@ -187,6 +189,25 @@ def bwrap_status() -> tuple[bool, str]:
     return True, ""
 
 
+def isolation_warning() -> str | None:
+    """What a person starting a run must read when model-written code would run without isolation
+    (bubblewrap does not work here), else None. Said at start by the sandbox's MCP server and by the MCP hub
+    of a run that configures it, and once per process by the first `isolation="auto"` run that falls back."""
+    works, why = bwrap_status()
+    if works:
+        return None
+    return (f"the code sandbox runs WITHOUT isolation: {why}. Model-written code then shares this machine's "
+            "network (the proxy's port included), sees its processes and can read what this user can read "
+            "(a process's /proc/<pid>/environ), with only the environment allow-list, rlimits and timeout "
+            "between it and the run. Install bubblewrap, or pass isolation='bwrap' to refuse to run without it.")
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_isolation_once() -> None:
+    if (warning := isolation_warning()) is not None:
+        log.warning("%s", warning)
+
+
 def _choose_isolation(isolation: str) -> tuple[bool, str]:
     if isolation == "none":
         return False, "isolation='none' was asked for"
@@ -195,6 +216,8 @@ def _choose_isolation(isolation: str) -> tuple[bool, str]:
         raise SandboxUnavailable(why + "; or pass isolation='auto' to run with limits only")
     if isolation not in ("auto", "bwrap"):
         raise ValueError(f"isolation must be 'auto', 'bwrap' or 'none', got {isolation!r}")
+    if not works:
+        _warn_no_isolation_once()
     return works, ("" if works else why + " (no network, PID or file-system isolation)")
 
 
@@ -241,14 +264,16 @@ def _bwrap_argv(workdir: str) -> list[str]:
         argv += ["--unshare-user"]
     for path in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc"):
         argv += ["--ro-bind-try", path, path]
+    # bwrap applies mounts in order, a later one over an earlier one: the private /tmp (and /proc, /dev)
+    # first, then the interpreter's folders, so a venv under /tmp is mounted onto the private /tmp, not hidden
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "01777", "--tmpfs", "/tmp"]   # /tmp writable, as usual
     roots = _python_roots()
     parents = sorted({os.path.dirname(p) for r in roots for p in _ancestors(r)} - {"/"})
     for path in parents:   # bwrap would create a mount point's parents with mode 0700: unreadable for uid 65534
         argv += ["--perms", "0755", "--dir", path]
     for path in roots:
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, SANDBOX_DIR,
-             "--chdir", SANDBOX_DIR]
+    argv += ["--bind", workdir, SANDBOX_DIR, "--chdir", SANDBOX_DIR]
     return argv
 
 

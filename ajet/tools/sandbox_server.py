@@ -6,14 +6,21 @@
 
 Each call runs in `ajet.tools.sandbox` (bubblewrap namespaces where they work, limits always); the result text
 is the program's stdout, then its stderr, then a line with the exit status when it is not 0, and the isolation
-when it is not bubblewrap (so a reader of the trajectory knows what the code could reach).
+when it is not bubblewrap (so a reader of the trajectory knows what the code could reach). Without a
+working bubblewrap the server logs a warning at start, and the tool's description, which the model reads,
+promises no isolation it does not give.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
-from ajet.tools.sandbox import SandboxResult, run_python_async
+from ajet.tools.sandbox import SandboxResult, isolation_warning, run_python_async
+
+log = logging.getLogger(__name__)
+DESCRIPTION = "Run a Python 3 program and return what it printed. Files do not persist between calls."
+ISOLATED = " No network."       # added only where bubblewrap gives it
 
 
 def format_result(r: SandboxResult) -> str:
@@ -35,10 +42,12 @@ def build_server(timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes:
     from mcp.server.fastmcp import FastMCP
 
     app = FastMCP("ajet-sandbox", log_level="WARNING")
+    warning = isolation_warning()
+    if warning is not None:
+        log.warning("ajet sandbox server: %s", warning)
 
-    @app.tool()
+    @app.tool(description=DESCRIPTION + ("" if warning else ISOLATED))
     async def run_python(code: str, stdin: str = "") -> str:
-        """Run a Python 3 program and return what it printed. No network; files do not persist between calls."""
         r = await run_python_async(code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin,
                                    max_output_bytes=max_output_bytes)
         return format_result(r)

@@ -55,7 +55,7 @@ def _positive_share(exp_dir: Path, metric: str) -> dict[int, float]:
     db_path = exp_dir / "trajectories.sqlite"
     if not db_path.is_file():
         return {}
-    db = sqlite3.connect(db_path.as_uri() + "?mode=ro", uri=True)
+    db = sqlite3.connect(db_path.resolve().as_uri() + "?mode=ro", uri=True)   # as_uri needs an absolute path
     try:
         rows = db.execute("""SELECT step, AVG(json_extract(record, '$.output.metrics."' || ? || '"') > 0)
                              FROM episodes WHERE error IS NULL AND reward IS NOT NULL

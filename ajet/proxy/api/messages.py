@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.responses import Response
 
 from ajet.proxy.api import Api
@@ -47,7 +47,7 @@ class MessagesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     # hosted features: accepted and ignored
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -216,40 +216,54 @@ def _blocks(c: Choice) -> list[dict[str, Any]]:
     return blocks
 
 
-def _text_blocks(content: str | list[dict[str, Any]], where: str) -> str:
-    """Text of a string or of text blocks (joined by a blank line). Raises ProxyError 400 for other blocks."""
+def _text_blocks(content: Any, where: str) -> str:
+    """Text of a string or of text blocks (joined by a blank line). Raises ProxyError 400 for anything else:
+    another block type, a block whose `text` is not a string."""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise ProxyError(400, f"{where}: must be a string or a list of text blocks (got {short_repr(content)})",
+                         param=where, code="invalid_value")
     texts = []
     for k, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text":
             raise ProxyError(400, f"{where}.{k}: only text blocks are supported here (got "
                                   f"{short_repr(block.get('type') if isinstance(block, dict) else block)})",
                              param=f"{where}.{k}", code="unsupported_value")
-        texts.append(block.get("text") or "")
+        texts.append(_block_text(block, f"{where}.{k}"))
     return "\n\n".join(texts)
+
+
+def _block_text(block: dict[str, Any], where: str) -> str:
+    """A text block's `text` (missing or null: ""). Raises ProxyError 400 when it is not a string."""
+    text = block.get("text")
+    if text is not None and not isinstance(text, str):
+        raise ProxyError(400, f"{where}.text: must be a string (got {short_repr(text)})", param=f"{where}.text",
+                         code="invalid_value")
+    return text or ""
 
 
 def _to_chat(m: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """One Anthropic message -> chat messages: a user message's `tool_result` blocks become tool messages
     (in order) and its text one user message; an assistant message's text and `tool_use` blocks one
-    assistant message; thinking blocks are dropped."""
+    assistant message; thinking blocks are dropped. Raises ProxyError 400 for an empty block list, and for
+    a user message with nothing left once its thinking blocks are dropped."""
     role, content = m.get("role"), m.get("content")
     if role not in ("user", "assistant"):
         raise ProxyError(400, f"{where}.role: must be user or assistant (got {short_repr(role)})",
                          param=f"{where}.role", code="invalid_value")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    if not isinstance(content, list):
-        raise ProxyError(400, f"{where}.content: must be a string or a list of blocks", param=f"{where}.content",
-                         code="invalid_value")
+    if not isinstance(content, list) or not content:
+        raise ProxyError(400, f"{where}.content: must be a string or a non-empty list of blocks (got "
+                              f"{short_repr(content)})", param=f"{where}.content", code="invalid_value")
     out: list[dict[str, Any]] = []
     texts, calls = [], []
     for k, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         here = f"{where}.content.{k}"
         if kind == "text":
-            texts.append(block.get("text") or "")
+            texts.append(_block_text(block, here))
         elif kind in ("thinking", "redacted_thinking"):
             continue
         elif kind == "tool_use" and role == "assistant":
@@ -258,7 +272,8 @@ def _to_chat(m: dict[str, Any], where: str) -> list[dict[str, Any]]:
                                        "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
             result = block.get("content")
-            text = result if isinstance(result, str) else _text_blocks(result or [], f"{here}.content")
+            text = (result if isinstance(result, str)
+                    else _text_blocks([] if result is None else result, f"{here}.content"))
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
         else:
             raise ProxyError(400, f"{here}: block type {short_repr(kind)} is not supported in a {role} message "
@@ -271,4 +286,7 @@ def _to_chat(m: dict[str, Any], where: str) -> list[dict[str, Any]]:
         return [message]
     if texts:
         out.append({"role": "user", "content": "\n\n".join(texts)})
+    if not out:
+        raise ProxyError(400, f"{where}.content: a user message needs a text or tool_result block (thinking blocks "
+                              "are dropped)", param=f"{where}.content", code="invalid_value")
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ajet.proxy.api import Api
 from ajet.proxy.schema import ChatCompletionRequest, short_repr
@@ -34,6 +34,20 @@ from ajet.proxy.wire import ProxyError, validated
 log = logging.getLogger(__name__)
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+
+
+class TextFormat(BaseModel):
+    """`text.format`: `{"type": "text" | "json_object" | ...}` (other keys, e.g. a json_schema's, kept)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class TextConfig(BaseModel):
+    """`text`: the output format (`format`, an object) and hosted options (`verbosity`, ...: kept, ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
 
 
 class ResponsesRequest(BaseModel):
@@ -48,20 +62,20 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_output_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    stream: bool | None = False
-    text: dict[str, Any] | None = None
+    stream: StrictBool | None = False
+    text: TextConfig | None = None
     # refused when set to something ajet cannot do (see `_reject`)
-    background: bool | None = None
+    background: StrictBool | None = None
     conversation: Any = None
     prompt: Any = None
     top_logprobs: int | None = None
     # hosted-service fields: accepted and ignored
     stream_options: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
@@ -122,7 +136,7 @@ class ResponsesApi(Api):
                             ("top_p", req.top_p)):
             if value is not None:
                 chat[name] = value
-        if (req.text or {}).get("format", {}).get("type") == "json_object":
+        if req.text is not None and req.text.format.type == "json_object":
             chat["response_format"] = {"type": "json_object"}
         return validated(ChatCompletionRequest, chat), _Context(req, conversation, hosted)
 
@@ -153,7 +167,8 @@ class ResponsesApi(Api):
                 "tool_choice": r.tool_choice or "auto", "tools": r.tools or [], "temperature": r.temperature,
                 "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
                 "previous_response_id": r.previous_response_id, "metadata": r.metadata or {},
-                "text": r.text or {"format": {"type": "text"}}, "truncation": r.truncation or "disabled",
+                "text": r.text.model_dump() if r.text else {"format": {"type": "text"}},
+                "truncation": r.truncation or "disabled",
                 "store": r.store is not False, "background": False, "reasoning": r.reasoning or {},
                 "service_tier": "default", "user": r.user, "usage": None}
         if choice is not None:
@@ -238,7 +253,7 @@ def _reject(req: ResponsesRequest) -> None:
                              ("top_logprobs", req.top_logprobs, "logprobs are served by /v1/chat/completions only")):
         if value:
             raise ProxyError(400, f"{name}: {why}", param=name, code="unsupported_parameter")
-    kind = ((req.text or {}).get("format") or {}).get("type", "text")
+    kind = req.text.format.type if req.text is not None else "text"
     if kind not in ("text", "json_object"):
         raise ProxyError(400, f"text.format type {short_repr(kind)} is not supported (ajet samples without a grammar): "
                               "use 'json_object' and describe the schema in the prompt",
@@ -247,7 +262,7 @@ def _reject(req: ResponsesRequest) -> None:
 
 def _text(content: Any, where: str) -> str:
     """A message's text: a string, or the concatenated text of its parts. Raises ProxyError 400 for an
-    image, file or audio part (the policy reads text only)."""
+    image, file or audio part (the policy reads text only) and for a part whose text is not a string."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -258,7 +273,12 @@ def _text(content: Any, where: str) -> str:
         if kind not in _TEXT_PARTS:
             raise ProxyError(400, f"{where}.{k}: content part type {short_repr(kind)} is not supported (text only)",
                              param=f"{where}.{k}.type", code="unsupported_value")
-        texts.append(part.get("text") or part.get("refusal") or "")
+        key = "refusal" if kind == "refusal" else "text"
+        text = part.get(key)
+        if text is not None and not isinstance(text, str):
+            raise ProxyError(400, f"{where}.{k}.{key}: must be a string (got {short_repr(text)})",
+                             param=f"{where}.{k}.{key}", code="invalid_value")
+        texts.append(text or "")
     return "".join(texts)
 
 
@@ -301,19 +321,30 @@ def _items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _flatten_tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _flatten_tools(tools: list[Any], where: str = "tools") -> tuple[list[dict[str, Any]], list[str]]:
     """Responses tools -> chat function tools, and the types of the hosted tools left out. Grouped or
-    namespaced lists (an entry with its own `tools`) are flattened."""
+    namespaced lists (an entry with its own `tools`) are flattened. Raises ProxyError 400 for an entry that
+    is not an object, a group whose `tools` is not a list, a function tool without a string `name`."""
     out, hosted = [], []
-    for t in tools:
-        if isinstance(t.get("tools"), list):
-            inner, inner_hosted = _flatten_tools(t["tools"])
+    for k, t in enumerate(tools):
+        here = f"{where}.{k}"
+        if not isinstance(t, dict):
+            raise ProxyError(400, f"{here}: a tool must be an object (got {short_repr(t)})", param=here,
+                             code="invalid_value")
+        if "tools" in t:
+            if not isinstance(t["tools"], list):
+                raise ProxyError(400, f"{here}.tools: must be a list of tools (got {short_repr(t['tools'])})",
+                                 param=f"{here}.tools", code="invalid_value")
+            inner, inner_hosted = _flatten_tools(t["tools"], f"{here}.tools")
             out += inner
             hosted += inner_hosted
         elif t.get("type") == "function":
+            if not isinstance(t.get("name"), str):
+                raise ProxyError(400, f"{here}.name: a function tool needs a string name (got "
+                                      f"{short_repr(t.get('name'))})", param=f"{here}.name", code="invalid_value")
             fn = {"name": t.get("name"), "description": t.get("description"), "parameters": t.get("parameters"),
                   "strict": t.get("strict")}
-            out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
+            out.append({"type": "function", "function": {k2: v for k2, v in fn.items() if v is not None}})
         else:
             hosted.append(str(t.get("type")))
     return out, hosted
