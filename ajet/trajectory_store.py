@@ -106,6 +106,7 @@ class TrajectoryStore:
             self._db.execute("BEGIN")
             self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
                                  [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
+
     def add_samples(self, step: int, attempt: int, samples: list[dict[str, Any]]) -> None:
         """Commit the training samples built for `step` (each a `Sample.to_dict()` plus `trained`: whether the
         update used it), after their advantages are set, in one transaction. Samples are derived data (the
@@ -114,7 +115,7 @@ class TrajectoryStore:
         for s in samples:
             i = index[s["episode_id"]] = index.get(s["episode_id"], -1) + 1
             rows.append((s["episode_id"], attempt, i, step, s.get("advantage"), json.dumps(s)))
-        with self._db:
+        with self._write, self._db:   # the lock every write takes: `ajet serve` commits episodes meanwhile
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", rows)
 
