@@ -165,28 +165,32 @@ class EpisodeQueue:
         if dataset is not None and dataset not in self._gids:
             raise EpisodeApiError(400, "unknown_dataset", f"no dataset {dataset!r} here; the datasets are "
                                                           + ", ".join(sorted(self._gids)))
-        with self._lock:
-            self._reap_idle()
-            client = self._clients.setdefault(client_id, _Client())
-            client.last_seen = time.monotonic()
-            if self.finished_run:
-                raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
-            group, repeat = self._place(task, group_id, dataset)
-            group.handouts += 1
-            eid = f"a{self.attempt}-{group.label}-r{repeat}"
-            if eid in self._ended:                       # this place was handed out before and abandoned
-                eid += f"-h{group.handouts}"
-            endpoint = self.proxy.open_episode(eid)
-            now = time.monotonic()
-            run = _Running(eid, group, repeat, endpoint, client_id, now, now)
-            group.running[repeat] = eid
-            self._running[eid], self._by_token[endpoint.api_key] = run, run
-            client.begun += 1
-            self.counts["begun"] += 1
-            return {"episode_id": eid, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
-                    "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
-                    "dataset": group.dataset,
-                    "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
+        reaped: list[tuple[_Running, str]] = []
+        try:
+            with self._lock:
+                reaped = self._reap_idle()
+                client = self._clients.setdefault(client_id, _Client())
+                client.last_seen = time.monotonic()
+                if self.finished_run:
+                    raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
+                group, repeat = self._place(task, group_id, dataset)
+                group.handouts += 1
+                eid = f"a{self.attempt}-{group.label}-r{repeat}"
+                if eid in self._ended:                       # this place was handed out before and abandoned
+                    eid += f"-h{group.handouts}"
+                endpoint = self.proxy.open_episode(eid)
+                now = time.monotonic()
+                run = _Running(eid, group, repeat, endpoint, client_id, now, now)
+                group.running[repeat] = eid
+                self._running[eid], self._by_token[endpoint.api_key] = run, run
+                client.begun += 1
+                self.counts["begun"] += 1
+                return {"episode_id": eid, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
+                        "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
+                        "dataset": group.dataset,
+                        "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
+        finally:
+            self._store_dropped(reaped)     # outside the lock
 
     def finish(self, episode_id: str, reward: float | None = None, final_answer: str | None = None,
                metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
@@ -232,9 +236,11 @@ class EpisodeQueue:
 
     def abort(self, episode_id: str, reason: str) -> dict[str, Any]:
         """Give a running episode up (recorded, never trained on; its place goes to the next client)."""
-        with self._lock:
+        reason = f"aborted: {reason}"
+        with self._changed:
             run = self._take(episode_id)
-        self._drop(run, f"aborted: {reason}")
+            self._end_dropped(run, reason)
+        self._store_dropped([(run, reason)])
         return {"episode_id": episode_id, "status": "aborted"}
 
     def heartbeat(self, episode_id: str) -> dict[str, Any]:
@@ -270,20 +276,21 @@ class EpisodeQueue:
     def collect(self, step: int) -> list[Episode]:
         """Block until `tasks_per_step` groups are complete; take them (oldest first) and return their
         episodes `[tasks_per_step * num_repeat]`, grouped. Idle episodes are abandoned while waiting."""
-        with self._changed:
-            self.collecting_step = step
-            while True:
-                self._reap_idle()
+        while True:
+            with self._changed:
+                self.collecting_step = step
+                reaped = self._reap_idle()
                 done = sorted((g for g in self._groups.values() if len(g.finished) == self.num_repeat),
                               key=lambda g: g.order)
-                if len(done) >= self.tasks_per_step:
-                    break
-                self._changed.wait(timeout=0.5)
-            taken = done[: self.tasks_per_step]
-            for g in taken:
-                del self._groups[g.group_id]
-            self.collecting_step = step + 1
-            return [g.finished[r] for g in taken for r in range(self.num_repeat)]
+                if not reaped and len(done) >= self.tasks_per_step:
+                    taken = done[: self.tasks_per_step]
+                    for g in taken:
+                        del self._groups[g.group_id]
+                    self.collecting_step = step + 1
+                    return [g.finished[r] for g in taken for r in range(self.num_repeat)]
+                if not reaped:
+                    self._changed.wait(timeout=0.5)
+            self._store_dropped(reaped)           # outside the lock; then look again
 
     def step_done(self, step: int) -> None:
         """The update of `step` is applied; after the last step, `begin` answers 410 `run_finished`."""
@@ -370,28 +377,29 @@ class EpisodeQueue:
         raise EpisodeApiError(410, "episode_abandoned", f"episode {episode_id!r} was {ended}; its task went to "
                                                         "another client, begin a new episode")
 
-    def _reap_idle(self) -> None:
+    def _reap_idle(self) -> list[tuple[_Running, str]]:
+        """Abandon every idle episode at once (lock held, never released in between: a second reaper in
+        another thread finds them gone, not half gone) and free their places; returns (run, reason) for
+        `_store_dropped`, which the caller runs without the lock."""
         now = time.monotonic()
-        idle = [r for r in self._running.values() if r.in_flight == 0 and now - r.last_seen > self.idle_timeout_s]
-        for run in idle:
-            self._take(run.episode_id)
-            self._lock.release()      # closing the proxy endpoint and storing run outside the lock
-            try:
-                self._drop(run, f"abandoned: no call or heartbeat for {self.idle_timeout_s:g}s "
-                                f"(client {run.client_id})")
-            finally:
-                self._lock.acquire()
+        reaped = []
+        for run in [r for r in self._running.values() if r.in_flight == 0 and now - r.last_seen > self.idle_timeout_s]:
+            reason = f"abandoned: no call or heartbeat for {self.idle_timeout_s:g}s (client {run.client_id})"
+            self._end_dropped(self._take(run.episode_id), reason)
+            reaped.append((run, reason))
+        return reaped
 
-    def _drop(self, run: _Running, reason: str) -> None:
-        """Store an abandoned or aborted episode (never trained on) and free its place (lock not held)."""
-        calls = self.proxy.close_episode(run.endpoint)
-        ep = Episode(run.episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls,
-                     error=reason, attempt=self.attempt)
-        self.record(self.collecting_step, ep)
-        with self._changed:
-            del run.group.running[run.repeat]
-            self._ended[run.episode_id] = reason
-            kind = "aborted" if reason.startswith("aborted") else "abandoned"
-            self.counts[kind] += 1
-            self._clients[run.client_id].abandoned += 1
-            self._changed.notify_all()
+    def _end_dropped(self, run: _Running, reason: str) -> None:
+        """Mark an abandoned or aborted episode ended and free its place (lock held)."""
+        del run.group.running[run.repeat]
+        self._ended[run.episode_id] = reason
+        self.counts["aborted" if reason.startswith("aborted") else "abandoned"] += 1
+        self._clients[run.client_id].abandoned += 1
+        self._changed.notify_all()
+
+    def _store_dropped(self, dropped: list[tuple[_Running, str]]) -> None:
+        """Close the endpoints of ended-and-dropped episodes and store them, never trained on (lock not held)."""
+        for run, reason in dropped:
+            calls = self.proxy.close_episode(run.endpoint)
+            self.record(self.collecting_step, Episode(run.episode_id, run.group.task, run.group.group_id, run.repeat,
+                                                      calls=calls, error=reason, attempt=self.attempt))
