@@ -27,6 +27,7 @@ import asyncio
 import inspect
 import itertools
 import math
+import secrets
 import threading
 import time
 import traceback
@@ -37,6 +38,10 @@ from ajet.episode import Episode
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
 from ajet.workflow import WorkflowOutput
+
+
+TOKEN_HEADER = "X-Ajet-Episode-Token"   # the header that carries an episode's `episode_token`
+RESTART_RETRY_AFTER_S = 5.0              # Retry-After of 503 `server_restarting`, seconds
 
 
 class EpisodeApiError(Exception):
@@ -68,6 +73,7 @@ class _Running:
     group: _Group
     repeat: int
     endpoint: Any                    # the proxy's EpisodeEndpoint
+    token: str                       # the episode's own secret: finish/abort/heartbeat must present it
     client_id: str
     began: float                     # time.monotonic()
     last_seen: float                 # time.monotonic() of begin, the last call or heartbeat
@@ -107,13 +113,15 @@ class EpisodeQueue:
         self.proxy = None
         self.collecting_step = first_step                # the step new episodes are stored under
         self.trained_step = first_step - 1
-        self.finished_run = False
+        self.finished_run = False                        # every step trained: `begin` answers 410
+        self.stopping = False                            # the trainer stopped early: every call answers 503
         self._gids = {name: 0 for name in sampler.samplers}   # groups opened per dataset (ids "g<k>:<task_id>")
         self._order = itertools.count()
         self._groups: dict[str, _Group] = {}             # open groups by group id, not yet taken by collect
         self._running: dict[str, _Running] = {}          # by episode id
         self._by_token: dict[str, _Running] = {}         # by the episode's proxy api_key
         self._ended: dict[str, str] = {}                 # episode id -> "finished" | "abandoned: ..." | "aborted: ..."
+        self._tokens: dict[str, str] = {}                # episode id -> its token (running and ended episodes)
         self._adoptable: dict[str, list[Episode]] = {}   # finished, untrained episodes of an earlier attempt
         self._clients: dict[str, _Client] = {}
         self.counts = {"begun": 0, "finished": 0, "failed": 0, "abandoned": 0, "aborted": 0, "adopted": 0}
@@ -171,6 +179,7 @@ class EpisodeQueue:
                 reaped = self._reap_idle()
                 client = self._clients.setdefault(client_id, _Client())
                 client.last_seen = time.monotonic()
+                self._refuse_if_stopping()
                 if self.finished_run:
                     raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
                 group, repeat = self._place(task, group_id, dataset)
@@ -180,12 +189,13 @@ class EpisodeQueue:
                     eid += f"-h{group.handouts}"
                 endpoint = self.proxy.open_episode(eid)
                 now = time.monotonic()
-                run = _Running(eid, group, repeat, endpoint, client_id, now, now)
+                token = secrets.token_urlsafe(24)
+                run = _Running(eid, group, repeat, endpoint, token, client_id, now, now)
                 group.running[repeat] = eid
-                self._running[eid], self._by_token[endpoint.api_key] = run, run
+                self._running[eid], self._by_token[endpoint.api_key], self._tokens[eid] = run, run, token
                 client.begun += 1
                 self.counts["begun"] += 1
-                return {"episode_id": eid, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
+                return {"episode_id": eid, "episode_token": token, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
                         "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
                         "dataset": group.dataset,
                         "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
@@ -194,12 +204,14 @@ class EpisodeQueue:
 
     def finish(self, episode_id: str, reward: float | None = None, final_answer: str | None = None,
                metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
-               error: str | None = None) -> dict[str, Any]:
+               error: str | None = None, token: str | None = None) -> dict[str, Any]:
         """End a running episode with a reward (or a final answer for the judge), or with an error.
+        `token`: the `episode_token` that `begin` returned (None: an in-process caller holding the queue).
 
         Raises:
-            EpisodeApiError: 404 unknown episode, 409 already finished, 410 abandoned or aborted, 400 a
-                non-finite reward or no reward without a judge (the episode stays running: send it again).
+            EpisodeApiError: 404 unknown episode, 403 a missing or wrong token, 409 already finished, 410
+                abandoned or aborted, 400 a non-finite reward or no reward without a judge (the episode stays
+                running: send it again), 503 `server_restarting` (the trainer stopped early).
         """
         if reward is not None and not math.isfinite(reward):
             raise EpisodeApiError(400, "invalid_reward", f"reward must be a finite number, got {reward!r}")
@@ -207,6 +219,8 @@ class EpisodeQueue:
             raise EpisodeApiError(400, "missing_reward", "send `reward` (this server has no judge to score a "
                                                          "final_answer); the episode is still running")
         with self._lock:
+            self._refuse_if_stopping()
+            self._check_token(episode_id, token)
             run = self._take(episode_id)
         calls = self.proxy.close_episode(run.endpoint)
         ep = Episode(episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls, attempt=self.attempt,
@@ -234,17 +248,23 @@ class EpisodeQueue:
         return {"episode_id": episode_id, "status": "finished", "reward": ep.reward, "calls": len(calls),
                 "error": ep.error is not None}
 
-    def abort(self, episode_id: str, reason: str) -> dict[str, Any]:
-        """Give a running episode up (recorded, never trained on; its place goes to the next client)."""
+    def abort(self, episode_id: str, reason: str, token: str | None = None) -> dict[str, Any]:
+        """Give a running episode up (recorded, never trained on; its place goes to the next client).
+        Raises EpisodeApiError as `finish` does."""
         reason = f"aborted: {reason}"
         with self._changed:
+            self._refuse_if_stopping()
+            self._check_token(episode_id, token)
             run = self._take(episode_id)
             self._end_dropped(run, reason)
         self._store_dropped([(run, reason)])
         return {"episode_id": episode_id, "status": "aborted"}
 
-    def heartbeat(self, episode_id: str) -> dict[str, Any]:
+    def heartbeat(self, episode_id: str, token: str | None = None) -> dict[str, Any]:
+        """Keep a running episode alive. Raises EpisodeApiError as `finish` does."""
         with self._lock:
+            self._refuse_if_stopping()
+            self._check_token(episode_id, token)
             run = self._running.get(episode_id)
             if run is None:
                 self._raise_ended(episode_id)
@@ -306,7 +326,11 @@ class EpisodeQueue:
                     "serve/adopted": self.counts["adopted"]}
 
     def close(self) -> None:
+        """The trainer is done. After its last step `begin` answers 410 `run_finished`; when it stopped
+        before (it raised, or was interrupted) every call answers 503 `server_restarting` with Retry-After,
+        so that clients wait for the server restarted with `--resume` instead of exiting."""
         with self._lock:
+            self.stopping = self.trained_step < self.total_steps
             self.finished_run = True
 
     # ---- internals (called with the lock held) -----------------------------------------------------
@@ -366,6 +390,23 @@ class EpisodeQueue:
             self._raise_ended(episode_id)
         del self._by_token[run.endpoint.api_key]
         return run                    # its place stays taken until the caller finishes or drops it
+
+    def _refuse_if_stopping(self) -> None:
+        if self.stopping:
+            raise EpisodeApiError(503, "server_restarting", f"the trainer stopped after step {self.trained_step} of "
+                                  f"{self.total_steps} (see the server's log); the server is restarted with --resume: "
+                                  "retry after Retry-After (running episodes are forgotten, begin new ones)",
+                                  retry_after_s=RESTART_RETRY_AFTER_S)
+
+    def _check_token(self, episode_id: str, token: str | None) -> None:
+        """404 for an id never handed out; 403 unless `token` is the episode's own (None: in-process caller)."""
+        known = self._tokens.get(episode_id)
+        if known is None:
+            self._raise_ended(episode_id)            # 404
+        if token is not None and not secrets.compare_digest(token.encode(), known.encode()):
+            raise EpisodeApiError(403, "wrong_episode_token" if token else "missing_episode_token",
+                                  f"episode {episode_id!r}: send the `episode_token` that its begin returned in the "
+                                  f"{TOKEN_HEADER} header (only the client that began an episode may end it)")
 
     def _raise_ended(self, episode_id: str) -> None:
         ended = self._ended.get(episode_id)
