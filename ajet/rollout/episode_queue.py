@@ -17,8 +17,15 @@ After a restart with `--resume`, the groups that were open at the checkpoint are
 finished episode that no live update used is put back into its group (matched by group id; see
 `TrajectoryStore.untrained`), so nothing a client finished is lost or trained twice.
 
+Every begun episode gets its own unguessable `episode_token`; `finish` / `abort` / `heartbeat` refuse
+(403) a call that does not present it, so one client cannot end another's episode. When the trainer stops
+before its last step, `close()` makes every call answer 503 `server_restarting` (not 410 `run_finished`),
+so clients wait for the server restarted with `--resume`.
+
 Thread model: the HTTP handlers call `begin` / `finish` / `abort` / `heartbeat` from worker threads, the
-trainer calls `collect` from its own; one lock guards the state, a condition wakes `collect`.
+trainer calls `collect` from its own; one lock guards the state, a condition wakes `collect`. A state
+change is made whole under the lock (the reaper abandons all idle episodes in one pass); storing and
+closing proxy endpoints happen after it is released.
 """
 
 from __future__ import annotations
