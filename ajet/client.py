@@ -100,7 +100,8 @@ class Episode(_EpisodeData):
             AjetClientError: the server refused it (non-finite reward, no reward and no judge, ...).
             EpisodeGone: the server no longer knows the episode.
         """
-        out = self._client._end(self.episode_id, self.episode_token, "finish", _finish_body(reward, final_answer, metadata, metrics))
+        out = self._client._end(self.episode_id, self.episode_token, "finish",
+                                _finish_body(reward, final_answer, metadata, metrics))
         self.finished = True
         return out
 
@@ -135,7 +136,8 @@ class AsyncEpisode(_EpisodeData):
 
     async def finish(self, reward: float | None = None, final_answer: str | None = None,
                      metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, self.episode_token, "finish", _finish_body(reward, final_answer, metadata, metrics))
+        out = await self._client._end(self.episode_id, self.episode_token, "finish",
+                                      _finish_body(reward, final_answer, metadata, metrics))
         self.finished = True
         return out
 

@@ -202,8 +202,8 @@ class EpisodeQueue:
                 self._running[eid], self._by_token[endpoint.api_key], self._tokens[eid] = run, run, token
                 client.begun += 1
                 self.counts["begun"] += 1
-                return {"episode_id": eid, "episode_token": token, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
-                        "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
+                return {"episode_id": eid, "episode_token": token, "base_url": endpoint.base_url,
+                        "api_key": endpoint.api_key, "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
                         "dataset": group.dataset,
                         "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
         finally:
