@@ -15,7 +15,7 @@ never finishes) with probability `--die` per episode and is replaced by a new on
 once, when `--kill-at` of the episodes are acknowledged, and restarted on the same port with `--resume`;
 the clients retry through the gap.
 
-    python benchmarks/serve_load.py [--clients 220] [--procs 10] [--steps 17] [--tasks-per-step 16]
+    python benchmarks/serve_load.py [--clients 220] [--procs 10] [--steps 30] [--tasks-per-step 16]
 
 Prints, from the trajectory store's ledger after the run: acknowledged episodes lost (acknowledged but not
 in the store; must be 0), episodes trained twice by live updates (must be 0), acknowledged episodes left
@@ -63,7 +63,7 @@ async def _one_client(url: str, k: int, out, die: float, stats: dict) -> None:
             while True:
                 try:
                     ep = await client.begin()
-                except RunFinished:
+                except (RunFinished, httpx.TransportError):   # over (a client that missed the 410: server gone)
                     return
                 dies = rng.random() < die
                 try:
@@ -170,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=220)
     ap.add_argument("--procs", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=17)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--tasks-per-step", type=int, default=16)
     ap.add_argument("--num-repeat", type=int, default=4)
     ap.add_argument("--idle-s", type=float, default=4.0, help="serve.episode_idle_timeout_s")
@@ -235,8 +235,12 @@ def main() -> None:
             time.sleep(0.5)
         elapsed = time.monotonic() - t0
         server_rc = server.returncode
+        end = time.monotonic() + 15                      # clients hear 410 run_finished; stragglers are killed
         for p in procs[1:]:
-            p.wait(timeout=300)
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
     finally:
         stop_sampling.set()
         for p in [server, *procs]:
