@@ -176,8 +176,10 @@ def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadl
     """The answer's JSON when the call succeeded, else the seconds to wait before retrying it.
 
     Retries connection errors and 502/503/504 (exponential backoff from 0.2 s, at most 5 s, at most the
-    server's `Retry-After`) until `deadline`. A retried call answered with an error code in `done_codes`
-    (its first try went through before the connection broke) counts as success.
+    server's `Retry-After`) until `deadline`; a 503 `no_task_available` is retried without that bound (the
+    server is up and answering: every task is handed out and training is catching up, which may take
+    long with many clients). A retried call answered with an error code in `done_codes` (its first try
+    went through before the connection broke) counts as success.
 
     Raises:
         httpx.TransportError: the server stayed unreachable until `deadline`.
@@ -190,7 +192,8 @@ def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadl
         return min(0.2 * 2 ** attempt, 5.0)
     if resp.status_code < 400:
         return resp.json()
-    if resp.status_code not in _RETRY_STATUS or now > deadline:
+    waiting_for_task = resp.status_code == 503 and _error(resp).code == "no_task_available"
+    if resp.status_code not in _RETRY_STATUS or (now > deadline and not waiting_for_task):
         err = _error(resp)
         if attempt > 0 and err.code in done_codes:
             return {"status": err.code}

@@ -208,3 +208,30 @@ def test_nan_and_infinite_metrics_never_reach_metrics_jsonl(tmp_path):
     assert row == {"step": 1, "loss": None, "kl": None, "reward": 0.5, "per_task": [1.0, None],
                    "nonfinite": ["kl", "loss", "per_task"]}
     assert not any(isinstance(v, float) and not math.isfinite(v) for v in row.values())
+
+
+def test_a_client_waits_for_a_task_however_long_training_takes(tokenizer):
+    """503 `no_task_available` comes from a live server (every place handed out, training catching up):
+    `begin` keeps waiting past `retry_for_s`, which bounds only an unreachable or restarting server."""
+    with served(tokenizer) as (queue, http, _):
+        places = [http.post("/ajet/v1/episodes", json={"client_id": "busy"}).json() for _ in range(8)]
+        assert http.post("/ajet/v1/episodes", json={}).json()["error"]["code"] == "no_task_available"
+        client, got, errors = AjetClient(str(http.base_url), secret=SECRET, retry_for_s=0.5), [], []
+
+        def begin():
+            try:
+                got.append(client.begin())
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        waiting = threading.Thread(target=begin)
+        waiting.start()
+        time.sleep(2.0)                                       # four times retry_for_s
+        assert not got and not errors
+        for ep in places[:4]:                                 # two groups complete; the trainer takes them
+            http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0},
+                      headers={"X-Ajet-Episode-Token": ep["episode_token"]})
+        queue.collect(1)
+        waiting.join(30)
+        assert errors == [] and got and got[0].group_id == "g4:" + got[0].task["task_id"]
+        client.close()
