@@ -33,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
 import math
 import secrets
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,6 +49,7 @@ from ajet.task_sampler import MultiTaskSampler
 from ajet.workflow import WorkflowOutput
 
 
+log = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Ajet-Episode-Token"   # the header that carries an episode's `episode_token`
 RESTART_RETRY_AFTER_S = 5.0              # Retry-After of 503 `server_restarting`, seconds
 
@@ -134,6 +137,9 @@ class EpisodeQueue:
         self.counts = {"begun": 0, "finished": 0, "failed": 0, "abandoned": 0, "aborted": 0, "adopted": 0}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        # stores episodes that `begin` reaped, off the client's path: a begin that first stored every
+        # reaped episode answered so late under load that the episode it handed out idled out in turn
+        self._storer = ThreadPoolExecutor(1, thread_name_prefix="ajet-store-abandoned")
 
     # ---- wiring -----------------------------------------------------------------------------------
     def bind(self, proxy) -> None:
@@ -183,7 +189,7 @@ class EpisodeQueue:
         reaped: list[tuple[_Running, str]] = []
         try:
             with self._lock:
-                reaped = self._reap_idle()
+                reaped = [] if self.finished_run else self._reap_idle()
                 client = self._clients.setdefault(client_id, _Client())
                 client.last_seen = time.monotonic()
                 self._refuse_if_stopping()
@@ -207,7 +213,8 @@ class EpisodeQueue:
                         "dataset": group.dataset,
                         "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
         finally:
-            self._store_dropped(reaped)     # outside the lock
+            if reaped:                      # outside the lock, and not before this client has its answer
+                self._storer.submit(self._store_dropped, reaped).add_done_callback(_log_failure)
 
     def finish(self, episode_id: str, reward: float | None = None, final_answer: str | None = None,
                metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
@@ -332,13 +339,18 @@ class EpisodeQueue:
                     "serve/running": len(self._running), "serve/clients": len(self._clients),
                     "serve/adopted": self.counts["adopted"]}
 
+    def flush(self) -> None:
+        """Wait until every episode `begin` reaped so far is stored."""
+        self._storer.submit(lambda: None).result()
+
     def close(self) -> None:
         """The trainer is done. After its last step `begin` answers 410 `run_finished`; when it stopped
         before (it raised, or was interrupted) every call answers 503 `server_restarting` with Retry-After,
         so that clients wait for the server restarted with `--resume` instead of exiting."""
         with self._lock:
             self.stopping = self.trained_step < self.total_steps
-            self.finished_run = True
+            self.finished_run = True                     # (and no more reaping)
+        self._storer.shutdown(wait=True)                 # every reaped episode stored before the store closes
 
     # ---- internals (called with the lock held) -----------------------------------------------------
     def _place(self, task: dict[str, Any] | None, group_id: str | None, dataset: str | None) -> tuple[_Group, int]:
@@ -451,3 +463,8 @@ class EpisodeQueue:
             calls = self.proxy.close_episode(run.endpoint)
             self.record(self.collecting_step, Episode(run.episode_id, run.group.task, run.group.group_id, run.repeat,
                                                       calls=calls, error=reason, attempt=self.attempt))
+
+
+def _log_failure(future) -> None:
+    if future.exception() is not None:   # an abandoned episode could not be stored (never trained on anyway)
+        log.error("storing abandoned episodes failed", exc_info=future.exception())
