@@ -70,6 +70,8 @@ def test_bad_input_gets_a_json_4xx_naming_the_field_and_begins_nothing(tokenizer
                            headers={"Content-Type": "application/json"}), 400, "invalid_string", "`task.query`")
         _refused(http.post("/ajet/v1/episodes", content=b'{"client_id": "\\udfff"}'), 400, "invalid_string",
                  "`client_id`")
+        _refused(http.post("/ajet/v1/episodes", content=b'{"task": {"query": "q", "metadata": {"\\ud800": "\\ud800"}}}'),
+                 400, "invalid_string", "`task.metadata.\\ud800`")
         # raw surrogate bytes (not a \u escape): json.loads decodes them with surrogatepass
         _refused(http.post("/ajet/v1/episodes", content=b'{"client_id": "\xed\xa0\x80"}'), 400, "invalid_string",
                  "`client_id`")

@@ -197,7 +197,8 @@ def _check_json(data: Any) -> None:
                                       f"({v[exc.start:exc.end]!a} at index {exc.start}), not valid Unicode") from None
         elif isinstance(v, dict):
             for k, x in v.items():
-                path = where + "." + k if where != "body" else k
+                name = k.encode("utf-8", "backslashreplace").decode()   # a bad key must not break the message
+                path = where + "." + name if where != "body" else name
                 stack += [(k, f"{where} key", depth + 1), (x, path, depth + 1)]
         elif isinstance(v, list):
             stack += [(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
