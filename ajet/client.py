@@ -12,11 +12,14 @@
 An exception inside the block ends the episode as failed (its traceback is recorded, it is never trained
 on) and is re-raised; leaving the block without `finish` does the same. Lost connections and 503s are
 retried with exponential backoff for up to `retry_for_s` seconds (a restarting server is waited for).
+A server whose trainer stopped early answers 503 `server_restarting` until it is restarted with
+`--resume`: that, too, is waited for (within `retry_for_s`), never taken as the end of the run.
 `begin` raises `RunFinished` once the server has trained all its steps; `finish` raises `EpisodeGone` when
 the server no longer knows the episode (it was abandoned after going idle, or the server restarted).
 `AsyncAjetClient` has the same methods as coroutines (`async with client.episode() as ep:`).
 
-Wire protocol (JSON over HTTP; every control call carries `Authorization: Bearer <secret>`):
+Wire protocol (JSON over HTTP; every control call carries `Authorization: Bearer <secret>`, and the calls
+on one episode its `episode_token` from begin in the `X-Ajet-Episode-Token` header):
 
     POST /ajet/v1/episodes                {"client_id", "dataset"?, "task"?, "group_id"?}   -> episode
     POST /ajet/v1/episodes/{id}/finish    {"reward"?, "final_answer"?, "metadata"?, "metrics"?} | {"error"}
@@ -40,6 +43,7 @@ from typing import Any, AsyncIterator, Iterator
 import httpx
 
 API = "/ajet/v1"
+TOKEN_HEADER = "X-Ajet-Episode-Token"
 _RETRY_STATUS = {502, 503, 504}
 
 
@@ -62,6 +66,7 @@ class EpisodeGone(AjetClientError):
 @dataclass
 class _EpisodeData:
     episode_id: str
+    episode_token: str
     base_url: str
     api_key: str
     model: str
@@ -74,7 +79,8 @@ class _EpisodeData:
 
 
 class Episode(_EpisodeData):
-    """A running episode (sync). Attributes: `episode_id`, `task` (dict: task_id, query, answer, metadata),
+    """A running episode (sync). Attributes: `episode_id`, `episode_token` (the episode's own secret: only
+    the client holding it can finish, abort or heartbeat the episode), `task` (dict: task_id, query, answer, metadata),
     `base_url` / `api_key` (OpenAI-compatible, record every call), `model`, `group_id`, `idle_timeout_s`
     (the server abandons the episode after this long without a call or heartbeat), `policy_version`."""
 
@@ -94,26 +100,27 @@ class Episode(_EpisodeData):
             AjetClientError: the server refused it (non-finite reward, no reward and no judge, ...).
             EpisodeGone: the server no longer knows the episode.
         """
-        out = self._client._end(self.episode_id, "finish", _finish_body(reward, final_answer, metadata, metrics))
+        out = self._client._end(self.episode_id, self.episode_token, "finish",
+                                _finish_body(reward, final_answer, metadata, metrics))
         self.finished = True
         return out
 
     def fail(self, error: str) -> dict[str, Any]:
         """End the episode as failed (recorded with `error`, never trained on)."""
-        out = self._client._end(self.episode_id, "finish", {"error": error})
+        out = self._client._end(self.episode_id, self.episode_token, "finish", {"error": error})
         self.finished = True
         return out
 
     def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
         """Give the episode up: recorded with `reason`, never trained on; its task goes to another client."""
-        out = self._client._end(self.episode_id, "abort", {"reason": reason})
+        out = self._client._end(self.episode_id, self.episode_token, "abort", {"reason": reason})
         self.finished = True
         return out
 
     def heartbeat(self) -> None:
         """Tell the server the episode is alive (needed only for work longer than `idle_timeout_s` without
         model calls)."""
-        self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {})
+        self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {}, token=self.episode_token)
 
 
 class AsyncEpisode(_EpisodeData):
@@ -129,22 +136,23 @@ class AsyncEpisode(_EpisodeData):
 
     async def finish(self, reward: float | None = None, final_answer: str | None = None,
                      metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, "finish", _finish_body(reward, final_answer, metadata, metrics))
+        out = await self._client._end(self.episode_id, self.episode_token, "finish",
+                                      _finish_body(reward, final_answer, metadata, metrics))
         self.finished = True
         return out
 
     async def fail(self, error: str) -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, "finish", {"error": error})
+        out = await self._client._end(self.episode_id, self.episode_token, "finish", {"error": error})
         self.finished = True
         return out
 
     async def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, "abort", {"reason": reason})
+        out = await self._client._end(self.episode_id, self.episode_token, "abort", {"reason": reason})
         self.finished = True
         return out
 
     async def heartbeat(self) -> None:
-        await self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {})
+        await self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {}, token=self.episode_token)
 
 
 def _finish_body(reward, final_answer, metadata, metrics) -> dict[str, Any]:
@@ -168,8 +176,10 @@ def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadl
     """The answer's JSON when the call succeeded, else the seconds to wait before retrying it.
 
     Retries connection errors and 502/503/504 (exponential backoff from 0.2 s, at most 5 s, at most the
-    server's `Retry-After`) until `deadline`. A retried call answered with an error code in `done_codes`
-    (its first try went through before the connection broke) counts as success.
+    server's `Retry-After`) until `deadline`; a 503 `no_task_available` is retried without that bound (the
+    server is up and answering: every task is handed out and training is catching up, which may take
+    long with many clients). A retried call answered with an error code in `done_codes` (its first try
+    went through before the connection broke) counts as success.
 
     Raises:
         httpx.TransportError: the server stayed unreachable until `deadline`.
@@ -182,7 +192,8 @@ def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadl
         return min(0.2 * 2 ** attempt, 5.0)
     if resp.status_code < 400:
         return resp.json()
-    if resp.status_code not in _RETRY_STATUS or now > deadline:
+    waiting_for_task = resp.status_code == 503 and _error(resp).code == "no_task_available"
+    if resp.status_code not in _RETRY_STATUS or (now > deadline and not waiting_for_task):
         err = _error(resp)
         if attempt > 0 and err.code in done_codes:
             return {"status": err.code}
@@ -229,12 +240,14 @@ class AjetClient(_ClientBase):
     """Synchronous client of `ajet serve` (arguments: see `_ClientBase`)."""
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
-              done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
-        """One API call, retried on connection errors and 502/503/504 (see `_retry_wait`)."""
+              done_codes: tuple[str, ...] = (), token: str | None = None) -> dict[str, Any]:
+        """One API call (with the episode's `token`, for calls on one episode), retried on connection errors
+        and 502/503/504 (see `_retry_wait`)."""
         deadline, attempt = time.monotonic() + self.retry_for_s, 0
+        headers = {TOKEN_HEADER: token} if token else None
         while True:
             try:
-                resp = self._http.request(method, path, json=body)
+                resp = self._http.request(method, path, json=body, headers=headers)
             except httpx.TransportError as exc:
                 resp = exc
             wait = _retry_wait(resp, attempt, deadline, done_codes)
@@ -243,9 +256,9 @@ class AjetClient(_ClientBase):
             attempt += 1
             time.sleep(wait)
 
-    def _end(self, episode_id: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _end(self, episode_id: str, token: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
-                          done_codes=("episode_already_finished",))
+                          done_codes=("episode_already_finished",), token=token)
 
     def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
               dataset: str | None = None) -> Episode:
@@ -297,11 +310,12 @@ class AsyncAjetClient(_ClientBase):
     _HTTP = httpx.AsyncClient
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
-                    done_codes: tuple[str, ...] = ()) -> dict[str, Any]:
+                    done_codes: tuple[str, ...] = (), token: str | None = None) -> dict[str, Any]:
         deadline, attempt = time.monotonic() + self.retry_for_s, 0
+        headers = {TOKEN_HEADER: token} if token else None
         while True:
             try:
-                resp = await self._http.request(method, path, json=body)
+                resp = await self._http.request(method, path, json=body, headers=headers)
             except httpx.TransportError as exc:
                 resp = exc
             wait = _retry_wait(resp, attempt, deadline, done_codes)
@@ -310,9 +324,9 @@ class AsyncAjetClient(_ClientBase):
             attempt += 1
             await asyncio.sleep(wait)
 
-    async def _end(self, episode_id: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _end(self, episode_id: str, token: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
-                                done_codes=("episode_already_finished",))
+                                done_codes=("episode_already_finished",), token=token)
 
     async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
                     dataset: str | None = None) -> AsyncEpisode:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -45,9 +46,16 @@ class MetricsLogger:
         self.console = Console(stderr=False, highlight=False, quiet="console" not in loggers)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Write one step's metrics. A NaN or +-Infinity value (a client's episode metric, a diverged loss)
+        is written to `metrics.jsonl` as null, its key listed under `nonfinite`: the file stays strict JSON
+        that every reader parses."""
         self._step = step
         if self._metrics is not None:
-            self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+            bad = sorted(k for k, v in metrics.items() if _finite(v) != v)
+            row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+            if bad:
+                row["nonfinite"] = bad
+            self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
             self._metrics.flush()
         if self._tb is not None:
             for k, v in metrics.items():
@@ -95,6 +103,17 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _finite(v: Any) -> Any:
+    """`v` with every NaN / +-Infinity float in it (also inside lists and dicts) replaced by None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_finite(x) for x in v)
+    return v
 
 
 def _start_wandb(exp_dir: Path, run_config: Any) -> Any:

@@ -124,7 +124,7 @@ class TrajectoryStore:
         for s in samples:
             i = index[s["episode_id"]] = index.get(s["episode_id"], -1) + 1
             rows.append((s["episode_id"], attempt, i, step, s.get("advantage"), json.dumps(s)))
-        with self._db:
+        with self._write, self._db:   # the lock every write takes: `ajet serve` commits episodes meanwhile
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", rows)
 

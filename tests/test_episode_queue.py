@@ -69,6 +69,7 @@ def test_an_idle_episode_is_abandoned_and_its_place_handed_out_again():
     time.sleep(0.3)
     b = q.begin("lives")                      # reaps `a`, then hands out its place again
     assert b["group_id"] == a["group_id"] and b["episode_id"] == "a0-g0-r0-h2"
+    q.flush()                                 # `a` is stored after `b` has its answer
     assert stored[0][1].episode_id == a["episode_id"] and stored[0][1].error.startswith("abandoned: no call")
     with pytest.raises(EpisodeApiError) as e:
         q.finish(a["episode_id"], reward=1.0)
@@ -166,3 +167,64 @@ def test_multi_task_config_and_reproducible_mix(tmp_path):
     conf.write_text("workflow: wf.py:W\ndata: {train_path: math.jsonl, train: [{name: a, path: math.jsonl}]}\n")
     with pytest.raises(ConfigError, match="name exactly one task source"):
         load_config(conf)
+
+
+def test_two_reapers_at_once_never_raise_out_of_unrelated_calls():
+    """Two `begin`s (and the trainer's `collect`) reap the same idle episodes at once, while storing an
+    abandoned episode is slow: each idle episode is abandoned and stored exactly once, and nobody gets a
+    404 for an episode it never named."""
+    stored = []
+
+    def slow_record(step, ep):
+        time.sleep(0.05)                      # a slow disk: the window in which a second reaper runs
+        stored.append(ep.episode_id)
+
+    q, _ = _queue(idle_timeout_s=0.05)
+    q.record = slow_record
+    idle = [q.begin("dies")["episode_id"] for _ in range(8)]   # every place of the 4 open groups
+    time.sleep(0.1)
+    errors, got, go = [], [], threading.Barrier(3)
+
+    def call(fn):
+        go.wait()
+        try:
+            got.append(fn())
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=call, args=(lambda: q.begin("lives"),)) for _ in range(2)]
+    threads.append(threading.Thread(target=call, args=(lambda: q.collect(1),), daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads[:2]:
+        t.join(10)
+    time.sleep(0.6)                           # collect's own reaping pass
+    q.flush()
+    assert errors == []
+    assert len(got) == 2 and {g["group_id"] for g in got} == {"g0:t0"}
+    assert len(stored) == len(set(stored))                      # stored once each ...
+    assert sorted(e for e in stored if e in idle) == sorted(idle)  # ... every idle one (and later the two new ones)
+
+
+def test_begin_answers_before_the_episodes_it_reaped_are_stored():
+    """Under load, a begin that first stored every idle episode it reaped answered so late that the episode
+    it handed out idled out in turn (serve_load: 1,187 episodes abandoned in a cascade). The client gets
+    its answer while the store is still busy with the reaped ones."""
+    release, stored = threading.Event(), []
+
+    def blocked_record(step, ep):
+        release.wait(30)                      # a store that is slow for as long as the test likes
+        stored.append(ep.episode_id)
+
+    q, _ = _queue(idle_timeout_s=0.05)
+    q.record = blocked_record
+    idle = [q.begin("dies")["episode_id"] for _ in range(2)]
+    time.sleep(0.1)
+    got = []
+    t = threading.Thread(target=lambda: got.append(q.begin("lives")), daemon=True)
+    t.start()
+    t.join(10)
+    assert got and got[0]["episode_id"] == "a0-g0-r0-h3" and stored == []   # answered; nothing stored yet
+    release.set()
+    q.flush()
+    assert stored == idle

@@ -28,7 +28,7 @@ STUCK_CLIENT = '''
 import sys, time
 from ajet.client import AjetClient
 ep = AjetClient(sys.argv[1], secret=sys.argv[2]).begin()
-print(ep.episode_id, flush=True)
+print(ep.episode_id, ep.episode_token, flush=True)
 time.sleep(600)                      # never calls, never finishes: killed by the test
 '''
 
@@ -126,7 +126,7 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
         (tmp_path / "stuck.py").write_text(STUCK_CLIENT)
         stuck = subprocess.Popen([sys.executable, str(tmp_path / "stuck.py"), server.url, SECRET],
                                  stdout=subprocess.PIPE, text=True)
-        stuck_id = stuck.stdout.readline().strip()
+        stuck_id, stuck_token = stuck.stdout.readline().split()
         os.kill(stuck.pid, signal.SIGKILL)
         stuck.wait()
 
@@ -136,7 +136,8 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = http.post("/ajet/v1/episodes/nope/finish", json={"reward": 1.0})
         assert r.status_code == 404 and "no running episode 'nope'" in r.json()["error"]["message"]
-        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", content=b'{"reward": NaN}')
+        stuck_auth = {"X-Ajet-Episode-Token": stuck_token}
+        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", content=b'{"reward": NaN}', headers=stuck_auth)
         assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
         r = http.post("/ajet/v1/episodes", json={"client_id": "x", "colour": "red"})
         assert r.status_code == 400 and "colour" in r.json()["error"]["message"]
@@ -153,15 +154,16 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
         chat = httpx.post(ep["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {ep['api_key']}"},
                           json={"model": ep["model"], "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert chat.status_code == 200
-        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}).status_code == 200
-        r = http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5})
+        auth = {"X-Ajet-Episode-Token": ep["episode_token"]}
+        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}, headers=auth).status_code == 200
+        r = http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}, headers=auth)
         assert r.status_code == 409 and r.json()["error"]["code"] == "episode_already_finished"
 
         deadline = time.monotonic() + 120
         while http.get("/ajet/v1/status").json()["episodes"]["abandoned"] < 1:
             assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
             time.sleep(0.5)
-        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", json={"reward": 1.0})     # finish after abandon
+        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", json={"reward": 1.0}, headers=stuck_auth)   # after abandon
         assert r.status_code == 410 and r.json()["error"]["code"] == "episode_abandoned", r.text
 
         per_client = _finished_by_clients(clients)

@@ -17,8 +17,15 @@ After a restart with `--resume`, the groups that were open at the checkpoint are
 finished episode that no live update used is put back into its group (matched by group id; see
 `TrajectoryStore.untrained`), so nothing a client finished is lost or trained twice.
 
+Every begun episode gets its own unguessable `episode_token`; `finish` / `abort` / `heartbeat` refuse
+(403) a call that does not present it, so one client cannot end another's episode. When the trainer stops
+before its last step, `close()` makes every call answer 503 `server_restarting` (not 410 `run_finished`),
+so clients wait for the server restarted with `--resume`.
+
 Thread model: the HTTP handlers call `begin` / `finish` / `abort` / `heartbeat` from worker threads, the
-trainer calls `collect` from its own; one lock guards the state, a condition wakes `collect`.
+trainer calls `collect` from its own; one lock guards the state, a condition wakes `collect`. A state
+change is made whole under the lock (the reaper abandons all idle episodes in one pass); storing and
+closing proxy endpoints happen after it is released.
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
 import math
+import secrets
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,6 +47,11 @@ from ajet.episode import Episode
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
 from ajet.workflow import WorkflowOutput
+
+
+log = logging.getLogger(__name__)
+TOKEN_HEADER = "X-Ajet-Episode-Token"   # the header that carries an episode's `episode_token`
+RESTART_RETRY_AFTER_S = 5.0              # Retry-After of 503 `server_restarting`, seconds
 
 
 class EpisodeApiError(Exception):
@@ -68,6 +83,7 @@ class _Running:
     group: _Group
     repeat: int
     endpoint: Any                    # the proxy's EpisodeEndpoint
+    token: str                       # the episode's own secret: finish/abort/heartbeat must present it
     client_id: str
     began: float                     # time.monotonic()
     last_seen: float                 # time.monotonic() of begin, the last call or heartbeat
@@ -107,18 +123,23 @@ class EpisodeQueue:
         self.proxy = None
         self.collecting_step = first_step                # the step new episodes are stored under
         self.trained_step = first_step - 1
-        self.finished_run = False
+        self.finished_run = False                        # every step trained: `begin` answers 410
+        self.stopping = False                            # the trainer stopped early: every call answers 503
         self._gids = {name: 0 for name in sampler.samplers}   # groups opened per dataset (ids "g<k>:<task_id>")
         self._order = itertools.count()
         self._groups: dict[str, _Group] = {}             # open groups by group id, not yet taken by collect
         self._running: dict[str, _Running] = {}          # by episode id
         self._by_token: dict[str, _Running] = {}         # by the episode's proxy api_key
         self._ended: dict[str, str] = {}                 # episode id -> "finished" | "abandoned: ..." | "aborted: ..."
+        self._tokens: dict[str, str] = {}                # episode id -> its token (running and ended episodes)
         self._adoptable: dict[str, list[Episode]] = {}   # finished, untrained episodes of an earlier attempt
         self._clients: dict[str, _Client] = {}
         self.counts = {"begun": 0, "finished": 0, "failed": 0, "abandoned": 0, "aborted": 0, "adopted": 0}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        # stores episodes that `begin` reaped, off the client's path: a begin that first stored every
+        # reaped episode answered so late under load that the episode it handed out idled out in turn
+        self._storer = ThreadPoolExecutor(1, thread_name_prefix="ajet-store-abandoned")
 
     # ---- wiring -----------------------------------------------------------------------------------
     def bind(self, proxy) -> None:
@@ -165,37 +186,46 @@ class EpisodeQueue:
         if dataset is not None and dataset not in self._gids:
             raise EpisodeApiError(400, "unknown_dataset", f"no dataset {dataset!r} here; the datasets are "
                                                           + ", ".join(sorted(self._gids)))
-        with self._lock:
-            self._reap_idle()
-            client = self._clients.setdefault(client_id, _Client())
-            client.last_seen = time.monotonic()
-            if self.finished_run:
-                raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
-            group, repeat = self._place(task, group_id, dataset)
-            group.handouts += 1
-            eid = f"a{self.attempt}-{group.label}-r{repeat}"
-            if eid in self._ended:                       # this place was handed out before and abandoned
-                eid += f"-h{group.handouts}"
-            endpoint = self.proxy.open_episode(eid)
-            now = time.monotonic()
-            run = _Running(eid, group, repeat, endpoint, client_id, now, now)
-            group.running[repeat] = eid
-            self._running[eid], self._by_token[endpoint.api_key] = run, run
-            client.begun += 1
-            self.counts["begun"] += 1
-            return {"episode_id": eid, "base_url": endpoint.base_url, "api_key": endpoint.api_key,
-                    "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
-                    "dataset": group.dataset,
-                    "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
+        reaped: list[tuple[_Running, str]] = []
+        try:
+            with self._lock:
+                reaped = [] if self.finished_run else self._reap_idle()
+                client = self._clients.setdefault(client_id, _Client())
+                client.last_seen = time.monotonic()
+                self._refuse_if_stopping()
+                if self.finished_run:
+                    raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
+                group, repeat = self._place(task, group_id, dataset)
+                group.handouts += 1
+                eid = f"a{self.attempt}-{group.label}-r{repeat}"
+                if eid in self._ended:                       # this place was handed out before and abandoned
+                    eid += f"-h{group.handouts}"
+                endpoint = self.proxy.open_episode(eid)
+                now = time.monotonic()
+                token = secrets.token_urlsafe(24)
+                run = _Running(eid, group, repeat, endpoint, token, client_id, now, now)
+                group.running[repeat] = eid
+                self._running[eid], self._by_token[endpoint.api_key], self._tokens[eid] = run, run, token
+                client.begun += 1
+                self.counts["begun"] += 1
+                return {"episode_id": eid, "episode_token": token, "base_url": endpoint.base_url,
+                        "api_key": endpoint.api_key, "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
+                        "dataset": group.dataset,
+                        "idle_timeout_s": self.idle_timeout_s, "policy_version": self.proxy.engine.policy_version}
+        finally:
+            if reaped:                      # outside the lock, and not before this client has its answer
+                self._storer.submit(self._store_dropped, reaped).add_done_callback(_log_failure)
 
     def finish(self, episode_id: str, reward: float | None = None, final_answer: str | None = None,
                metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None,
-               error: str | None = None) -> dict[str, Any]:
+               error: str | None = None, token: str | None = None) -> dict[str, Any]:
         """End a running episode with a reward (or a final answer for the judge), or with an error.
+        `token`: the `episode_token` that `begin` returned (None: an in-process caller holding the queue).
 
         Raises:
-            EpisodeApiError: 404 unknown episode, 409 already finished, 410 abandoned or aborted, 400 a
-                non-finite reward or no reward without a judge (the episode stays running: send it again).
+            EpisodeApiError: 404 unknown episode, 403 a missing or wrong token, 409 already finished, 410
+                abandoned or aborted, 400 a non-finite reward or no reward without a judge (the episode stays
+                running: send it again), 503 `server_restarting` (the trainer stopped early).
         """
         if reward is not None and not math.isfinite(reward):
             raise EpisodeApiError(400, "invalid_reward", f"reward must be a finite number, got {reward!r}")
@@ -203,6 +233,8 @@ class EpisodeQueue:
             raise EpisodeApiError(400, "missing_reward", "send `reward` (this server has no judge to score a "
                                                          "final_answer); the episode is still running")
         with self._lock:
+            self._refuse_if_stopping()
+            self._check_token(episode_id, token)
             run = self._take(episode_id)
         calls = self.proxy.close_episode(run.endpoint)
         ep = Episode(episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls, attempt=self.attempt,
@@ -230,15 +262,23 @@ class EpisodeQueue:
         return {"episode_id": episode_id, "status": "finished", "reward": ep.reward, "calls": len(calls),
                 "error": ep.error is not None}
 
-    def abort(self, episode_id: str, reason: str) -> dict[str, Any]:
-        """Give a running episode up (recorded, never trained on; its place goes to the next client)."""
-        with self._lock:
+    def abort(self, episode_id: str, reason: str, token: str | None = None) -> dict[str, Any]:
+        """Give a running episode up (recorded, never trained on; its place goes to the next client).
+        Raises EpisodeApiError as `finish` does."""
+        reason = f"aborted: {reason}"
+        with self._changed:
+            self._refuse_if_stopping()
+            self._check_token(episode_id, token)
             run = self._take(episode_id)
-        self._drop(run, f"aborted: {reason}")
+            self._end_dropped(run, reason)
+        self._store_dropped([(run, reason)])
         return {"episode_id": episode_id, "status": "aborted"}
 
-    def heartbeat(self, episode_id: str) -> dict[str, Any]:
+    def heartbeat(self, episode_id: str, token: str | None = None) -> dict[str, Any]:
+        """Keep a running episode alive. Raises EpisodeApiError as `finish` does."""
         with self._lock:
+            self._refuse_if_stopping()
+            self._check_token(episode_id, token)
             run = self._running.get(episode_id)
             if run is None:
                 self._raise_ended(episode_id)
@@ -274,20 +314,21 @@ class EpisodeQueue:
 
     def collect_more(self, step: int, num_tasks: int) -> list[Episode]:
         """As `collect`, for `num_tasks` groups (dynamic sampling's refill of `step`)."""
-        with self._changed:
-            self.collecting_step = step
-            while True:
-                self._reap_idle()
+        while True:
+            with self._changed:
+                self.collecting_step = step
+                reaped = self._reap_idle()
                 done = sorted((g for g in self._groups.values() if len(g.finished) == self.num_repeat),
                               key=lambda g: g.order)
-                if len(done) >= num_tasks:
-                    break
-                self._changed.wait(timeout=0.5)
-            taken = done[:num_tasks]
-            for g in taken:
-                del self._groups[g.group_id]
-            self.collecting_step = step + 1
-            return [g.finished[r] for g in taken for r in range(self.num_repeat)]
+                if not reaped and len(done) >= num_tasks:
+                    taken = done[:num_tasks]
+                    for g in taken:
+                        del self._groups[g.group_id]
+                    self.collecting_step = step + 1
+                    return [g.finished[r] for g in taken for r in range(self.num_repeat)]
+                if not reaped:
+                    self._changed.wait(timeout=0.5)
+            self._store_dropped(reaped)           # outside the lock; then look again
 
     def step_done(self, step: int) -> None:
         """The update of `step` is applied; after the last step, `begin` answers 410 `run_finished`."""
@@ -302,9 +343,18 @@ class EpisodeQueue:
                     "serve/running": len(self._running), "serve/clients": len(self._clients),
                     "serve/adopted": self.counts["adopted"]}
 
+    def flush(self) -> None:
+        """Wait until every episode `begin` reaped so far is stored."""
+        self._storer.submit(lambda: None).result()
+
     def close(self) -> None:
+        """The trainer is done. After its last step `begin` answers 410 `run_finished`; when it stopped
+        before (it raised, or was interrupted) every call answers 503 `server_restarting` with Retry-After,
+        so that clients wait for the server restarted with `--resume` instead of exiting."""
         with self._lock:
-            self.finished_run = True
+            self.stopping = self.trained_step < self.total_steps
+            self.finished_run = True                     # (and no more reaping)
+        self._storer.shutdown(wait=True)                 # every reaped episode stored before the store closes
 
     # ---- internals (called with the lock held) -----------------------------------------------------
     def _place(self, task: dict[str, Any] | None, group_id: str | None, dataset: str | None) -> tuple[_Group, int]:
@@ -364,6 +414,23 @@ class EpisodeQueue:
         del self._by_token[run.endpoint.api_key]
         return run                    # its place stays taken until the caller finishes or drops it
 
+    def _refuse_if_stopping(self) -> None:
+        if self.stopping:
+            raise EpisodeApiError(503, "server_restarting", f"the trainer stopped after step {self.trained_step} of "
+                                  f"{self.total_steps} (see the server's log); the server is restarted with --resume: "
+                                  "retry after Retry-After (running episodes are forgotten, begin new ones)",
+                                  retry_after_s=RESTART_RETRY_AFTER_S)
+
+    def _check_token(self, episode_id: str, token: str | None) -> None:
+        """404 for an id never handed out; 403 unless `token` is the episode's own (None: in-process caller)."""
+        known = self._tokens.get(episode_id)
+        if known is None:
+            self._raise_ended(episode_id)            # 404
+        if token is not None and not secrets.compare_digest(token.encode(), known.encode()):
+            raise EpisodeApiError(403, "wrong_episode_token" if token else "missing_episode_token",
+                                  f"episode {episode_id!r}: send the `episode_token` that its begin returned in the "
+                                  f"{TOKEN_HEADER} header (only the client that began an episode may end it)")
+
     def _raise_ended(self, episode_id: str) -> None:
         ended = self._ended.get(episode_id)
         if ended is None:
@@ -374,28 +441,34 @@ class EpisodeQueue:
         raise EpisodeApiError(410, "episode_abandoned", f"episode {episode_id!r} was {ended}; its task went to "
                                                         "another client, begin a new episode")
 
-    def _reap_idle(self) -> None:
+    def _reap_idle(self) -> list[tuple[_Running, str]]:
+        """Abandon every idle episode at once (lock held, never released in between: a second reaper in
+        another thread finds them gone, not half gone) and free their places; returns (run, reason) for
+        `_store_dropped`, which the caller runs without the lock."""
         now = time.monotonic()
-        idle = [r for r in self._running.values() if r.in_flight == 0 and now - r.last_seen > self.idle_timeout_s]
-        for run in idle:
-            self._take(run.episode_id)
-            self._lock.release()      # closing the proxy endpoint and storing run outside the lock
-            try:
-                self._drop(run, f"abandoned: no call or heartbeat for {self.idle_timeout_s:g}s "
-                                f"(client {run.client_id})")
-            finally:
-                self._lock.acquire()
+        reaped = []
+        for run in [r for r in self._running.values() if r.in_flight == 0 and now - r.last_seen > self.idle_timeout_s]:
+            reason = f"abandoned: no call or heartbeat for {self.idle_timeout_s:g}s (client {run.client_id})"
+            self._end_dropped(self._take(run.episode_id), reason)
+            reaped.append((run, reason))
+        return reaped
 
-    def _drop(self, run: _Running, reason: str) -> None:
-        """Store an abandoned or aborted episode (never trained on) and free its place (lock not held)."""
-        calls = self.proxy.close_episode(run.endpoint)
-        ep = Episode(run.episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls,
-                     error=reason, attempt=self.attempt)
-        self.record(self.collecting_step, ep)
-        with self._changed:
-            del run.group.running[run.repeat]
-            self._ended[run.episode_id] = reason
-            kind = "aborted" if reason.startswith("aborted") else "abandoned"
-            self.counts[kind] += 1
-            self._clients[run.client_id].abandoned += 1
-            self._changed.notify_all()
+    def _end_dropped(self, run: _Running, reason: str) -> None:
+        """Mark an abandoned or aborted episode ended and free its place (lock held)."""
+        del run.group.running[run.repeat]
+        self._ended[run.episode_id] = reason
+        self.counts["aborted" if reason.startswith("aborted") else "abandoned"] += 1
+        self._clients[run.client_id].abandoned += 1
+        self._changed.notify_all()
+
+    def _store_dropped(self, dropped: list[tuple[_Running, str]]) -> None:
+        """Close the endpoints of ended-and-dropped episodes and store them, never trained on (lock not held)."""
+        for run, reason in dropped:
+            calls = self.proxy.close_episode(run.endpoint)
+            self.record(self.collecting_step, Episode(run.episode_id, run.group.task, run.group.group_id, run.repeat,
+                                                      calls=calls, error=reason, attempt=self.attempt))
+
+
+def _log_failure(future) -> None:
+    if future.exception() is not None:   # an abandoned episode could not be stored (never trained on anyway)
+        log.error("storing abandoned episodes failed", exc_info=future.exception())

@@ -62,8 +62,9 @@ class ServeSource(EpisodeQueue):
         return super().collect(step)
 
     def close(self) -> None:
-        """Answer `begin` with 410 `run_finished` for a moment before the server stops, so that clients
-        waiting for a task learn that the run is over instead of finding the server gone."""
+        """Answer for a moment before the server stops, so that clients learn what happened instead of finding
+        the server gone: 410 `run_finished` after the last step, 503 `server_restarting` when the trainer
+        stopped before it (the clients wait for the server restarted with `--resume`)."""
         super().close()
         if self.status()["clients"]:
             time.sleep(GRACE_S)

@@ -7,14 +7,19 @@ beside the proxy's routes.
     POST /ajet/v1/episodes/{id}/heartbeat  {}
     GET  /ajet/v1/status
 
-Every call needs `Authorization: Bearer <secret>`. Every refusal is a 4xx (503 while no task can be
-handed out) with an OpenAI-style body `{"error": {"message", "type", "code"}}` that says what to fix; the
-server never crashes on a request. Docs with curl examples: docs/serve.md.
+Every call needs `Authorization: Bearer <secret>`; finish, abort and heartbeat also the episode's own
+`episode_token` (from begin) in the `X-Ajet-Episode-Token` header, so that no client can end another's
+episode. Every refusal is a 4xx (503 while no task can be handed out, or while the trainer restarts) with
+an OpenAI-style body `{"error": {"message", "type", "code"}}` that names the field and says what to fix;
+the server never crashes on a request. Bodies nested deeper than `MAX_DEPTH` and strings that are not
+valid Unicode (a lone surrogate) are refused before anything is begun. Docs with curl examples:
+docs/serve.md.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 from typing import Any, Callable
@@ -27,10 +32,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ajet.rollout.episode_queue import EpisodeApiError, EpisodeQueue
+from ajet.rollout.episode_queue import TOKEN_HEADER, EpisodeApiError, EpisodeQueue
 
 API = "/ajet/v1"
 MAX_BODY_BYTES = 1 * 2**20   # an episode API body is small; a final answer of 1 MiB is plenty
+MAX_DEPTH = 32               # JSON nesting (task and episode metadata are checkpointed: torch.save recurses)
+log = logging.getLogger(__name__)
 
 
 class _Body(BaseModel):
@@ -62,12 +69,29 @@ class FinishIn(_Body):
 
     @field_validator("reward", mode="before")
     @classmethod
-    def _finite(cls, v):
-        if isinstance(v, bool) or (v is not None and not isinstance(v, (int, float))):
-            raise ValueError("reward must be a JSON number")
-        if v is not None and not math.isfinite(v):
-            raise ValueError(f"reward must be a finite number, got {v}")
-        return v
+    def _finite_reward(cls, v):
+        return None if v is None else _finite_number(v, "`reward`")
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _finite_metrics(cls, v):
+        if not isinstance(v, dict):
+            return v                     # pydantic names the type error
+        return {k: _finite_number(x, f"`metrics.{k}`") for k, x in v.items()}
+
+
+def _finite_number(v: Any, name: str) -> float:
+    """`v` as a finite float; ValueError (pydantic's 400) for a non-number, NaN, +-Infinity, or an integer
+    too large for a float (a 400-digit reward: OverflowError in `float`)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a JSON number")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{name} is too large ({len(str(v))} digits): send a finite float") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be a finite number, got {v}")
+    return f
 
 
 class AbortIn(_Body):
@@ -75,8 +99,9 @@ class AbortIn(_Body):
 
 
 def _error(status: int, code: str, message: str, retry_after_s: float | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            409: "conflict_error", 410: "gone_error", 413: "invalid_request_error", 503: "unavailable_error"}
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+            409: "conflict_error", 410: "gone_error", 413: "invalid_request_error", 500: "server_error",
+            503: "unavailable_error"}
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
     return JSONResponse({"error": {"message": message, "type": kind.get(status, "invalid_request_error"),
                                    "param": None, "code": code}}, status_code=status, headers=headers)
@@ -93,6 +118,7 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
             data = json.loads(raw or b"{}")
         except (ValueError, RecursionError) as exc:
             raise EpisodeApiError(400, "invalid_json", f"the body is not valid JSON ({str(exc)[:200]})") from None
+        _check_json(data)
         try:
             return model.model_validate(data)
         except ValidationError as exc:
@@ -109,6 +135,10 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
                 return JSONResponse(await handler(request))
             except EpisodeApiError as exc:
                 return _error(exc.status, exc.code, exc.message, exc.retry_after_s)
+            except Exception:   # a bug of ours: a JSON answer and a log line, never a dropped connection
+                log.exception("episode API: %s %s", request.method, request.url.path[:200])
+                return _error(500, "internal_error", "the server failed on this request (its log has the "
+                                                     "traceback); nothing was changed by it, retry")
         return endpoint
 
     async def begin(request: Request) -> dict[str, Any]:
@@ -122,14 +152,14 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
     async def finish(request: Request) -> dict[str, Any]:
         b = await body(request, FinishIn)
         return await run_in_threadpool(queue.finish, request.path_params["episode_id"], b.reward, b.final_answer,
-                                       b.metadata, b.metrics, b.error)
+                                       b.metadata, b.metrics, b.error, _token(request))
 
     async def abort(request: Request) -> dict[str, Any]:
         b = await body(request, AbortIn)
-        return await run_in_threadpool(queue.abort, request.path_params["episode_id"], b.reason)
+        return await run_in_threadpool(queue.abort, request.path_params["episode_id"], b.reason, _token(request))
 
     async def heartbeat(request: Request) -> dict[str, Any]:
-        return queue.heartbeat(request.path_params["episode_id"])
+        return queue.heartbeat(request.path_params["episode_id"], _token(request))
 
     async def status(_request: Request) -> dict[str, Any]:
         return queue.status()
@@ -146,12 +176,42 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
+def _token(request: Request) -> str:
+    """The episode token the request carries in TOKEN_HEADER ("" when none: refused unless the id is unknown)."""
+    return request.headers.get(TOKEN_HEADER, "")
+
+
+def _check_json(data: Any) -> None:
+    """400 naming the field for JSON nested deeper than MAX_DEPTH or a string (or key) that is not valid
+    Unicode (a lone surrogate from a `\\ud800` escape: storing or answering it would fail later)."""
+    stack = [(data, "body", 0)]
+    while stack:
+        v, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise EpisodeApiError(400, "too_deep", f"`{where}` is nested deeper than {MAX_DEPTH} levels: flatten it")
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise EpisodeApiError(400, "invalid_string", f"`{where}` holds a lone surrogate "
+                                      f"({v[exc.start:exc.end]!a} at index {exc.start}), not valid Unicode") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                name = k.encode("utf-8", "backslashreplace").decode()   # a bad key must not break the message
+                path = where + "." + name if where != "body" else name
+                stack += [(k, f"{where} key", depth + 1), (x, path, depth + 1)]
+        elif isinstance(v, list):
+            stack += [(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+
+
 def compose(proxy_app, api_app, on_activity: Callable[[str, int], None]):
     """One ASGI app: `/ajet/...` goes to the episode API, everything else (and lifespan) to the proxy.
 
     Every proxy request that names an episode token (`/ep/<token>/...` or `Authorization: Bearer`) is
-    reported to `on_activity(token, +1)` when it starts and `(token, -1)` when its response is done, so
-    an episode whose call is still generating is never abandoned as idle.
+    reported to `on_activity(token, 0)` when it starts, `(token, +1)` once its whole body has arrived and
+    `(token, -1)` when its response is done, so an episode whose call is still generating is never
+    abandoned as idle, while an upload that stalls midway (headers, a few bytes, then nothing) is: it
+    only counts as activity when it starts.
     """
 
     async def app(scope, receive, send):
@@ -163,11 +223,22 @@ def compose(proxy_app, api_app, on_activity: Callable[[str, int], None]):
         token = _episode_token(path, scope.get("headers", ()))
         if token is None:
             return await proxy_app(scope, receive, send)
-        on_activity(token, +1)
+        on_activity(token, 0)
+        counted = False
+
+        async def receive_counted():
+            nonlocal counted
+            message = await receive()
+            if not counted and message["type"] == "http.request" and not message.get("more_body", False):
+                counted = True                   # the body is complete: the call is being served now
+                on_activity(token, +1)
+            return message
+
         try:
-            await proxy_app(scope, receive, send)
+            await proxy_app(scope, receive_counted, send)
         finally:
-            on_activity(token, -1)
+            if counted:
+                on_activity(token, -1)
 
     return app
 

@@ -50,7 +50,7 @@ class LocalWorkers:
             try:
                 ep = await asyncio.to_thread(self.queue.begin, f"local-{i}")
             except EpisodeApiError as exc:
-                if exc.code == "run_finished":
+                if exc.code in ("run_finished", "server_restarting"):   # the trainer is done, or stopped
                     return
                 await asyncio.sleep(exc.retry_after_s or 1.0)
                 continue

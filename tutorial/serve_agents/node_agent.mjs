@@ -15,15 +15,18 @@ const clientId = `node-${process.pid}`;
 const dataset = process.env.AJET_DATASET || undefined;        // a multi-task run: the dataset this agent serves
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-// POST/GET to the episode API; retries lost connections and 503s; returns [status, body].
-async function api(method, path, body) {
+// POST/GET to the episode API; retries lost connections and 503s (no task yet, or the server restarting
+// after its trainer stopped: wait for it); returns [status, body]. `token`: the episode's episode_token,
+// which the calls on one episode must carry (only the client that began an episode can end it).
+async function api(method, path, body, token) {
   const deadline = Date.now() + retryForMs;
   for (let attempt = 0; ; attempt++) {
     let res;
     try {
       res = await fetch(url + "/ajet/v1" + path, {
         method,
-        headers: { "Authorization": `Bearer ${secret}`, "Content-Type": "application/json" },
+        headers: { "Authorization": `Bearer ${secret}`, "Content-Type": "application/json",
+                   ...(token ? { "X-Ajet-Episode-Token": token } : {}) },
         body: body === undefined ? undefined : JSON.stringify(body),
       });
     } catch (err) {                              // server restarting or unreachable: back off and retry
@@ -31,7 +34,7 @@ async function api(method, path, body) {
       await sleep(Math.min(200 * 2 ** attempt, 5000));
       continue;
     }
-    const data = await res.json();
+    const data = await res.json().catch(() => ({}));
     if ([502, 503, 504].includes(res.status) && Date.now() < deadline) {
       await sleep(Math.min(200 * 2 ** attempt, 1000 * Number(res.headers.get("retry-after") || 5)));
       continue;
@@ -60,7 +63,8 @@ while (done < maxEpisodes) {
   if (status !== 200) throw new Error(`begin failed: ${status} ${JSON.stringify(ep)}`);
   try {
     const { answer, reward } = await solve(ep);
-    const [fs, fin] = await api("POST", `/episodes/${ep.episode_id}/finish`, { reward, final_answer: answer });
+    const [fs, fin] = await api("POST", `/episodes/${ep.episode_id}/finish`, { reward, final_answer: answer },
+                                   ep.episode_token);
     if (fs === 200 || fin.error?.code === "episode_already_finished") {
       console.log(JSON.stringify({ episode_id: ep.episode_id, reward }));
       done++;
@@ -68,6 +72,6 @@ while (done < maxEpisodes) {
       console.error(`finish refused: ${fs} ${JSON.stringify(fin)}`);  // abandoned, or the server restarted
     }
   } catch (err) {
-    await api("POST", `/episodes/${ep.episode_id}/finish`, { error: String(err.stack || err) });
+    await api("POST", `/episodes/${ep.episode_id}/finish`, { error: String(err.stack || err) }, ep.episode_token);
   }
 }

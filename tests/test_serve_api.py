@@ -1,0 +1,239 @@
+"""The episode API on a real server on 127.0.0.1 (the real proxy and episode queue behind uvicorn, a scripted
+engine instead of a model, so each test takes about a second): bad input on every route gets a JSON 4xx
+naming the field and begins nothing; only the client that began an episode can end it; a stalled upload
+does not keep its episode alive; clients wait for a server whose trainer stopped instead of exiting."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from ajet.client import AjetClient, RunFinished
+from ajet.llm_call import SamplingParams
+from ajet.metrics_log import MetricsLogger
+from ajet.proxy.server import ProxyServer
+from ajet.rollout.episode_queue import EpisodeQueue
+from ajet.serve.api import MAX_DEPTH, build_api, compose
+from ajet.task import Task
+from ajet.task_sampler import MultiTaskSampler
+from tests.scripted_engine import ScriptedEngine
+
+SECRET = "test-secret-0123456789abcdef"
+
+
+@contextmanager
+def served(tokenizer, idle_timeout_s: float = 300.0, port: int = 0, attempt: int = 0, total_steps: int = 3):
+    """A started server: the proxy over a scripted engine with the episode API mounted, as `ajet serve`
+    composes them; yields (queue, httpx client with the secret, stored episodes)."""
+    stored = []
+    proxy = ProxyServer(ScriptedEngine(tokenizer, ["7"]), tokenizer, SamplingParams(max_tokens=8))
+    proxy.port = port
+    queue = EpisodeQueue(MultiTaskSampler({"train": [Task(f"t{i}", f"What is {i} + 1?", str(i + 1)) for i in range(8)]}),
+                         num_repeat=2, tasks_per_step=2, total_steps=total_steps, first_step=1, attempt=attempt,
+                         record=lambda step, ep: stored.append(ep), idle_timeout_s=idle_timeout_s)
+    queue.bind(proxy)
+    proxy.app = compose(proxy.app, build_api(queue, SECRET), queue.activity)
+    proxy.start()
+    http = httpx.Client(base_url=proxy.url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
+    try:
+        yield queue, http, stored
+    finally:
+        http.close()
+        proxy.stop()
+
+
+def _nested(depth: int):
+    v: dict = {}
+    for _ in range(depth):
+        v = {"a": v}
+    return v
+
+
+def _refused(r: httpx.Response, status: int, code: str, names: str) -> None:
+    """A JSON refusal (never plain text, never a dropped connection) whose message names the field."""
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert err["code"] == code and names in err["message"], err
+
+
+def test_bad_input_gets_a_json_4xx_naming_the_field_and_begins_nothing(tokenizer):
+    with served(tokenizer) as (queue, http, stored):
+        # a task query with a lone surrogate: refused before the episode is begun (was: begun, then a 500)
+        _refused(http.post("/ajet/v1/episodes", content=b'{"task": {"query": "x\\ud800"}, "group_id": "G"}',
+                           headers={"Content-Type": "application/json"}), 400, "invalid_string", "`task.query`")
+        _refused(http.post("/ajet/v1/episodes", content=b'{"client_id": "\\udfff"}'), 400, "invalid_string",
+                 "`client_id`")
+        _refused(http.post("/ajet/v1/episodes", content=b'{"task": {"query": "q", "metadata": {"\\ud800": "\\ud800"}}}'),
+                 400, "invalid_string", "`task.metadata.\\ud800`")
+        # raw surrogate bytes (not a \u escape): json.loads decodes them with surrogatepass
+        _refused(http.post("/ajet/v1/episodes", content=b'{"client_id": "\xed\xa0\x80"}'), 400, "invalid_string",
+                 "`client_id`")
+        # task metadata nested deeper than the bound (was: accepted, then torch.save recursed at the checkpoint)
+        deep = {"task": {"query": "q", "metadata": _nested(600)}, "group_id": "G"}
+        _refused(http.post("/ajet/v1/episodes", json=deep), 400, "too_deep", "`task.metadata.a.a")
+        assert queue.status()["episodes"]["begun"] == 0 and http.get("/ajet/v1/status").status_code == 200
+
+        ep = http.post("/ajet/v1/episodes", json={"client_id": "c"}).json()
+        fin, tok = f"/ajet/v1/episodes/{ep['episode_id']}/finish", {"X-Ajet-Episode-Token": ep["episode_token"]}
+        # a 400-digit integer reward (was: OverflowError, a 500 with a plain-text body)
+        _refused(http.post(fin, content=b'{"reward": 1' + b"0" * 400 + b"}", headers=tok), 400, "invalid_body",
+                 "`reward`")
+        for bad in (b"NaN", b"Infinity", b"-Infinity", b"1" + b"0" * 400):
+            _refused(http.post(fin, content=b'{"reward": 1, "metrics": {"m": ' + bad + b"}}", headers=tok),
+                     400, "invalid_body", "`metrics.m`")
+        _refused(http.post(fin, json={"reward": 1, "metadata": _nested(MAX_DEPTH + 1)}, headers=tok), 400,
+                 "too_deep", "`metadata.a")
+        _refused(http.post(fin, content=b'{"error": "\\ud83d"}', headers=tok), 400, "invalid_string", "`error`")
+        _refused(http.post(f"/ajet/v1/episodes/{ep['episode_id']}/abort", content=b'{"reason": "\\ud83d"}',
+                           headers=tok), 400, "invalid_string", "`reason`")
+        assert stored == []                                        # the episode is still running: send it again
+        r = http.post(fin, json={"reward": 1, "metrics": {"m": 0.5}, "metadata": _nested(MAX_DEPTH - 1)}, headers=tok)
+        assert r.status_code == 200 and r.json()["status"] == "finished", r.text
+        assert [e.episode_id for e in stored] == [ep["episode_id"]] and stored[0].output.metrics == {"m": 0.5}
+
+
+def test_checkpointed_queue_state_with_metadata_at_the_bound_saves(tokenizer, tmp_path):
+    """The depth bound leaves room for torch.save, which checkpoints open groups' tasks (their metadata)."""
+    import torch
+
+    with served(tokenizer) as (queue, http, _):
+        task = {"query": "q", "metadata": _nested(MAX_DEPTH - 2)}     # body -> task -> metadata: MAX_DEPTH deep
+        assert http.post("/ajet/v1/episodes", json={"task": task, "group_id": "G"}).status_code == 200
+        torch.save(queue.state_dict(0), tmp_path / "state.pt")
+        assert torch.load(tmp_path / "state.pt", weights_only=False)["open_groups"][0]["task"]["metadata"] == task["metadata"]
+
+
+def test_only_the_client_that_began_an_episode_can_end_it(tokenizer):
+    with served(tokenizer) as (queue, http, stored):
+        a, b = (http.post("/ajet/v1/episodes", json={"client_id": c}).json() for c in ("a", "b"))
+        assert a["episode_token"] != b["episode_token"] and len(a["episode_token"]) >= 32
+        for how, body in (("finish", {"reward": 1.0}), ("abort", {}), ("heartbeat", {})):
+            url = f"/ajet/v1/episodes/{a['episode_id']}/{how}"
+            _refused(http.post(url, json=body), 403, "missing_episode_token", "X-Ajet-Episode-Token")
+            _refused(http.post(url, json=body, headers={"X-Ajet-Episode-Token": b["episode_token"]}), 403,
+                     "wrong_episode_token", a["episode_id"])
+        _refused(http.post("/ajet/v1/episodes/nope/finish", json={"reward": 1.0}), 404, "episode_not_found", "'nope'")
+        assert stored == [] and queue.status()["episodes"]["running"] == 2
+        own = {"X-Ajet-Episode-Token": a["episode_token"]}
+        assert http.post(f"/ajet/v1/episodes/{a['episode_id']}/heartbeat", json={}, headers=own).status_code == 200
+        assert http.post(f"/ajet/v1/episodes/{a['episode_id']}/finish", json={"reward": 1.0}, headers=own).status_code == 200
+        r = http.post(f"/ajet/v1/episodes/{a['episode_id']}/finish", json={"reward": 1.0},
+                      headers={"X-Ajet-Episode-Token": b["episode_token"]})
+        _refused(r, 403, "wrong_episode_token", a["episode_id"])  # an ended episode's state is its client's too
+
+        client = AjetClient(str(http.base_url), secret=SECRET)           # the Python client carries the token itself
+        with client.episode() as ep:
+            llm = ep.openai(max_retries=0)
+            llm.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}])
+            ep.heartbeat()
+            assert ep.finish(reward=0.5)["status"] == "finished"
+        client.close()
+        assert [e.reward for e in stored] == [1.0, 0.5] and len(stored[1].calls) == 1
+
+
+def test_a_stalled_upload_does_not_keep_its_episode_alive(tokenizer):
+    """Headers and a few bytes of a model call, then nothing: the episode idles out like any other."""
+    with served(tokenizer, idle_timeout_s=1.0) as (queue, http, stored):
+        ep = http.post("/ajet/v1/episodes", json={"client_id": "stalls"}).json()
+        host, port = http.base_url.host, http.base_url.port
+        sock = socket.create_connection((host, port))
+        path = ep["base_url"].split(f":{port}", 1)[1] + "/chat/completions"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {ep['api_key']}\r\nContent-Length: 1000\r\n\r\n{{\"mod".encode())
+        try:
+            deadline = time.monotonic() + 20                          # a bound on the wait, not a speed target
+            while not stored and time.monotonic() < deadline:
+                time.sleep(0.5)
+                http.post("/ajet/v1/episodes", json={"client_id": "poke"})   # begin reaps idle episodes
+            assert [e.episode_id for e in stored][:1] == [ep["episode_id"]], queue.status()
+            assert stored[0].error.startswith("abandoned: no call or heartbeat for 1s (client stalls)")
+        finally:
+            sock.close()
+
+
+def test_clients_wait_for_a_restarted_server_when_the_trainer_stopped(tokenizer):
+    """The trainer raised (the server answers 503 `server_restarting`, then goes away): `AjetClient.begin`
+    waits and gets its episode from the server restarted on the same port, instead of `RunFinished`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got, errors = [], []
+    with served(tokenizer, port=port) as (queue, http, _):
+        queue.close()                                    # what trainer.run's `finally` does when a step raised
+        r = http.post("/ajet/v1/episodes", json={})
+        _refused(r, 503, "server_restarting", "--resume")
+        assert int(r.headers["retry-after"]) >= 1
+        client = AjetClient(str(http.base_url), secret=SECRET, retry_for_s=60)
+
+        def begin():
+            try:
+                got.append(client.begin())
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        waiting = threading.Thread(target=begin)
+        waiting.start()
+        time.sleep(1.0)                                  # it is retrying the 503s
+    time.sleep(1.0)                                      # ... and the refused connections
+    assert not got and not errors
+    with served(tokenizer, port=port, attempt=1):        # `ajet serve --resume` on the same port
+        waiting.join(60)
+        assert errors == [] and got and got[0].episode_id.startswith("a1-")
+    client.close()
+
+
+def test_a_run_that_trained_every_step_still_says_run_finished(tokenizer):
+    with served(tokenizer, total_steps=1) as (queue, http, _):
+        queue.step_done(1)
+        queue.close()
+        _refused(http.post("/ajet/v1/episodes", json={}), 410, "run_finished", "1 steps")
+        with pytest.raises(RunFinished):
+            AjetClient(str(http.base_url), secret=SECRET, retry_for_s=5).begin()
+
+
+def test_nan_and_infinite_metrics_never_reach_metrics_jsonl(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    log.log(1, {"loss": float("nan"), "kl": float("inf"), "reward": 0.5, "per_task": [1.0, float("-inf")]})
+    log.close()
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    (row,) = [json.loads(line, parse_constant=strict) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row == {"step": 1, "loss": None, "kl": None, "reward": 0.5, "per_task": [1.0, None],
+                   "nonfinite": ["kl", "loss", "per_task"]}
+    assert not any(isinstance(v, float) and not math.isfinite(v) for v in row.values())
+
+
+def test_a_client_waits_for_a_task_however_long_training_takes(tokenizer):
+    """503 `no_task_available` comes from a live server (every place handed out, training catching up):
+    `begin` keeps waiting past `retry_for_s`, which bounds only an unreachable or restarting server."""
+    with served(tokenizer) as (queue, http, _):
+        places = [http.post("/ajet/v1/episodes", json={"client_id": "busy"}).json() for _ in range(8)]
+        assert http.post("/ajet/v1/episodes", json={}).json()["error"]["code"] == "no_task_available"
+        client, got, errors = AjetClient(str(http.base_url), secret=SECRET, retry_for_s=0.5), [], []
+
+        def begin():
+            try:
+                got.append(client.begin())
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        waiting = threading.Thread(target=begin)
+        waiting.start()
+        time.sleep(2.0)                                       # four times retry_for_s
+        assert not got and not errors
+        for ep in places[:4]:                                 # two groups complete; the trainer takes them
+            http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0},
+                      headers={"X-Ajet-Episode-Token": ep["episode_token"]})
+        queue.collect(1)
+        waiting.join(30)
+        assert errors == [] and got and got[0].group_id == "g4:" + got[0].task["task_id"]
+        client.close()
