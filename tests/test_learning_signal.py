@@ -255,3 +255,43 @@ def test_models_that_scale_logits_after_the_head_get_ratio_one_on_fresh_data(kin
         trainer, _ = token_logprobs(model, ids, torch.ones_like(ids), temps, tops)
     assert engine.std() > 0.5                    # the scaling matters: a sharp distribution, far from uniform
     torch.testing.assert_close(trainer[:, 1:], engine, rtol=0, atol=1e-5)
+
+
+# ---- the trainer's own call of the baseline --------------------------------------------------------------
+NO_CALL_WORKFLOW = '''
+from ajet.workflow import Workflow, WorkflowOutput
+
+
+class FirstRepeatAnswersAlone(Workflow):
+    """Repeat 0 answers without calling the policy (reward 1, no sample); the others call it (reward 0)."""
+
+    async def execute(self, task, tuner):
+        if tuner.episode_id.endswith("-r0"):
+            return WorkflowOutput(reward=1.0, final_answer="known")
+        r = await tuner.client.chat.completions.create(model=tuner.model,
+                                                       messages=[{"role": "user", "content": task.query}])
+        return WorkflowOutput(reward=0.0, final_answer=r.choices[0].message.content or "")
+'''
+
+
+def test_the_trainers_baseline_counts_an_episode_that_made_no_call(tiny_model_dir, tmp_path):
+    import json
+
+    from ajet.trainer import run
+
+    (tmp_path / "wf.py").write_text(NO_CALL_WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "t0", "query": "Say hi."}\n')
+    cfg = AjetConfig(workflow="wf.py:FirstRepeatAnswersAlone", config_dir=str(tmp_path),
+                     data={"train_path": str(tmp_path / "tasks.jsonl")},
+                     model={"path": tiny_model_dir, "max_model_len": 256},
+                     rollout={"num_repeat": 3, "max_tokens": 4}, algorithm={"lr": 1e-3},
+                     trainer={"total_steps": 1, "tasks_per_step": 1, "tensorboard": False,
+                              "exp_dir": str(tmp_path / "exp")})
+    exp = run(cfg)
+    rows = [json.loads(line) for line in (exp / "trajectories.jsonl").read_text().splitlines()]
+    advantages = {r["episode_id"][-2:]: [s["advantage"] for s in r["samples"]] for r in rows}
+    # rewards 1, 0, 0: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = 1/sqrt(3); A = (0 - 1/3) sqrt(3)
+    # (with only the episodes that have samples, the group would be 0, 0 and every advantage 0)
+    assert advantages["r0"] == []
+    assert advantages["r1"] == pytest.approx([-1 / 3 ** 0.5], abs=1e-5)
+    assert advantages["r2"] == pytest.approx([-1 / 3 ** 0.5], abs=1e-5)
