@@ -139,3 +139,32 @@ def test_proxy_over_the_engine_records_temperature_zero_and_ignores_an_empty_sto
     out = type("C", (), {"token_ids": call.completion_ids})
     lp, _, argmax = _reference(model, call.prompt_ids, out, 1.0, 1.0)
     assert call.completion_ids == argmax and call.completion_logprobs == pytest.approx(lp, abs=1e-4)
+
+
+def test_each_row_of_a_batch_stops_at_its_own_stop_strings(engine):
+    """Two greedy requests decoded in one batch, each with its own stop string: each stops at the first token
+    after which its own text holds its stop (expected lengths from the tokenizer, not the engine)."""
+    eng, _, tok = engine
+    p = tok.encode("tell me a long story", add_special_tokens=False)
+    free = asyncio.run(_many(eng, [p], SamplingParams(temperature=0.0, max_tokens=16)))[0].token_ids
+    assert len(free) == 16
+
+    def first_hit(stop):   # tokens until the decoded completion first contains `stop`
+        return next(k for k in range(1, len(free) + 1) if stop in tok.decode(free[:k]))
+
+    candidates = [tok.decode(free[i:i + 2]) for i in range(len(free) - 1)]
+    stops = {}
+    for s in candidates:
+        if s.strip() and first_hit(s) < 16:
+            stops.setdefault(first_hit(s), s)
+    (k_a, stop_a), *_, (k_b, stop_b) = sorted(stops.items())
+    assert k_a < k_b
+
+    async def together():   # admitted in the same step: one batch, row 0 = the later stop
+        return await asyncio.gather(
+            eng.generate(p, SamplingParams(temperature=0.0, max_tokens=16, stop=(stop_b,))),
+            eng.generate(p, SamplingParams(temperature=0.0, max_tokens=16, stop=(stop_a,))))
+
+    b, a = asyncio.run(together())
+    assert (a.token_ids, a.finish_reason) == (free[:k_a], "stop")
+    assert (b.token_ids, b.finish_reason) == (free[:k_b], "stop")

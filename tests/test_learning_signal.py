@@ -255,3 +255,82 @@ def test_models_that_scale_logits_after_the_head_get_ratio_one_on_fresh_data(kin
         trainer, _ = token_logprobs(model, ids, torch.ones_like(ids), temps, tops)
     assert engine.std() > 0.5                    # the scaling matters: a sharp distribution, far from uniform
     torch.testing.assert_close(trainer[:, 1:], engine, rtol=0, atol=1e-5)
+
+
+# ---- the trainer's own call of the baseline --------------------------------------------------------------
+NO_CALL_WORKFLOW = '''
+from ajet.workflow import Workflow, WorkflowOutput
+
+
+class FirstRepeatAnswersAlone(Workflow):
+    """Repeat 0 answers without calling the policy (reward 1, no sample); the others call it (reward 0)."""
+
+    async def execute(self, task, tuner):
+        if tuner.episode_id.endswith("-r0"):
+            return WorkflowOutput(reward=1.0, final_answer="known")
+        r = await tuner.client.chat.completions.create(model=tuner.model,
+                                                       messages=[{"role": "user", "content": task.query}])
+        return WorkflowOutput(reward=0.0, final_answer=r.choices[0].message.content or "")
+'''
+
+
+def test_the_trainers_baseline_counts_an_episode_that_made_no_call(tiny_model_dir, tmp_path):
+    import json
+
+    from ajet.trainer import run
+
+    (tmp_path / "wf.py").write_text(NO_CALL_WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "t0", "query": "Say hi."}\n')
+    cfg = AjetConfig(workflow="wf.py:FirstRepeatAnswersAlone", config_dir=str(tmp_path),
+                     data={"train_path": str(tmp_path / "tasks.jsonl")},
+                     model={"path": tiny_model_dir, "max_model_len": 256},
+                     rollout={"num_repeat": 3, "max_tokens": 4}, algorithm={"lr": 1e-3},
+                     trainer={"total_steps": 1, "tasks_per_step": 1, "tensorboard": False,
+                              "exp_dir": str(tmp_path / "exp")})
+    exp = run(cfg)
+    rows = [json.loads(line) for line in (exp / "trajectories.jsonl").read_text().splitlines()]
+    advantages = {r["episode_id"][-2:]: [s["advantage"] for s in r["samples"]] for r in rows}
+    # rewards 1, 0, 0: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = 1/sqrt(3); A = (0 - 1/3) sqrt(3)
+    # (with only the episodes that have samples, the group would be 0, 0 and every advantage 0)
+    assert advantages["r0"] == []
+    assert advantages["r1"] == pytest.approx([-1 / 3 ** 0.5], abs=1e-5)
+    assert advantages["r2"] == pytest.approx([-1 / 3 ** 0.5], abs=1e-5)
+
+
+# ---- an update while a completion decodes -----------------------------------------------------------------
+def test_an_update_never_lands_inside_a_completion(tiny_model_dir):
+    """The update starts while a completion is decoding; it waits for the engine's weights lock, so every
+    token of the completion is sampled, and its logprob recorded, under the weights it started with."""
+    import asyncio
+    import threading
+
+    bb = _backbone(tiny_model_dir, lr=0.5)
+    try:
+        before = copy.deepcopy(bb.model).eval()
+        train = _on_policy(bb, _episodes(2, seed=3))
+        prompt = bb.tokenizer.encode("Tell me a long story about a cat.", add_special_tokens=False)
+        started, out = threading.Event(), {}
+
+        def decode():
+            params = SamplingParams(temperature=1.0, max_tokens=48, seed=11)
+            out["c"] = asyncio.run(bb.engine.generate(prompt, params, on_tokens=lambda d: started.set()))
+
+        t = threading.Thread(target=decode)
+        t.start()
+        assert started.wait(60)
+        bb.update(train)                         # asked for while the completion decodes
+        t.join(60)
+        c = out["c"]
+    finally:
+        bb.close()
+    assert len(c.token_ids) >= 16 and c.policy_version == 0 and bb.engine.policy_version == 1
+    sample = Sample(episode_id="e", group_id="g", agent_tag="default", call_ids=["c"], prompt_ids=prompt,
+                    response_ids=c.token_ids, loss_mask=[1] * len(c.token_ids), old_logprobs=c.logprobs,
+                    policy_versions=[0] * len(c.token_ids))
+    batch = _collate([sample], [1.0], bb.tokenizer.pad_token_id, bb.device)
+    with torch.no_grad():
+        old, _ = token_logprobs(before, batch["input_ids"], batch["attention_mask"], batch["temperatures"])
+        new, _ = token_logprobs(bb.model, batch["input_ids"], batch["attention_mask"], batch["temperatures"])
+    n = len(prompt)
+    torch.testing.assert_close(old[0, n:n + len(c.token_ids)], torch.tensor(c.logprobs), rtol=0, atol=1e-4)
+    assert (new[0, n:n + len(c.token_ids)] - torch.tensor(c.logprobs)).abs().max() > 1e-2   # the update moved them
