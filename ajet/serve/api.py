@@ -102,6 +102,7 @@ def _error(status: int, code: str, message: str, retry_after_s: float | None = N
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
             409: "conflict_error", 410: "gone_error", 413: "invalid_request_error", 500: "server_error",
             503: "unavailable_error"}
+    message = message.encode("utf-8", "backslashreplace").decode()   # a refusal must always render
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
     return JSONResponse({"error": {"message": message, "type": kind.get(status, "invalid_request_error"),
                                    "param": None, "code": code}}, status_code=status, headers=headers)
