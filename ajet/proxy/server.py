@@ -395,7 +395,7 @@ class ProxyServer:
                     completion_ids=c.completion.token_ids, completion_logprobs=c.completion.logprobs,
                     finish_reason=c.finish_reason, response_message=c.message, sampling=c.params,
                     policy_version=c.completion.policy_version, prompt_parent=prompt.parent_call_id,
-                    prompt_render_reason=prompt.render_reason, forced_text=forced,
+                    prompt_render_reason=prompt.render_reason, prompt_parent_by=prompt.parent_by, forced_text=forced,
                     strict_violations=c.strict_violations, api=api.name,
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
                              "total_s": time.perf_counter() - t0})
