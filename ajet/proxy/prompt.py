@@ -30,10 +30,13 @@ the context the model actually had (one sample per episode), not on a re-rendere
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ajet.llm_call import LLMCall
+
+_THINK = re.compile(r"<think>.*?</think>\s*", re.S)   # a thinking block, as templates that drop it write it
 
 try:   # the pieces of `apply_chat_template` that `PromptBuilder.render` uses directly
     from transformers.utils.chat_template_utils import (_REASONING_FIELDS, _alias_reasoning_fields,
@@ -174,15 +177,24 @@ class PromptBuilder:
             if cut >= 0 and _text(messages[k].get("content")).strip() in full_text[len(prev_text):cut]:
                 return self._extend(parent, full_text, full_text[cut + len(self.end_of_turn):], True, max_tokens, by)
         turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
-        if not (turn_text.startswith(prev_text) and full_text.startswith(turn_text)):
-            self._check_bound(0, full_text, max_tokens)
-            return Prompt(self.encode(full_text), full_text, None, "template_not_append_only")
+        if not turn_text.startswith(prev_text):
+            return self._in_full(full_text, "template_not_append_only", max_tokens)
+        if not full_text.startswith(turn_text):
+            # a template that drops earlier turns' <think> (Qwen3 at a new user turn): the sampled tokens stay
+            bridge = _bridge_past_dropped_thinking(turn_text, full_text, self.end_of_turn)
+            if bridge is None:   # it rewrote more than the thinking
+                return self._in_full(full_text, "template_not_append_only", max_tokens)
+            return self._extend(parent, full_text, bridge, True, max_tokens, by)
         reply = turn_text[len(prev_text):]   # the reply as the template renders it, e.g. "text<|im_end|>\n"
         cut = reply.rfind(self.end_of_turn)  # the last one: the reply's text may spell the token out
         # what follows the sampled end-of-turn: separators ("\n"), then the new turns; a template that
         # drops the end-of-turn token gives no cut, and everything after the reply is new
         bridge = full_text[len(prev_text) + cut + len(self.end_of_turn):] if cut >= 0 else full_text[len(turn_text):]
         return self._extend(parent, full_text, bridge, cut >= 0, max_tokens, by)
+
+    def _in_full(self, full_text: str, reason: str, max_tokens: int | None) -> Prompt:
+        self._check_bound(0, full_text, max_tokens)
+        return Prompt(self.encode(full_text), full_text, None, reason)
 
     def _extend(self, parent: LLMCall, full_text: str, bridge: str, closed: bool, max_tokens: int | None,
                 by: str) -> Prompt:
@@ -250,6 +262,22 @@ def _parent_by_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
     if not _same_tools(tools, call.tools):
         return None, "tools_changed"
     return call, None
+
+
+def _bridge_past_dropped_thinking(turn_text: str, full_text: str, end_of_turn: str) -> str | None:
+    """What follows the reply in `full_text` (the whole conversation rendered) when the template rendered
+    everything up to the reply's end as in `turn_text` (rendered up to the reply, the reply last) except for
+    `<think>...</think>` blocks it dropped; else None. The reply ends at the same end-of-turn count in both."""
+    if not end_of_turn or end_of_turn not in turn_text:
+        return None
+    end = -1
+    for _ in range(turn_text.count(end_of_turn)):
+        end = full_text.find(end_of_turn, end + 1)
+        if end < 0:
+            return None
+    end += len(end_of_turn)
+    head = turn_text[:turn_text.rfind(end_of_turn) + len(end_of_turn)]
+    return full_text[end:] if _THINK.sub("", full_text[:end]) == _THINK.sub("", head) else None
 
 
 def _same_tools(a: list[dict[str, Any]] | None, b: list[dict[str, Any]] | None) -> bool:
