@@ -60,6 +60,7 @@ from ajet.proxy.wire import (MAX_JSON_DEPTH, ProxyError, bearer, cut, json_respo
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
+APIS: tuple[type[Api], ...] = (ChatApi, ResponsesApi, MessagesApi)   # the adapters a proxy serves by default
 PREPARE_WORKERS = 2                  # threads that parse, render and tokenize requests off the event loop
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
 
@@ -101,6 +102,7 @@ class ProxyServer:
         accepted_models: the `model` names accepted besides `model_name`; None (the default) accepts any
             name. With a set, other names get a 404 `model_not_found` listing the accepted ones.
         retry_after_s: the `Retry-After` (seconds) of the 503 answered when the engine fails.
+        apis: the API adapter classes to serve (`ajet/proxy/api/`), each on the paths it declares.
 
     Parsing, rendering and tokenizing a request run in a pool of `PREPARE_WORKERS` threads, never on the
     event loop, so that a request near the body limit does not stall other episodes' calls.
@@ -109,7 +111,7 @@ class ProxyServer:
     def __init__(self, engine: Engine, tokenizer, defaults: SamplingParams, sampling_policy: str = "config",
                  max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, accepted_models: Iterable[str] | None = None,
-                 retry_after_s: int = 1):
+                 retry_after_s: int = 1, apis: Iterable[type[Api]] = APIS):
         self.engine = engine
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -131,7 +133,7 @@ class ProxyServer:
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="ajet-prepare")
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
-        self.apis = {"chat": ChatApi(self), "responses": ResponsesApi(self), "messages": MessagesApi(self)}
+        self.apis = {cls.name: cls(self) for cls in apis}
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -251,13 +253,9 @@ class ProxyServer:
             self._episode(request.path_params.get("token") or _token(request))
             return json_response(self._models())
 
-        chat, responses, messages = self.apis["chat"], self.apis["responses"], self.apis["messages"]
-        paths = [("/v1/chat/completions", endpoint(chat, self._serve), "POST"),
-                 ("/v1/responses", endpoint(responses, self._serve), "POST"),
-                 ("/v1/responses/{response_id}", endpoint(responses, self._stored_response), "GET"),
-                 ("/v1/messages", endpoint(messages, self._serve), "POST"),
-                 ("/v1/messages/count_tokens", endpoint(messages, self._count_tokens), "POST"),
-                 ("/v1/models", models, "GET")]
+        handlers = {"serve": self._serve, "stored": self._stored_response, "count_tokens": self._count_tokens}
+        paths = [(path, models if kind == "models" else endpoint(api, handlers[kind]), method)
+                 for api in self.apis.values() for path, method, kind in api.routes]
         routes = [Route(prefix + path, fn, methods=[method])
                   for prefix in ("/ep/{token}", "/ep/{token}/agent/{tag}", "") for path, fn, method in paths]
 
@@ -500,8 +498,10 @@ def _token(request: Request) -> str | None:
 
 
 def _api_for_path(proxy: ProxyServer, path: str) -> Api:
-    """The API whose error shape an error on `path` gets (the Messages API's for `/v1/messages...`)."""
-    return proxy.apis["messages" if "/v1/messages" in path else "chat"]
+    """The API whose error shape an error on `path` gets: the first whose `error_paths` `path` contains (the
+    Messages API's for `/v1/messages...`), else Chat Completions' (OpenAI's shape)."""
+    return next((api for api in proxy.apis.values() if any(p in path for p in api.error_paths)),
+                proxy.apis.get("chat") or next(iter(proxy.apis.values())))
 
 
 def _is_retry(request: Request) -> bool:

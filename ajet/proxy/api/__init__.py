@@ -3,11 +3,14 @@
 `Api` is the interface the shared request path (`ajet.proxy.server.ProxyServer._serve`) calls:
 `parse` (in the prepare thread) -> the shared path builds the prompt, generates, records -> `recorded`
 (once the turn's calls are recorded, whether or not the client still waits) -> `body` or `events`.
+Each adapter declares the paths it serves (`routes`); the server receives the adapter classes
+(`ProxyServer(apis=...)`) and gives each a `Host` (the tokenizer and `decode`). Nothing here imports the
+server: the adapters sit below it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from starlette.responses import Response
 
@@ -19,17 +22,32 @@ if TYPE_CHECKING:
     import asyncio
 
     from ajet.proxy.schema import ChatCompletionRequest
-    from ajet.proxy.server import ProxyServer
     from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 
 
+class Host(Protocol):
+    """What an adapter needs of the proxy that serves it."""
+
+    tokenizer: Any
+
+    def decode(self, ids: list[int]) -> str:
+        """Completion ids to the text the client is answered (special tokens dropped)."""
+
+
 class Api:
-    """One API's adapter (Chat Completions, Responses, Messages). `name` is recorded on each call."""
+    """One API's adapter (Chat Completions, Responses, Messages, Gemini). `name` is recorded on each call.
+
+    `routes` are the paths it serves, each `(path, method, handler)`: the handler is "serve" (a model call
+    through the shared request path), "stored" (`stored(ep, id)`), "count_tokens" or "models"; the server
+    serves each path per episode (`/ep/{token}...`, `/ep/{token}/agent/{tag}...`) and bare. `error_paths`:
+    the path fragments whose errors (unknown path, 500) are written in this API's shape."""
 
     name = ""
     id_prefix = ""     # of the answer's id (`chatcmpl-`, `resp_`, `msg_`)
+    routes: tuple[tuple[str, str, str], ...] = ()
+    error_paths: tuple[str, ...] = ()
 
-    def __init__(self, proxy: ProxyServer):
+    def __init__(self, proxy: Host):
         self.proxy = proxy
         self.hosted_tools_left_out = 0   # tools only a hosted service can run (web search, ...), left out so far
 

@@ -69,6 +69,8 @@ class MessagesApi(Api):
 
     name = "messages"
     id_prefix = "msg_"
+    routes = (("/v1/messages", "POST", "serve"), ("/v1/messages/count_tokens", "POST", "count_tokens"))
+    error_paths = ("/v1/messages",)
 
 
     def error_response(self, err: ProxyError) -> Response:

@@ -90,6 +90,7 @@ class ResponsesApi(Api):
 
     name = "responses"
     id_prefix = "resp_"
+    routes = (("/v1/responses", "POST", "serve"), ("/v1/responses/{response_id}", "GET", "stored"))
 
 
     # ---- request -> turn --------------------------------------------------------------------------
