@@ -169,11 +169,11 @@ class PromptBuilder:
         k = len(parent.messages)
         prev_text = (rendered or {}).get(parent.call_id) or self.render(parent.messages, tools)  # the parent's prompt
         full_text = self.render(messages, tools)                                 # + its reply + the new turns
-        if self.single_render and full_text.startswith(prev_text) and not _spells(messages[k], self.end_of_turn):
+        if self.single_render and full_text.startswith(prev_text) and not _calls_spell(messages[k], self.end_of_turn):
             # the template appends (probed): the reply ends at the first end-of-turn after the parent's prompt
             cut = full_text.find(self.end_of_turn, len(prev_text))
-            # and it renders the reply's text verbatim (a template that drops an earlier turn's <think>
-            # does not: it rewrites history, and takes the checked path below)
+            # and it renders the reply's text verbatim before it (so the text holds no end-of-turn of its own;
+            # a template that rewrites the reply, e.g. drops its <think>, takes the checked path below)
             if cut >= 0 and _text(messages[k].get("content")).strip() in full_text[len(prev_text):cut]:
                 return self._extend(parent, full_text, full_text[cut + len(self.end_of_turn):], True, max_tokens, by)
         turn_text = self.render(messages[:k + 1], tools, add_generation_prompt=False)  # + its reply
@@ -360,11 +360,12 @@ def _same_value(a: Any, b: Any, schema: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _spells(msg: dict[str, Any], token: str) -> bool:
-    """Whether a message's text or tool calls write `token` out literally (so it cannot mark the turn's end)."""
-    if token in _text(msg.get("content")):
-        return True
-    return any(token in str(tc.get("function", {}).get("arguments", "")) for tc in msg.get("tool_calls") or [])
+def _calls_spell(msg: dict[str, Any], token: str) -> bool:
+    """Whether a message's tool calls (names, arguments) write `token` out literally (so that the first
+    `token` after the reply's start may not be its end). Its text needs no such check: the one-render path
+    requires the text before the first `token`, which it cannot be when it holds one."""
+    return any(token in str(tc.get("function", {}).get(key, "")) for tc in msg.get("tool_calls") or []
+               for key in ("name", "arguments"))
 
 
 def _canon(obj: Any) -> str:
