@@ -1,9 +1,10 @@
-"""The recording proxy: one request path behind three APIs, per episode.
+"""The recording proxy: one request path behind four APIs, per episode.
 
 Each episode gets `http://127.0.0.1:PORT/ep/<token>/v1` as its OpenAI base_url (Chat Completions
 `/chat/completions`, Responses `/responses`) and `http://127.0.0.1:PORT/ep/<token>` as its Anthropic
-base_url (Messages `/v1/messages`); `<token>` (unguessable) is its api_key, also accepted as
-`Authorization: Bearer <token>` or `x-api-key: <token>` on the bare `/v1/...` paths.
+base_url (Messages `/v1/messages`) and Gemini base URL (`/v1beta/models/{model}:generateContent`);
+`<token>` (unguessable) is its api_key, also accepted as `Authorization: Bearer <token>`, `x-api-key`,
+`x-goog-api-key` or `?key=` on the bare `/v1/...` and `/v1beta/...` paths.
 
 A request's path is a straight line, the same for every API: find the episode -> read the body -> in the
 prepare pool (never on the event loop): parse it, the API adapter (`ajet/proxy/api/`) turns it into the
@@ -46,6 +47,7 @@ from ajet.engine import Engine
 from ajet.llm_call import Completion, LLMCall, SamplingParams
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
+from ajet.proxy.api.gemini import GeminiApi
 from ajet.proxy.api.messages import MessagesApi
 from ajet.proxy.api.responses import ResponsesApi
 from ajet.proxy.prompt import PromptBuilder, PromptTooLong
@@ -60,7 +62,7 @@ from ajet.proxy.wire import (MAX_JSON_DEPTH, ProxyError, bearer, cut, json_respo
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
-APIS: tuple[type[Api], ...] = (ChatApi, ResponsesApi, MessagesApi)   # the adapters a proxy serves by default
+APIS: tuple[type[Api], ...] = (ChatApi, ResponsesApi, MessagesApi, GeminiApi)   # the adapters a proxy serves by default
 PREPARE_WORKERS = 2                  # threads that parse, render and tokenize requests off the event loop
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
 
@@ -82,6 +84,11 @@ class EpisodeEndpoint:
     @property
     def anthropic_base_url(self) -> str:
         """The Anthropic base_url (`.../ep/<token>`; the SDK appends `/v1/messages`)."""
+        return self.base_url.removesuffix("/v1")
+
+    @property
+    def gemini_base_url(self) -> str:
+        """The Gemini API base URL (`.../ep/<token>`; the SDKs append `/v1beta/models/...`)."""
         return self.base_url.removesuffix("/v1")
 
 
@@ -294,8 +301,9 @@ class ProxyServer:
         retry, idempotency_key = _is_retry(request), request.headers.get("idempotency-key", "")
         loop = asyncio.get_running_loop()
         # parse, validate, render and tokenize in the prepare pool: the event loop keeps serving other calls
+        route = _route(request)
         prep = await loop.run_in_executor(self._prepare_pool, self._prepare, api, ep, raw, agent_tag,
-                                          idempotency_key, retry)
+                                          idempotency_key, retry, route)
         earlier = ep.turns.get(prep.key) if retry else None
         if earlier is not None and not earlier.failed:
             choices = await earlier.result()                 # a retry: the first attempt's answer
@@ -306,7 +314,7 @@ class ProxyServer:
             return await self._answer(api, earlier, prep, replay)
         if prep.prompt is None:       # a retry whose first attempt failed meanwhile: build it now
             prep = await loop.run_in_executor(self._prepare_pool, self._prepare, api, ep, raw, agent_tag,
-                                              idempotency_key, False)
+                                              idempotency_key, False, route)
         if not ep.open:
             raise episode_closed()
         turn = ep.turns[prep.key] = self._start_turn(api, ep, prep, agent_tag, t0)
@@ -323,13 +331,13 @@ class ProxyServer:
         return StreamingResponse(api.events(turn, prep, events, first), media_type="text/event-stream")
 
     def _prepare(self, api: Api, ep: Episode, raw: bytes, agent_tag: str, idempotency_key: str,
-                 retry: bool) -> Prepared:
+                 retry: bool, route: dict[str, Any]) -> Prepared:
         """Everything a request needs before generation, run in the prepare pool (off the event loop):
         parse the body, turn it into the turn request (`api.parse`), its retry key and, unless it repeats
         a request the episode already received, its prompt ids (token-in-token-out). Raises ProxyError 400
         for bad input, including a prompt longer than the context (rejected from a lower bound on its
         tokens before tokenizing when the bound already exceeds it)."""
-        req, context = api.parse(load_json(raw), ep)
+        req, context = api.parse_request(load_json(raw), ep, route)
         self._check_model(req.model)
         reject_unsupported(req)
         key = _request_key(raw, api.name + "\0" + agent_tag, idempotency_key)
@@ -431,16 +439,17 @@ class ProxyServer:
         return json_response(api.stored(ep, request.path_params["response_id"]))
 
     async def _count_tokens(self, api: Api, ep: Episode, request: Request, _agent_tag: str):
-        """`POST /v1/messages/count_tokens`: `{"input_tokens": n}`, the prompt's length from the policy's own
-        chat template and tokenizer (rendered in full, in the prepare pool)."""
-        raw = await read_body(request, self.max_body_bytes)
+        """`POST /v1/messages/count_tokens` (`{"input_tokens": n}`), Gemini's `:countTokens` (`{"totalTokens": n}`):
+        the prompt's length from the policy's own chat template and tokenizer (rendered in full, in the prepare
+        pool)."""
+        raw, route = await read_body(request, self.max_body_bytes), _route(request)
 
         def count() -> int:
-            req, _ = api.parse(load_json(raw), ep, count_only=True)
+            req, _ = api.parse_request(load_json(raw), ep, route, count_only=True)
             return len(self.prompts.encode(self.prompts.render(req.wire_messages(), req.wire_tools())))
 
         n = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, count)
-        return json_response({"input_tokens": n})
+        return json_response(api.count_body(n))
 
     def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
         """The sampling parameters a request gets under the config's `sampling_policy`."""
@@ -493,8 +502,16 @@ class _CatchAll:
 
 
 def _token(request: Request) -> str | None:
-    """The episode token of a bare `/v1/...` request: `Authorization: Bearer` or Anthropic's `x-api-key`."""
-    return bearer(request) or request.headers.get("x-api-key") or None
+    """The episode token of a bare `/v1/...` request: `Authorization: Bearer`, Anthropic's `x-api-key`, or
+    Google's `x-goog-api-key` / `?key=`."""
+    return (bearer(request) or request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+            or request.query_params.get("key") or None)
+
+
+def _route(request: Request) -> dict[str, Any]:
+    """What an adapter may read of a request besides its body (`Api.parse_request`): path, path parameters,
+    query parameters (plain values, safe to hand to the prepare pool)."""
+    return {"path": request.url.path, "path_params": dict(request.path_params), "query": dict(request.query_params)}
 
 
 def _api_for_path(proxy: ProxyServer, path: str) -> Api:

@@ -56,6 +56,16 @@ class Api:
         ProxyError 400 naming the offending field (in this API's terms)."""
         raise NotImplementedError
 
+    def parse_request(self, data: dict[str, Any], ep: Episode, route: dict[str, Any],
+                      **kw) -> tuple[ChatCompletionRequest, Any]:
+        """`parse`, for an API whose request also lives in its path or query: `route` holds the request's
+        `path`, `path_params` and `query` (the Gemini API's model and streaming)."""
+        return self.parse(data, ep, **kw)
+
+    def count_body(self, n: int) -> dict[str, Any]:
+        """The answer of a token count of `n` tokens."""
+        return {"input_tokens": n}
+
     def recorded(self, ep: Episode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
         """Called once the turn's calls are recorded (on the event loop)."""
 
