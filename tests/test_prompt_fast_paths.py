@@ -128,24 +128,26 @@ def test_a_reply_that_writes_the_end_of_turn_out_is_not_cut_there(tokenizer, whe
     assert a.ids == expected and b.ids == expected and a.parent_call_id == "c0"
 
 
+def _assert_rendered_in_full(tokenizer, first, reply: str, user: str):
+    """A continuation under a template that passed the probe yet rewrites this conversation: both paths render
+    the whole conversation, as the template does."""
+    fast, slow, _, nxt = _continue(tokenizer, first, reply, None, [{"role": "user", "content": user}])
+    assert PromptBuilder(tokenizer).single_render
+    expected = tokenizer.encode(tokenizer.apply_chat_template(nxt, tools=TOOLS, tokenize=False,
+                                                              add_generation_prompt=True), add_special_tokens=False)
+    assert fast.ids == slow.ids == expected and fast.render_reason == "template_not_append_only"
+
+
 def test_a_template_that_changes_the_parents_prompt_renders_in_full(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", LONG)
     first = FIRST + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"},
                      {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]   # 6 messages
-    fast, slow, _, nxt = _continue(tokenizer, first, "e", None, [{"role": "user", "content": "f"}])
-    assert PromptBuilder(tokenizer).single_render
-    expected = tokenizer.encode(tokenizer.apply_chat_template(nxt, tools=TOOLS, tokenize=False,
-                                                              add_generation_prompt=True), add_special_tokens=False)
-    assert fast.ids == slow.ids == expected and fast.render_reason == "template_not_append_only"
+    _assert_rendered_in_full(tokenizer, first, "e", "f")
 
 
 def test_a_template_that_drops_the_reply_renders_in_full(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", DROP_ANSWERED)
-    fast, slow, _, nxt = _continue(tokenizer, FIRST, "The answer.", None, [{"role": "user", "content": "and?"}])
-    assert PromptBuilder(tokenizer).single_render
-    expected = tokenizer.encode(tokenizer.apply_chat_template(nxt, tools=TOOLS, tokenize=False,
-                                                              add_generation_prompt=True), add_special_tokens=False)
-    assert fast.ids == slow.ids == expected and fast.render_reason == "template_not_append_only"
+    _assert_rendered_in_full(tokenizer, FIRST, "The answer.", "and?")
 
 
 def test_a_reply_the_template_closes_twice_ends_at_its_last_end_of_turn(tokenizer, monkeypatch):
