@@ -29,6 +29,7 @@ class Host(Protocol):
     """What an adapter needs of the proxy that serves it."""
 
     tokenizer: Any
+    sampling_policy: str   # "config" (the config's sampling replaces the client's) or "client"
 
     def decode(self, ids: list[int]) -> str:
         """Completion ids to the text the client is answered (special tokens dropped)."""

@@ -11,7 +11,9 @@ the JSON of the object), a model turn's `text` parts the assistant text and its 
 tools (google search, code execution, ...) are left out and counted. `toolConfig.functionCallingConfig.mode`
 AUTO / ANY / NONE / VALIDATED map to auto / required (named when it allows one function) / none / auto.
 `generationConfig` `temperature`, `topP`, `maxOutputTokens`, `stopSequences`, `candidateCount`, `seed` are
-honoured; `topK` and non-zero penalties are a 400 (they change the distribution the policy is trained on);
+honoured; non-zero penalties are a 400 (they change the distribution the policy is trained on), and so is `topK`
+under `sampling_policy: client` (under `config`, the default, the config's sampling replaces the client's:
+`topK` is ignored, as Gemini CLI sends `topK: 64` on every call);
 `responseMimeType: application/json` and a response schema are accepted, not constrained (as `strict` tools).
 
 Turn -> answer: a `GenerateContentResponse` (`candidates[].content.parts`: the text, then one `functionCall`
@@ -120,7 +122,7 @@ class GeminiApi(Api):
         if req.cached_content is not None:
             raise ProxyError(400, "cachedContent: hosted context caches are not supported: send the contents",
                              param="cachedContent", code="unsupported_parameter")
-        if gen.top_k is not None:
+        if gen.top_k is not None and getattr(self.proxy, "sampling_policy", "config") == "client":
             raise ProxyError(400, "generationConfig.topK: ajet's engine samples with temperature and topP only (topK "
                                   "would change the distribution the policy is trained on): remove it",
                              param="generationConfig.topK", code="unsupported_parameter")
