@@ -87,7 +87,11 @@ class LLMCall:
         policy_version: optimizer step of the weights that sampled the completion.
         timings: seconds, e.g. {"prepare_s": .., "generate_s": .., "total_s": ..}.
         prompt_parent: the call whose exact tokens this prompt extends (token-in-token-out), or None.
-        prompt_render_reason: why the prompt was rendered in full instead ("first_call", "history_differs", ...).
+        prompt_render_reason: why the prompt was rendered in full instead ("first_call", "reply_edited",
+            "history_edited", "history_differs", "tools_changed", "template_not_append_only"); the tracker's
+            fork reason when the call leaves the other calls' tokens.
+        prompt_parent_by: how `prompt_parent` was found: "id" (a tool-call id the proxy issued in the parent's
+            reply), "text" (messages compared as text), or "none" (no parent).
         forced_text: text appended to the prompt because `tool_choice` fixed the opening of a tool call
             (its tokens are the last ones of `prompt_ids`; never trained on).
         api: which API the call came through: "chat" (Chat Completions), "responses" or "messages"
@@ -112,6 +116,7 @@ class LLMCall:
     timings: dict[str, float] = field(default_factory=dict)
     prompt_parent: str | None = None
     prompt_render_reason: str | None = None
+    prompt_parent_by: str = "none"
     forced_text: str = ""
     strict_violations: list[str] = field(default_factory=list)
     api: str = "chat"

@@ -335,8 +335,11 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         "tracker/shared_prefix_tokens": sum(s.flags["shared_prefix_tokens"] for s in samples),
         "tracker/greedy_tokens": sum(s.flags.get("greedy_tokens", 0) for s in samples),
         "tracker/prompts_rendered_in_full": sum(1 for c in calls if c.prompt_parent is None and c.index > 0),
+        # how each call found its parent (ajet/proxy/prompt.py): by a tool-call id the proxy issued, by text
+        "merge/parent_by_id": sum(1 for c in calls if c.prompt_parent_by == "id"),
+        "merge/parent_by_text": sum(1 for c in calls if c.prompt_parent_by == "text"),
     }
-    m.update({f"tracker/forks/{reason}": n for reason, n in sorted(forks.items())})
+    m.update({f"merge/fork_reasons/{reason}": n for reason, n in sorted(forks.items())})
     keys = sorted({k for e in ok if e.output for k in e.output.metrics})
     for k in keys:
         vals = [float(e.output.metrics[k]) for e in ok if e.output and k in e.output.metrics]

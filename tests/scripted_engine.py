@@ -58,13 +58,13 @@ class FailingEngine(ScriptedEngine):
 
 
 @contextmanager
-def scripted_proxy(tokenizer, replies: list[str]):
-    """A started `ProxyServer` over a `ScriptedEngine` answering `replies` in order (T=1, 64 tokens);
-    yields (proxy, engine) and stops the proxy after."""
+def scripted_proxy(tokenizer, replies: list[str], max_tokens: int = 64):
+    """A started `ProxyServer` over a `ScriptedEngine` answering `replies` in order (T=1, at most
+    `max_tokens` tokens); yields (proxy, engine) and stops the proxy after."""
     from ajet.proxy.server import ProxyServer
 
     engine = ScriptedEngine(tokenizer, replies)
-    server = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=64)).start()
+    server = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=max_tokens)).start()
     try:
         yield server, engine
     finally:

@@ -1,6 +1,8 @@
 """Real agent CLIs, unmodified, against the real proxy: Claude Code (`@anthropic-ai/claude-code`, Messages
-API through `ANTHROPIC_BASE_URL`) and OpenAI's Codex CLI (`@openai/codex`, Responses API through a
-provider in its config file), each driven non-interactively for one short tool task.
+API through `ANTHROPIC_BASE_URL`), OpenAI's Codex CLI (`@openai/codex`, Responses API through a
+provider in its config file) and Gemini CLI (`@google/gemini-cli`, Gemini API through
+`GOOGLE_GEMINI_BASE_URL` + `GEMINI_API_KEY`, with `security.auth.selectedType: gemini-api-key` in its
+settings), each driven non-interactively for one short tool task.
 
 The scripted engine makes the CLI run one shell command (`echo 4`), then answers; the CLI's own 20-80 KB
 system prompt and 10-25 tools go through the proxy, and the episode must merge into one exact sample.
@@ -27,7 +29,7 @@ from ajet.proxy.server import ProxyServer
 from tests.exact_sample import assert_one_exact_sample
 from tests.scripted_engine import ScriptedEngine
 
-PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex"}
+PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "gemini": "@google/gemini-cli"}
 TASK = "What is 2+2? Use the shell, then answer briefly."
 
 
@@ -106,3 +108,26 @@ def test_codex_cli_runs_a_tool_episode_into_one_sample(tokenizer, tmp_path):
     assert [c.api for c in calls] == ["responses", "responses"] and len(calls[0].tools) >= 10
     assert len(calls[0].messages[0]["content"]) > 10_000               # Codex's own instructions
     assert_one_exact_sample(calls, engine)
+
+
+def test_gemini_cli_runs_a_tool_episode_into_one_sample(tokenizer):
+    gemini = _cli("gemini")
+    home = Path(tempfile.mkdtemp(prefix="ajet-gemini-"))
+    (home / ".gemini").mkdir()
+    (home / ".gemini" / "settings.json").write_text(json.dumps({
+        "security": {"auth": {"selectedType": "gemini-api-key"}}, "privacy": {"usageStatisticsEnabled": False},
+        "general": {"disableAutoUpdate": True, "disableUpdateNag": True}}))
+
+    def command(ep):
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "GEMINI_API_KEY": ep.api_key,
+               "GOOGLE_GEMINI_BASE_URL": ep.gemini_base_url, "GEMINI_CLI_TRUST_WORKSPACE": "true"}
+        return [gemini, "-p", TASK, "--yolo", "-m", "gemini-2.5-flash", "-o", "json"], env, str(home)
+
+    result, calls, engine = _run(tokenizer, {"name": "run_shell_command", "arguments": {
+        "command": "echo 4", "description": "Print 4"}}, command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["response"] == "The answer is 4."
+    assert [c.api for c in calls] == ["gemini", "gemini"] and len(calls[0].tools) >= 10
+    assert calls[1].prompt_parent_by == "id"                           # its functionCall id, sent back
+    sample, bridges = assert_one_exact_sample(calls, engine)
+    assert "4" in tokenizer.decode(bridges[0])                          # the shell's output, loss mask 0

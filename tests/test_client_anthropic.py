@@ -144,3 +144,45 @@ def test_langchain_chat_anthropic_tool_loop(proxy, tokenizer, streaming):
     assert [c.api for c in calls] == ["messages", "messages"]
     sample, bridges = assert_one_exact_sample(calls, engine)
     assert "6" in tokenizer.decode(bridges[0])
+
+
+def test_sdk_tool_runner_drops_its_thread_and_runs_a_three_turn_episode_into_one_sample(tokenizer):
+    """The SDK's tool runner sends the beta `thread` field; the proxy refuses it with the error the SDK
+    recovers from (`error.details.error_code = "thread_unsupported_request"`), and the runner resends the full
+    history unthreaded: two tool turns and an answer, one exact sample."""
+    from anthropic import beta_tool
+
+    ran = []
+
+    @beta_tool
+    def calculate(expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: e.g. 2*3
+        """
+        ran.append(expression)
+        a, _, b = expression.partition("*")
+        return str(int(a) * int(b))
+
+    replies = [REPLIES[0], '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6*7"}}\n</tool_call>',
+               "The answer is 42."]
+    with scripted_proxy(tokenizer, replies) as (server, engine):
+        ep = server.open_episode("ep")
+        runner = _client(ep).beta.messages.tool_runner(model="m", max_tokens=64, tools=[calculate],
+                                                       messages=[{"role": "user", "content": "2*3, then times 7?"}])
+        final = runner.until_done()
+        calls = server.close_episode(ep)
+    assert final.content[0].text == "The answer is 42." and ran == ["2*3", "6*7"]
+    assert len(calls) == 3 and [c.api for c in calls] == ["messages"] * 3
+    assert_one_exact_sample(calls, engine)
+
+
+def test_thread_is_refused_in_the_shape_the_sdks_read(proxy):
+    server, _ = proxy
+    ep = server.open_episode("ep")
+    with httpx.Client(timeout=30) as http:
+        r = http.post(ep.anthropic_base_url + "/v1/messages", headers={"x-api-key": ep.api_key}, json={
+            "model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "x"}], "thread": {"type": "new"}})
+    assert r.status_code == 400 and r.json()["error"]["details"]["error_code"] == "thread_unsupported_request"
+    assert server.close_episode(ep) == []

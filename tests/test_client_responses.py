@@ -127,3 +127,24 @@ def test_openai_agents_sdk_default_model_runs_a_tool_episode(proxy, tokenizer, s
     assert calls[0].tools[0]["function"]["strict"] is True
     sample, bridges = assert_one_exact_sample(calls, engine)
     assert "6" in tokenizer.decode(bridges[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_item_references_to_the_episodes_items_resolve_into_one_exact_sample(proxy, stream):
+    """A client that keeps `store: true` (the default) sends earlier output back as `item_reference`s."""
+    server, engine = proxy
+    ep = server.open_episode("ep")
+    client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    question = {"type": "message", "id": "msg_client_1", "role": "user", "content": "What is 2*3?"}
+    r1, _ = _create(client, stream, model="m", instructions="You are a calculator.", input=[question], tools=[CALC])
+    msg, call = r1.output
+    refs = [{"type": "item_reference", "id": i} for i in ("msg_client_1", msg.id, call.id)]   # an input item too
+    r2, _ = _create(client, stream, model="m", instructions="You are a calculator.", tools=[CALC], input=refs + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "6"}])
+    assert r2.output[0].content[0].text == "The answer is 6."
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="m", input=[{"type": "item_reference", "id": "msg_never_issued"}])
+    assert exc.value.body["code"] == "item_not_found" and exc.value.body["param"] == "input.0.id"
+    calls = server.close_episode(ep)
+    assert [c.prompt_parent_by for c in calls] == ["none", "id"]
+    assert_one_exact_sample(calls, engine)

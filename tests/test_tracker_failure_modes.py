@@ -152,8 +152,52 @@ QWEN3_STYLE = TOOL_CHAT_TEMPLATE.replace(
     "{%- endif -%}{%- endfor -%}{%- set last_user = ns.last -%}{%- for m in rest -%}", 1)
 
 
-def test_non_append_only_template_forks_with_reason(tok):
-    tok.chat_template = QWEN3_STYLE
+# DeepSeek-R1-style: every earlier assistant turn loses its <think> block
+R1_STYLE = TOOL_CHAT_TEMPLATE.replace(
+    "{%- set c = text(m.content) -%}",
+    "{%- set c = text(m.content) -%}{%- if '</think>' in c -%}{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}")
+# rewrites earlier turns beyond thinking: the system turn counts the user turns (so rendering up to a reply
+# extends the reply's prompt, and a new user turn changes the system turn)
+COUNTING = TOOL_CHAT_TEMPLATE.replace(
+    "{{- '<|im_start|>system\\n' + system -}}",
+    "{{- '<|im_start|>system\\n' + system + ' (' + (messages | selectattr('role', 'equalto', 'user') | list | length"
+    " | string) + ')' -}}")
+THINKING_REPLY = "<think>let me think</think>A1"
+
+
+@pytest.mark.parametrize("template", [QWEN3_STYLE, R1_STYLE], ids=["qwen3_style", "r1_style"])
+@pytest.mark.parametrize("next_turn", ["user", "tool"])
+def test_a_template_that_drops_earlier_thinking_keeps_the_sampled_tokens(tok, template, next_turn):
+    """The decision (docs/protocols.md): a continuation keeps what the model sampled, <think> included, though
+    the template would drop it from a re-rendered history: one sample, whose context is what the model had."""
+    tok.chat_template = template
+    calc = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}
+    first = THINKING_REPLY + '<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>' if next_turn == "tool" \
+        else THINKING_REPLY
+
+    def talk(client, _):
+        msgs = [{"role": "user", "content": "q1"}]
+        m = _chat(client, msgs, tools=[calc])
+        msgs.append({"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "7"} if next_turn == "tool"
+                    else {"role": "user", "content": "q2"})
+        _chat(client, msgs, tools=[calc])
+
+    calls, samples, engine = _run(tok, [first, "A2"], talk)
+    rerendered = tok.apply_chat_template(calls[1].messages, tools=[calc], tokenize=False, add_generation_prompt=True)
+    assert "let me think" not in rerendered or template is QWEN3_STYLE and next_turn == "tool"  # what it would drop
+    assert calls[1].prompt_parent == calls[0].call_id and len(samples) == 1
+    assert calls[1].prompt_ids[:len(calls[0].prompt_ids) + len(engine.sampled[0])] == \
+        calls[0].prompt_ids + engine.sampled[0]                           # the sampled think, token for token
+    # what follows is the template's own rendering of the new turn (built here from the template alone)
+    tail = "q2<|im_end|>\n<|im_start|>assistant\n" if next_turn == "user" else \
+        "<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(calls[1].prompt_ids[len(calls[0].prompt_ids) + len(engine.sampled[0]):]).endswith(tail)
+    assert rerendered.endswith(tail)
+
+
+def test_a_template_that_rewrites_earlier_turns_forks_with_reason(tok):
+    tok.chat_template = COUNTING
 
     def talk(client, _):
         msgs = [{"role": "user", "content": "q1"}]
@@ -161,10 +205,10 @@ def test_non_append_only_template_forks_with_reason(tok):
         msgs.append({"role": "user", "content": "q2"})
         _chat(client, msgs)
 
-    calls, samples, _ = _run(tok, ["<think>let me think</think>A1", "A2"], talk)
-    rendered = tok.decode(calls[1].prompt_ids)
-    assert "let me think" not in rendered and "A1" in rendered          # the template dropped the earlier think
+    calls, samples, _ = _run(tok, [THINKING_REPLY, "A2"], talk)
     assert calls[1].prompt_parent is None and calls[1].prompt_render_reason == "template_not_append_only"
+    assert tok.decode(calls[1].prompt_ids) == tok.apply_chat_template(calls[1].messages, tokenize=False,
+                                                                       add_generation_prompt=True)
     assert len(samples) == 2 and samples[1].flags["fork_reason"] == "template_not_append_only"
 
 

@@ -37,6 +37,7 @@ def test_show_episode_colours_trained_and_untrained_tokens_apart(tiny_experiment
     text = Text.from_ansi(out.stdout)
     plain = text.plain
     assert "TOOL RESULT 42" in plain and "[sampled 0]" in plain and "[call 1]" in plain
+    assert "rendered in full (first_call)" in plain and "(parent found by text)" in plain   # how call 1 found call 0
 
     def style_at(pos):
         return {str(span.style) for span in text.spans if span.start <= pos < span.end}
@@ -56,3 +57,10 @@ def test_show_errors_name_what_to_fix(tiny_experiment, tmp_path):
     assert out.returncode == 2 and "no episode 'nope'" in out.stderr
     out = ajet_show(tiny_experiment, "--step", 7)
     assert out.returncode == 2 and "step 7 has no episodes" in out.stderr
+
+
+def test_each_step_counts_how_calls_found_their_parents(tiny_experiment):
+    """The tiny workflow replays its first reply as text with no tool call (12 tokens): by text, never by id."""
+    rows = [json.loads(line) for line in (tiny_experiment / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "merge/parent_by_text" in r]
+    assert steps and all(r["merge/parent_by_id"] == 0 and r["merge/parent_by_text"] >= 1 for r in steps)

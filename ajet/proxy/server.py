@@ -1,9 +1,10 @@
-"""The recording proxy: one request path behind three APIs, per episode.
+"""The recording proxy: one request path behind four APIs, per episode.
 
 Each episode gets `http://127.0.0.1:PORT/ep/<token>/v1` as its OpenAI base_url (Chat Completions
 `/chat/completions`, Responses `/responses`) and `http://127.0.0.1:PORT/ep/<token>` as its Anthropic
-base_url (Messages `/v1/messages`); `<token>` (unguessable) is its api_key, also accepted as
-`Authorization: Bearer <token>` or `x-api-key: <token>` on the bare `/v1/...` paths.
+base_url (Messages `/v1/messages`) and Gemini base URL (`/v1beta/models/{model}:generateContent`);
+`<token>` (unguessable) is its api_key, also accepted as `Authorization: Bearer <token>`, `x-api-key`,
+`x-goog-api-key` or `?key=` on the bare `/v1/...` and `/v1beta/...` paths.
 
 A request's path is a straight line, the same for every API: find the episode -> read the body -> in the
 prepare pool (never on the event loop): parse it, the API adapter (`ajet/proxy/api/`) turns it into the
@@ -46,6 +47,7 @@ from ajet.engine import Engine
 from ajet.llm_call import Completion, LLMCall, SamplingParams
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
+from ajet.proxy.api.gemini import GeminiApi
 from ajet.proxy.api.messages import MessagesApi
 from ajet.proxy.api.responses import ResponsesApi
 from ajet.proxy.prompt import PromptBuilder, PromptTooLong
@@ -60,6 +62,7 @@ from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ProxyError, bearer,
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
+APIS: tuple[type[Api], ...] = (ChatApi, ResponsesApi, MessagesApi, GeminiApi)   # the adapters a proxy serves by default
 PREPARE_WORKERS = 2                  # threads that parse, render and tokenize requests off the event loop
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_ITEMS", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
 
@@ -83,6 +86,11 @@ class EpisodeEndpoint:
         """The Anthropic base_url (`.../ep/<token>`; the SDK appends `/v1/messages`)."""
         return self.base_url.removesuffix("/v1")
 
+    @property
+    def gemini_base_url(self) -> str:
+        """The Gemini API base URL (`.../ep/<token>`; the SDKs append `/v1beta/models/...`)."""
+        return self.base_url.removesuffix("/v1")
+
 
 class ProxyServer:
     """Serves the proxy with uvicorn in a background thread (its own event loop) on `host`.
@@ -104,6 +112,7 @@ class ProxyServer:
         max_body_items: most JSON objects + arrays a request body may hold (messages, content parts, tools,
             ...); more get a 400 naming the field holding most of them, before any validation or rendering,
             so that one request's work in the prepare pool stays bounded. Default `MAX_JSON_ITEMS` (20,000).
+        apis: the API adapter classes to serve (`ajet/proxy/api/`), each on the paths it declares.
 
     Parsing, rendering and tokenizing a request run in a pool of `PREPARE_WORKERS` threads, never on the
     event loop, so that a request near the body limit does not stall other episodes' calls.
@@ -112,7 +121,8 @@ class ProxyServer:
     def __init__(self, engine: Engine, tokenizer, defaults: SamplingParams, sampling_policy: str = "config",
                  max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, accepted_models: Iterable[str] | None = None,
-                 retry_after_s: int = 1, max_body_items: int = MAX_JSON_ITEMS):
+                 retry_after_s: int = 1, max_body_items: int = MAX_JSON_ITEMS,
+                 apis: Iterable[type[Api]] = APIS):
         self.engine = engine
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
@@ -135,7 +145,7 @@ class ProxyServer:
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="ajet-prepare")
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
-        self.apis = {"chat": ChatApi(self), "responses": ResponsesApi(self), "messages": MessagesApi(self)}
+        self.apis = {cls.name: cls(self) for cls in apis}
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -255,13 +265,9 @@ class ProxyServer:
             self._episode(request.path_params.get("token") or _token(request))
             return json_response(self._models())
 
-        chat, responses, messages = self.apis["chat"], self.apis["responses"], self.apis["messages"]
-        paths = [("/v1/chat/completions", endpoint(chat, self._serve), "POST"),
-                 ("/v1/responses", endpoint(responses, self._serve), "POST"),
-                 ("/v1/responses/{response_id}", endpoint(responses, self._stored_response), "GET"),
-                 ("/v1/messages", endpoint(messages, self._serve), "POST"),
-                 ("/v1/messages/count_tokens", endpoint(messages, self._count_tokens), "POST"),
-                 ("/v1/models", models, "GET")]
+        handlers = {"serve": self._serve, "stored": self._stored_response, "count_tokens": self._count_tokens}
+        paths = [(path, models if kind == "models" else endpoint(api, handlers[kind]), method)
+                 for api in self.apis.values() for path, method, kind in api.routes]
         routes = [Route(prefix + path, fn, methods=[method])
                   for prefix in ("/ep/{token}", "/ep/{token}/agent/{tag}", "") for path, fn, method in paths]
 
@@ -300,8 +306,9 @@ class ProxyServer:
         retry, idempotency_key = _is_retry(request), request.headers.get("idempotency-key", "")
         loop = asyncio.get_running_loop()
         # parse, validate, render and tokenize in the prepare pool: the event loop keeps serving other calls
+        route = _route(request)
         prep = await loop.run_in_executor(self._prepare_pool, self._prepare, api, ep, raw, agent_tag,
-                                          idempotency_key, retry)
+                                          idempotency_key, retry, route)
         earlier = ep.turns.get(prep.key) if retry else None
         if earlier is not None and not earlier.failed:
             choices = await earlier.result()                 # a retry: the first attempt's answer
@@ -312,7 +319,7 @@ class ProxyServer:
             return await self._answer(api, earlier, prep, replay)
         if prep.prompt is None:       # a retry whose first attempt failed meanwhile: build it now
             prep = await loop.run_in_executor(self._prepare_pool, self._prepare, api, ep, raw, agent_tag,
-                                              idempotency_key, False)
+                                              idempotency_key, False, route)
         if not ep.open:
             raise episode_closed()
         turn = ep.turns[prep.key] = self._start_turn(api, ep, prep, agent_tag, t0)
@@ -329,13 +336,13 @@ class ProxyServer:
         return StreamingResponse(api.events(turn, prep, events, first), media_type="text/event-stream")
 
     def _prepare(self, api: Api, ep: Episode, raw: bytes, agent_tag: str, idempotency_key: str,
-                 retry: bool) -> Prepared:
+                 retry: bool, route: dict[str, Any]) -> Prepared:
         """Everything a request needs before generation, run in the prepare pool (off the event loop):
         parse the body, turn it into the turn request (`api.parse`), its retry key and, unless it repeats
         a request the episode already received, its prompt ids (token-in-token-out). Raises ProxyError 400
         for bad input, including a prompt longer than the context (rejected from a lower bound on its
         tokens before tokenizing when the bound already exceeds it)."""
-        req, context = api.parse(load_json(raw, self.max_body_items), ep)
+        req, context = api.parse_request(load_json(raw, self.max_body_items), ep, route)
         self._check_model(req.model)
         reject_unsupported(req)
         key = _request_key(raw, api.name + "\0" + agent_tag, idempotency_key)
@@ -399,7 +406,7 @@ class ProxyServer:
                     completion_ids=c.completion.token_ids, completion_logprobs=c.completion.logprobs,
                     finish_reason=c.finish_reason, response_message=c.message, sampling=c.params,
                     policy_version=c.completion.policy_version, prompt_parent=prompt.parent_call_id,
-                    prompt_render_reason=prompt.render_reason, forced_text=forced,
+                    prompt_render_reason=prompt.render_reason, prompt_parent_by=prompt.parent_by, forced_text=forced,
                     strict_violations=c.strict_violations, api=api.name,
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
                              "total_s": time.perf_counter() - t0})
@@ -437,16 +444,17 @@ class ProxyServer:
         return json_response(api.stored(ep, request.path_params["response_id"]))
 
     async def _count_tokens(self, api: Api, ep: Episode, request: Request, _agent_tag: str):
-        """`POST /v1/messages/count_tokens`: `{"input_tokens": n}`, the prompt's length from the policy's own
-        chat template and tokenizer (rendered in full, in the prepare pool)."""
-        raw = await read_body(request, self.max_body_bytes)
+        """`POST /v1/messages/count_tokens` (`{"input_tokens": n}`), Gemini's `:countTokens` (`{"totalTokens": n}`):
+        the prompt's length from the policy's own chat template and tokenizer (rendered in full, in the prepare
+        pool)."""
+        raw, route = await read_body(request, self.max_body_bytes), _route(request)
 
         def count() -> int:
-            req, _ = api.parse(load_json(raw, self.max_body_items), ep, count_only=True)
+            req, _ = api.parse_request(load_json(raw, self.max_body_items), ep, route, count_only=True)
             return len(self.prompts.encode(self.prompts.render(req.wire_messages(), req.wire_tools())))
 
         n = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, count)
-        return json_response({"input_tokens": n})
+        return json_response(api.count_body(n))
 
     def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
         """The sampling parameters a request gets under the config's `sampling_policy`."""
@@ -499,13 +507,23 @@ class _CatchAll:
 
 
 def _token(request: Request) -> str | None:
-    """The episode token of a bare `/v1/...` request: `Authorization: Bearer` or Anthropic's `x-api-key`."""
-    return bearer(request) or request.headers.get("x-api-key") or None
+    """The episode token of a bare `/v1/...` request: `Authorization: Bearer`, Anthropic's `x-api-key`, or
+    Google's `x-goog-api-key` / `?key=`."""
+    return (bearer(request) or request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
+            or request.query_params.get("key") or None)
+
+
+def _route(request: Request) -> dict[str, Any]:
+    """What an adapter may read of a request besides its body (`Api.parse_request`): path, path parameters,
+    query parameters (plain values, safe to hand to the prepare pool)."""
+    return {"path": request.url.path, "path_params": dict(request.path_params), "query": dict(request.query_params)}
 
 
 def _api_for_path(proxy: ProxyServer, path: str) -> Api:
-    """The API whose error shape an error on `path` gets (the Messages API's for `/v1/messages...`)."""
-    return proxy.apis["messages" if "/v1/messages" in path else "chat"]
+    """The API whose error shape an error on `path` gets: the first whose `error_paths` `path` contains (the
+    Messages API's for `/v1/messages...`), else Chat Completions' (OpenAI's shape)."""
+    return next((api for api in proxy.apis.values() if any(p in path for p in api.error_paths)),
+                proxy.apis.get("chat") or next(iter(proxy.apis.values())))
 
 
 def _is_retry(request: Request) -> bool:

@@ -98,7 +98,8 @@ class Turn:
 class Episode:
     """The proxy's state of one open episode: its calls in arrival order, its generations by request key
     (a client's retry is answered from the first attempt's), rendered prompts by call id (a cache), and
-    the Responses API's stored responses by id (for `previous_response_id` and `GET /v1/responses/{id}`)."""
+    the Responses API's stored responses by id (for `previous_response_id` and `GET /v1/responses/{id}`) and
+    its output and input items by id (for `item_reference`)."""
 
     episode_id: str
     token: str
@@ -106,6 +107,7 @@ class Episode:
     turns: dict[str, Turn] = field(default_factory=dict)   # request key -> its generation (for retries)
     rendered: dict[str, str] = field(default_factory=dict)   # call id -> its rendered prompt text (a cache)
     responses: dict[str, Any] = field(default_factory=dict)   # Responses API: response id -> its stored record
+    items: dict[str, Any] = field(default_factory=dict)   # Responses API: item id -> the item (`item_reference`)
     open: bool = True
 
 

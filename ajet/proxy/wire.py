@@ -39,13 +39,16 @@ class ProxyError(Exception):
     """An OpenAI-style error answer: HTTP status, message, type, offending param, code.
 
     `retry_after` (seconds) becomes a `Retry-After` header; a 503 always carries one (1 s unless given),
-    so clients with retries (the OpenAI SDK) back off and try again.
+    so clients with retries (the OpenAI SDK) back off and try again. `details` goes into the Anthropic
+    body's `error.details` (the SDKs read `error_code` there, e.g. to stop sending `thread`).
     """
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None,
+                 details: dict[str, Any] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.details = details
         self.retry_after = retry_after if retry_after is not None or status != 503 else 1
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
@@ -60,9 +63,12 @@ class ProxyError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict[str, Any]:
-        """`{"type": "error", "error": {"type", "message"}}`: the Anthropic Messages API's error shape."""
+        """`{"type": "error", "error": {"type", "message"(, "details")}}`: the Anthropic Messages API's error shape."""
         kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        error = {"type": kind, "message": self.message}
+        if self.details is not None:
+            error["details"] = self.details
+        return {"type": "error", "error": error}
 
     def anthropic_response(self) -> Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None

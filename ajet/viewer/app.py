@@ -31,8 +31,8 @@ from ajet.viewer.run_reader import NotFound, RunReader
 STATIC_DIR = Path(__file__).parent / "static"
 # metrics.jsonl keys the overview charts, in order (a key a run does not log is left out)
 OVERVIEW_KEYS = ["reward/mean", "reward/std", "rollout/episodes", "rollout/failed", "rollout/zero_std_groups",
-                 "rollout/oversampled_tasks", "tracker/merge_ratio",
-                 "tracker/token_ratio", "train/kl", "train/clip_frac", "train/entropy", "train/grad_norm",
+                 "rollout/oversampled_tasks", "tracker/merge_ratio", "tracker/token_ratio", "merge/parent_by_id",
+                 "merge/parent_by_text", "train/kl", "train/clip_frac", "train/entropy", "train/grad_norm",
                  "time/step_s", "time/rollout_s", "train/update_s", "rollout/tokens_per_s", "policy_version"]
 
 

@@ -104,7 +104,7 @@ def _show_episode(run: RunReader, episode_id: str, console: Console) -> None:
         timings = c.get("timings") or {}
         console.print(Text(f"call {c['index']} · agent {c.get('agent_tag')} · policy v{c.get('policy_version')} · "
                            f"finish {c.get('finish_reason')} · {c['prompt_tokens']}+{c['completion_tokens']} tokens · "
-                           f"{_fmt(timings.get('total_s'))} s", style="bold cyan"))
+                           f"{_fmt(timings.get('total_s'))} s · {_parent(c)}", style="bold cyan"))
         for m in c.get("messages") or []:
             key = json.dumps(m, sort_keys=True)
             if key in seen:   # each call repeats the history: print only what is new
@@ -126,6 +126,14 @@ def _show_episode(run: RunReader, episode_id: str, console: Console) -> None:
         console.print(sample_text(s))
     if not ep["samples"]:
         console.print(Text("no samples (a failed episode is not trained on)", style="yellow"))
+
+
+def _parent(call: dict[str, Any]) -> str:
+    """How the call's prompt was built: extends its parent (found by a tool-call id the proxy issued, or by
+    text), or rendered in full (and why)."""
+    if call.get("prompt_parent"):
+        return f"extends {call['prompt_parent']} (parent found by {call.get('prompt_parent_by') or 'text'})"
+    return f"rendered in full ({call.get('prompt_render_reason')})"
 
 
 def _content(message: dict[str, Any]) -> str:

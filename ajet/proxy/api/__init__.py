@@ -3,11 +3,14 @@
 `Api` is the interface the shared request path (`ajet.proxy.server.ProxyServer._serve`) calls:
 `parse` (in the prepare thread) -> the shared path builds the prompt, generates, records -> `recorded`
 (once the turn's calls are recorded, whether or not the client still waits) -> `body` or `events`.
+Each adapter declares the paths it serves (`routes`); the server receives the adapter classes
+(`ProxyServer(apis=...)`) and gives each a `Host` (the tokenizer and `decode`). Nothing here imports the
+server: the adapters sit below it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
 from starlette.responses import Response
 
@@ -19,17 +22,33 @@ if TYPE_CHECKING:
     import asyncio
 
     from ajet.proxy.schema import ChatCompletionRequest
-    from ajet.proxy.server import ProxyServer
     from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 
 
+class Host(Protocol):
+    """What an adapter needs of the proxy that serves it."""
+
+    tokenizer: Any
+    sampling_policy: str   # "config" (the config's sampling replaces the client's) or "client"
+
+    def decode(self, ids: list[int]) -> str:
+        """Completion ids to the text the client is answered (special tokens dropped)."""
+
+
 class Api:
-    """One API's adapter (Chat Completions, Responses, Messages). `name` is recorded on each call."""
+    """One API's adapter (Chat Completions, Responses, Messages, Gemini). `name` is recorded on each call.
+
+    `routes` are the paths it serves, each `(path, method, handler)`: the handler is "serve" (a model call
+    through the shared request path), "stored" (`stored(ep, id)`), "count_tokens" or "models"; the server
+    serves each path per episode (`/ep/{token}...`, `/ep/{token}/agent/{tag}...`) and bare. `error_paths`:
+    the path fragments whose errors (unknown path, 500) are written in this API's shape."""
 
     name = ""
     id_prefix = ""     # of the answer's id (`chatcmpl-`, `resp_`, `msg_`)
+    routes: tuple[tuple[str, str, str], ...] = ()
+    error_paths: tuple[str, ...] = ()
 
-    def __init__(self, proxy: ProxyServer):
+    def __init__(self, proxy: Host):
         self.proxy = proxy
         self.hosted_tools_left_out = 0   # tools only a hosted service can run (web search, ...), left out so far
 
@@ -37,6 +56,16 @@ class Api:
         """The turn request for JSON body `data`, and a context object for `body`/`events`. Raises
         ProxyError 400 naming the offending field (in this API's terms)."""
         raise NotImplementedError
+
+    def parse_request(self, data: dict[str, Any], ep: Episode, route: dict[str, Any],
+                      **kw) -> tuple[ChatCompletionRequest, Any]:
+        """`parse`, for an API whose request also lives in its path or query: `route` holds the request's
+        `path`, `path_params` and `query` (the Gemini API's model and streaming)."""
+        return self.parse(data, ep, **kw)
+
+    def count_body(self, n: int) -> dict[str, Any]:
+        """The answer of a token count of `n` tokens."""
+        return {"input_tokens": n}
 
     def recorded(self, ep: Episode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
         """Called once the turn's calls are recorded (on the event loop)."""

@@ -23,6 +23,7 @@ class ChatApi(Api):
 
     name = "chat"
     id_prefix = "chatcmpl-"
+    routes = (("/v1/chat/completions", "POST", "serve"), ("/v1/models", "GET", "models"))
 
     def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, None]:
         return validated(ChatCompletionRequest, data), None

@@ -56,6 +56,7 @@ class MessagesRequest(BaseModel):
     service_tier: str | None = None
     container: Any = None
     mcp_servers: list[dict[str, Any]] | None = None
+    thread: Any = None      # refused in the shape the SDKs recover from (see `parse`)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class MessagesApi(Api):
 
     name = "messages"
     id_prefix = "msg_"
+    routes = (("/v1/messages", "POST", "serve"), ("/v1/messages/count_tokens", "POST", "count_tokens"))
+    error_paths = ("/v1/messages",)
 
 
     def error_response(self, err: ProxyError) -> Response:
@@ -82,6 +85,10 @@ class MessagesApi(Api):
         req: MessagesRequest = validated(MessagesRequest, data)
         if req.max_tokens is None and not count_only:
             raise ProxyError(400, "max_tokens: Field required", param="max_tokens", code="invalid_value")
+        if req.thread is not None:   # server-side threads (beta): the SDKs then resend the full history unthreaded
+            raise ProxyError(400, "thread: server-side message threads are not supported; send the full history",
+                             param="thread", code="thread_unsupported_request",
+                             details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
         if req.top_k is not None:
             raise ProxyError(400, "top_k: ajet's engine samples with temperature and top_p only (top_k would change the "
                                   "distribution the policy is trained on): remove it", param="top_k",

@@ -1,8 +1,9 @@
 """The OpenAI Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`) as an adapter to the turn type.
 
 Request -> turn: `instructions` becomes the system message; `input` (a string, or items: messages with
-roles system/developer/user/assistant, `function_call`, `function_call_output`, `reasoning`) becomes chat
-messages, an assistant message and the function calls that follow it merging into one assistant turn
+roles system/developer/user/assistant, `function_call`, `function_call_output`, `reasoning`; an
+`item_reference` stands for the item of that id the episode already has) becomes chat messages, an
+assistant message and the function calls that follow it merging into one assistant turn
 (exactly the message the proxy recorded, so token-in-token-out finds its parent); `previous_response_id`
 prepends the stored conversation of that response (kept per episode, so a chained conversation is exact
 by construction); function `tools` (namespaced lists flattened) become chat tools, hosted tools (web
@@ -104,6 +105,7 @@ class ResponsesApi(Api):
 
     name = "responses"
     id_prefix = "resp_"
+    routes = (("/v1/responses", "POST", "serve"), ("/v1/responses/{response_id}", "GET", "stored"))
 
 
     # ---- request -> turn --------------------------------------------------------------------------
@@ -117,7 +119,8 @@ class ResponsesApi(Api):
                 raise ProxyError(400, f"previous response {short_repr(req.previous_response_id, 100)} not found in "
                                       "this episode", param="previous_response_id", code="previous_response_not_found")
             conversation = list(stored["conversation"])
-        items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+        items = ([{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str)
+                 else _resolve_references(req.input, ep))
         conversation += _items_to_messages(items)
         tools, hosted = _flatten_tools(req.tools or [])
         if hosted:
@@ -142,10 +145,15 @@ class ResponsesApi(Api):
 
     # ---- turn -> answer ---------------------------------------------------------------------------
     def recorded(self, ep: Episode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
-        """Keep the response (its body, and its conversation for `previous_response_id`)."""
+        """Keep the response (its body, and its conversation for `previous_response_id`), and its input and
+        output items by id (for `item_reference`)."""
         (choice,) = choices
-        ep.responses[turn.response_id] = {"body": self._response(turn, prep, choice),
-                                           "conversation": prep.context.conversation + [choice.message]}
+        body = self._response(turn, prep, choice)
+        ep.responses[turn.response_id] = {"body": body, "conversation": prep.context.conversation + [choice.message]}
+        request_input = prep.context.request.input
+        for item in (request_input if isinstance(request_input, list) else []) + body["output"]:
+            if isinstance(item, dict) and isinstance(item.get("id"), str) and item.get("type") != "item_reference":
+                ep.items[item["id"]] = item
 
     def stored(self, ep: Episode, response_id: str) -> dict[str, Any]:
         """The body of response `response_id` of episode `ep`. Raises ProxyError 404 if there is none."""
@@ -280,6 +288,25 @@ def _text(content: Any, where: str) -> str:
                              param=f"{where}.{k}.{key}", code="invalid_value")
         texts.append(text or "")
     return "".join(texts)
+
+
+def _resolve_references(items: list[Any], ep: Episode) -> list[Any]:
+    """`items` with each `{"type": "item_reference", "id"}` replaced by the item of that id: an output item of
+    one of the episode's responses, or an input item with an id sent earlier in the episode (what clients that
+    keep the default `store: true` send instead of the item). Raises ProxyError 400 `item_not_found` for an id
+    the episode never saw."""
+    out = []
+    for k, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            ref = item.get("id")
+            found = ep.items.get(ref) if isinstance(ref, str) else None
+            if found is None:
+                raise ProxyError(400, f"input.{k}.id: no item {short_repr(ref, 100)} in this episode (an item_reference "
+                                      "names an output or input item of an earlier response of the same episode)",
+                                 param=f"input.{k}.id", code="item_not_found")
+            item = found
+        out.append(item)
+    return out
 
 
 def _items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -165,6 +165,12 @@ async function stepView(step, params) {
     h("table", {id: "episodes"}, h("tr", {}, ["", "episode", "group", "reward", "advantage", "seconds", "calls", "samples", "forks", "agents", "failure"].map(c => h("th", {}, c))), rows));
 }
 
+// how a call's prompt was built: extends its parent (found by a tool-call id the proxy issued, or by text), or in full
+function parentText(c) {
+  return c.prompt_parent ? `extends ${c.prompt_parent} (parent found by ${c.prompt_parent_by || "text"})`
+                         : `rendered in full (${c.prompt_render_reason})`;
+}
+
 function messageBlock(m) {
   let body = typeof m.content === "string" ? m.content : (m.content ? JSON.stringify(m.content, null, 1) : "");
   if (m.tool_calls) body += (body ? "\n" : "") + m.tool_calls.map(t => `→ ${t.function?.name}(${t.function?.arguments})`).join("\n");
@@ -200,7 +206,7 @@ function episodeBody(ep) {
         h("div", {}, h("b", {}, `call ${c.index}`), ` · agent ${c.agent_tag} · policy v${c.policy_version} · finish ${c.finish_reason}`),
         h("div", {class: "meta"}, `prompt ${c.prompt_tokens} tok, completion ${c.completion_tokens} tok, mean logprob ${fmt(c.mean_logprob)} · ` +
           `latency ${fmt(t.total_s, 2)} s (generate ${fmt(t.generate_s, 2)} s) · sampling ${JSON.stringify(c.sampling)} · ` +
-          (c.prompt_parent ? `extends ${c.prompt_parent}` : `rendered in full (${c.prompt_render_reason})`)),
+          parentText(c)),
         c.tools ? h("details", {}, h("summary", {}, `${c.tools.length} tool(s)`), h("pre", {}, JSON.stringify(c.tools, null, 1))) : null,
         fresh.map(messageBlock),
         h("div", {class: "muted"}, "→ response"), messageBlock(c.response_message || {role: "assistant", content: ""}));
