@@ -117,7 +117,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
                         sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len,
                         host=cfg.proxy.host, max_body_bytes=cfg.proxy.max_body_bytes,
-                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s)
+                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s,
+                        seed=cfg.trainer.seed)
     proxy.port = port
     source.bind(proxy)
     proxy.start()

@@ -107,6 +107,8 @@ class Episode:
     rendered: dict[str, str] = field(default_factory=dict)   # call id -> its rendered prompt text (a cache)
     responses: dict[str, Any] = field(default_factory=dict)   # Responses API: response id -> its stored record
     open: bool = True
+    seed_key: str = ""                  # names the episode in its calls' sampler seeds (`call_seed`)
+    requests: int = 0                   # requests started (retries answered from an earlier one excluded)
 
 
 @dataclass

@@ -46,7 +46,7 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
     """Run `workflow` on `episode.task`, filling in the episode's calls, tool calls, output, reward or error.
     With `tools` (the run's MCP servers), the tuner offers `tuner.tools` / `tuner.call_tool`."""
     episode_tools = await tools.open_episode() if tools is not None else None
-    endpoint = proxy.open_episode(episode.episode_id)
+    endpoint = proxy.open_episode(episode.episode_id, seed_key(episode))
     try:
         out = await execute_episode(workflow, episode.task, episode.episode_id, endpoint.base_url, endpoint.api_key,
                                     judge, timeout_s, model_name, episode_tools)
@@ -89,6 +89,12 @@ def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0
     return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
                     repeat_index=r, attempt=attempt)
             for ti, task in enumerate(tasks) for r in range(num_repeat)]
+
+
+def seed_key(episode: Episode) -> str:
+    """The episode's name in its calls' sampler seeds: its group and repeat, not its attempt, so that a
+    resumed step samples as the interrupted attempt did (`ajet.llm_call.call_seed`)."""
+    return f"{episode.group_id}/r{episode.repeat_index}"
 
 
 async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> float:
