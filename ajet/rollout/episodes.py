@@ -116,16 +116,17 @@ async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> flo
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                   judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                   on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
-                  tools: McpHub | None = None) -> list[Episode]:
+                  tools: McpHub | None = None, semaphore: asyncio.Semaphore | None = None) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
 
     `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar);
-    `tools` are the run's MCP servers (see `run_episode`).
+    `tools` are the run's MCP servers (see `run_episode`); `semaphore`, when given, replaces the
+    `max_concurrency` bound (asynchronous training shares one across the steps in flight).
 
     Returns:
         `[len(tasks) * num_repeat]` episodes as `new_episodes` names and groups them.
     """
-    sem = asyncio.Semaphore(max_concurrency)
+    sem = semaphore or asyncio.Semaphore(max_concurrency)
     episodes = new_episodes(tasks, num_repeat, step, attempt)
 
     async def _one(ep: Episode) -> Episode:
