@@ -237,3 +237,72 @@ def test_with_max_staleness_1_the_next_steps_episodes_run_during_the_update(tiny
     metrics, calls = _train_async(tmp_path / "k0", tiny_model_dir, 0)
     assert {s: set(v) for s, v in calls.items()} == {1: {0}, 2: {1}, 3: {2}}
     assert all(m["async/staleness_max"] == 0 and "train/is_weight_mean" not in m for m in metrics)
+
+
+def test_ajet_serve_drops_and_counts_a_sample_older_than_max_staleness(tiny_model_dir, tmp_path):
+    """`ajet serve` with `trainer.async.max_staleness: 0`: an episode whose first call was served before step 1's
+    update and that finishes after it is stored and counted in its group's baseline, but the sample of that
+    first call is not trained (async/stale_samples); every trained sample is on-policy."""
+    import json
+    import textwrap
+    import time
+
+    from ajet.client import AjetClient, RunFinished
+    from ajet.trajectory_store import TrajectoryStore
+    from tests.test_serve import SECRET, Server
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "query": f"q {i}"}) + "\n"
+                                                  for i in range(8)))
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        model: {{path: "{tiny_model_dir}", max_model_len: 256}}
+        data: {{train_path: tasks.jsonl}}
+        rollout: {{num_repeat: 2, max_tokens: 4}}
+        algorithm: {{lr: 1.0e-3}}
+        trainer: {{total_steps: 2, tasks_per_step: 2, tensorboard: false, async: {{max_staleness: 0}}}}
+    """))
+    exp = tmp_path / "exp"
+    server = Server(tmp_path / "conf.yaml", exp)
+    client = AjetClient(server.url, secret=SECRET, retry_for_s=60)
+
+    def one_call(ep):
+        ep.openai().chat.completions.create(model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}])
+
+    try:
+        held = client.begin()
+        one_call(held)                                      # served by version 0
+        deadline = time.monotonic() + 120
+        while client.status()["policy_version"] < 1:        # other episodes complete step 1
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+            ep = client.begin()
+            one_call(ep)
+            ep.finish(reward=float(len(ep.episode_id) % 2))
+        one_call(held)                                      # served by version 1
+        held.finish(reward=1.0)
+        while True:                                         # the rest of step 2
+            try:
+                ep = client.begin()
+            except RunFinished:
+                break
+            one_call(ep)
+            ep.finish(reward=0.0)
+        assert server.proc.wait(timeout=120) == 0, server.output()
+    finally:
+        client.close()
+        if server.proc.poll() is None:
+            server.proc.kill()
+    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["async/stale_samples"] for m in metrics) >= 1
+    assert all(m["async/staleness_max"] == 0 for m in metrics)
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    try:
+        ledger = {e["episode_id"]: e for e in store.ledger()}
+        assert ledger[held.episode_id]["trained_in"]         # its reward counted in its group ...
+        (record,) = [r for r in store.episodes() if r["episode_id"] == held.episode_id]
+        samples = [json.loads(r[0]) for r in store._db.execute("SELECT record FROM samples WHERE episode_id = ?",
+                                                               (held.episode_id,))]
+    finally:
+        store.close()
+    assert [c["policy_version"] for c in record["calls"]] == [0, 1]
+    # ... the sample of its first call (the same prompt twice: two samples) is too old to train, the other trains
+    assert sorted((min(v for v in s["policy_versions"] if v >= 0), s["trained"]) for s in samples) == \
+        [(0, False), (1, True)]
