@@ -190,8 +190,25 @@ class LongTail(Workflow):
 '''
 
 
-def _train_async(root, model_dir, k):
+LONG_TAIL_COMMAND = '''
+import json, sys, time
+from openai import OpenAI
+
+task = json.loads(sys.stdin.read())
+client = OpenAI()                                    # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
+messages = [{"role": "user", "content": task["query"]}]
+r = client.chat.completions.create(model="ajet-policy", messages=messages)
+time.sleep(1.0 if task["task_id"].startswith("slow") else 0.0)
+messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "tool says 42"}]
+r = client.chat.completions.create(model="ajet-policy", messages=messages)
+text = r.choices[0].message.content or ""
+print(json.dumps({"reward": len(text) % 3, "final_answer": text}))
+'''
+
+
+def _train_async(root, model_dir, k, steps=3, command=False):
     import json
+    import sys
     import textwrap
 
     from ajet.config import load_config
@@ -199,15 +216,18 @@ def _train_async(root, model_dir, k):
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "wf.py").write_text(LONG_TAIL)
+    (root / "agent.py").write_text(LONG_TAIL_COMMAND)
+    workflow = (f"{{command: [{json.dumps(sys.executable)}, agent.py], timeout_s: 120}}" if command
+                else "wf.py:LongTail")
     (root / "tasks.jsonl").write_text("".join(json.dumps({"task_id": t, "query": f"q {t}"}) + "\n"
                                              for t in ("slow0", "fast1", "fast2", "slow3", "fast4", "fast5")))
     (root / "c.yaml").write_text(textwrap.dedent(f"""
-        workflow: wf.py:LongTail
+        workflow: {workflow}
         model: {{path: "{model_dir}", max_model_len: 512}}
         data: {{train_path: tasks.jsonl, shuffle: false}}
         rollout: {{num_repeat: 2, max_tokens: 6}}
         algorithm: {{lr: 1.0e-3}}
-        trainer: {{total_steps: 3, tasks_per_step: 2, tensorboard: false, loggers: [jsonl], exp_dir: "{root / 'exp'}",
+        trainer: {{total_steps: {steps}, tasks_per_step: 2, tensorboard: false, loggers: [jsonl], exp_dir: "{root / 'exp'}",
                    async: {{max_staleness: {k}}}}}
     """))
     exp = run(load_config(root / "c.yaml"))
@@ -237,6 +257,14 @@ def test_with_max_staleness_1_the_next_steps_episodes_run_during_the_update(tiny
     metrics, calls = _train_async(tmp_path / "k0", tiny_model_dir, 0)
     assert {s: set(v) for s, v in calls.items()} == {1: {0}, 2: {1}, 3: {2}}
     assert all(m["async/staleness_max"] == 0 and "train/is_weight_mean" not in m for m in metrics)
+
+
+def test_the_command_source_runs_ahead_too(tiny_model_dir, tmp_path):
+    """The user's program per episode (`workflow: {command: ...}`), K = 1: step 2's programs run during step 1's
+    update, as with a `Workflow` class."""
+    metrics, calls = _train_async(tmp_path, tiny_model_dir, 1, steps=2, command=True)
+    assert set(calls[1]) == {0} and 0 in calls[2]
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1] and metrics[-1]["rollout/failed"] == 0
 
 
 def test_ajet_serve_drops_and_counts_a_sample_older_than_max_staleness(tiny_model_dir, tmp_path):
