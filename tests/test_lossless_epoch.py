@@ -10,32 +10,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 
 from ajet.trajectory_store import TrajectoryStore
 
-WORKFLOW = '''
-import asyncio
+from tests.test_async_training import LONG_TAIL   # a call, a 1 s tool on tasks named slow*, a call
 
-from ajet.workflow import Workflow, WorkflowOutput
-
-
-class MixedLengths(Workflow):
-    """Two calls around a tool; the tool of the tasks named long* sleeps 1.5 s."""
-
-    async def execute(self, task, tuner):
-        messages = [{"role": "user", "content": task.query}]
-        r = await tuner.client.chat.completions.create(model=tuner.model, messages=messages)
-        messages.append(r.choices[0].message.model_dump(exclude_none=True))
-        await asyncio.sleep(1.5 if task.task_id.startswith("long") else 0.0)
-        messages.append({"role": "user", "content": "tool: 42"})
-        r = await tuner.client.chat.completions.create(model=tuner.model, messages=messages)
-        text = r.choices[0].message.content or ""
-        return WorkflowOutput(reward=float(len(text) % 3), final_answer=text)
-'''
-
-TASKS = [f"long{i}" if i % 3 == 0 else f"short{i}" for i in range(12)]
+TASKS = [f"slow{i}" if i % 3 == 0 else f"fast{i}" for i in range(12)]
 STEPS, TASKS_PER_STEP, REPEAT = 6, 2, 2          # one epoch: 6 steps x 2 tasks = the 12 tasks
 
 
@@ -60,11 +41,11 @@ def _ajet(conf, exp, resume, kill_at=None, kill_after_s=None):
 
 
 def test_an_epoch_killed_at_random_points_trains_every_task_exactly_once(tiny_model_dir, tmp_path):
-    (tmp_path / "wf.py").write_text(WORKFLOW)
+    (tmp_path / "wf.py").write_text(LONG_TAIL)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": t, "query": f"q {t}"}) + "\n" for t in TASKS))
     conf, exp = tmp_path / "conf.yaml", tmp_path / "exp"
     conf.write_text(textwrap.dedent(f"""
-        workflow: wf.py:MixedLengths
+        workflow: wf.py:LongTail
         model: {{path: "{tiny_model_dir}", max_model_len: 256}}
         data: {{train_path: tasks.jsonl}}
         rollout: {{num_repeat: {REPEAT}, max_tokens: 4}}
