@@ -209,6 +209,25 @@ def _package_missing(name: str) -> bool:
     return importlib.util.find_spec(name) is None
 
 
+class AsyncConfig(_Section):
+    """Asynchronous (off-policy) training, `trainer.async`: the rollout source keeps producing episodes while the
+    backbone updates (as in verl's fully async trainer, AReaL, Agent Lightning, TRL async GRPO).
+
+    max_staleness: K, in policy versions. Unset (None, the default): today's loop (the in-process and command
+    sources roll a step out only after the previous update, i.e. K = 0; `ajet serve` trains what its clients
+    finished, however old). K >= 0: the in-process and command sources start step t's episodes once step
+    t - 1 - K is trained (episodes of later steps keep running across updates and carry over); with every
+    source, a sample holding a token sampled by a policy more than K versions older than the one the update
+    starts from is dropped, never trained, and counted (`async/stale_samples`).
+    is_cap: with K > 0, the PPO loss is corrected token by token for the gap between the behaviour policy (the
+    engine's logprobs) and the policy the update starts from, by min(pi_prox / pi_behaviour, is_cap)
+    (truncated importance sampling; see `ajet.algorithm.loss.truncated_is_weights`; verl's `rollout_is_threshold`).
+    """
+
+    max_staleness: int | None = Field(None, ge=0)
+    is_cap: float = Field(2.0, gt=0)
+
+
 class TrainerConfig(_Section):
     """The training loop. tasks_per_step tasks x num_repeat episodes are rolled out per step.
 
@@ -230,6 +249,10 @@ class TrainerConfig(_Section):
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
     val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
                                                "last step (logged as val/*); 0 = never")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async",
+                                description="asynchronous training with bounded staleness (YAML key `async`)")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
     @field_validator("loggers")
     @classmethod
@@ -468,7 +491,7 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
     errors = []
-    fields = {k: f for k, f in model.model_fields.items() if not (f.exclude is True)}
+    fields = {f.alias or k: f for k, f in model.model_fields.items() if not (f.exclude is True)}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:

@@ -6,8 +6,28 @@ saw and sampled (token-in-token-out): nothing here is ever re-tokenized from tex
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+def call_seed(run_seed: int, episode_key: str, call_index: int) -> int:
+    """The sampler seed of one call: a hash of the run's seed, the episode and the call's index in it.
+
+    Each call gets its own random stream, fixed before it reaches the engine, so its sampled tokens do
+    not depend on the order in which requests arrive, how the engine batches them or the machine's load
+    (the engine's own generator, consumed in admission order, would). BLAKE2b over the three values.
+
+    Args:
+        run_seed: `trainer.seed`.
+        episode_key: names the episode independently of the run attempt (the trainer uses
+            "<group id>/r<repeat index>", so a resumed step's episodes sample as the first attempt's did).
+        call_index: 0-based index of the request within the episode, in the order its requests started.
+    Returns:
+        a seed in [0, 2**63).
+    """
+    digest = hashlib.blake2b(f"{run_seed}\0{episode_key}\0{call_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -19,7 +39,8 @@ class SamplingParams:
             decoding (argmax; the recorded logprob is then under temperature 1, and the token is not a sample).
         top_p: nucleus mass in (0, 1].
         max_tokens: upper bound on completion length, in tokens.
-        seed: per-call RNG seed, or None for the engine's running generator.
+        seed: per-call RNG seed, or None for the engine's running generator (the trainer's proxy always sets
+            one: the client's, else `call_seed(trainer.seed, episode, call index)`).
         stop: stop strings; the completion is cut after the first token that completes one.
         top_logprobs: how many most likely alternatives (id, logprob) to return per sampled token (0: none).
     """
@@ -55,7 +76,10 @@ class Completion:
         token_ids: sampled completion ids `[completion_len]`, including the end-of-turn token if sampled.
         logprobs: log pi_old(token) for each sampled id `[completion_len]`, under the sampling temperature.
         finish_reason: "stop" (end-of-turn or stop string) or "length" (hit max_tokens).
-        policy_version: the optimizer step whose weights sampled this completion.
+        policy_version: the optimizer step whose weights sampled this completion's first token (the
+            weights served when the request was admitted).
+        token_versions: the policy version that sampled each token `[completion_len]` when the weights
+            changed while the completion decoded (asynchronous training), else None (all `policy_version`).
         top_logprobs: per sampled token, the `params.top_logprobs` most likely (id, logprob) pairs, most
             likely first `[completion_len][k]`; None when not asked for.
     """
@@ -65,6 +89,7 @@ class Completion:
     finish_reason: str
     policy_version: int
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -84,7 +109,9 @@ class LLMCall:
         finish_reason: "stop", "length" or "tool_calls" (as returned to the client).
         response_message: the assistant message returned to the client (content, tool_calls).
         sampling: the sampling parameters used.
-        policy_version: optimizer step of the weights that sampled the completion.
+        policy_version: optimizer step of the weights that sampled the completion's first token.
+        token_versions: the version that sampled each completion token `[completion_len]` when an update
+            landed while it decoded (asynchronous training), else None (every token `policy_version`).
         timings: seconds, e.g. {"prepare_s": .., "generate_s": .., "total_s": ..}.
         prompt_parent: the call whose exact tokens this prompt extends (token-in-token-out), or None.
         prompt_render_reason: why the prompt was rendered in full instead ("first_call", "reply_edited",
@@ -120,6 +147,7 @@ class LLMCall:
     forced_text: str = ""
     strict_violations: list[str] = field(default_factory=list)
     api: str = "chat"
+    token_versions: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (used for trajectories.jsonl)."""

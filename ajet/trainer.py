@@ -90,11 +90,13 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
     log = MetricsLogger(exp_dir, first_step=first_step, loggers=cfg.trainer.active_loggers(), run_config=cfg)
     progress: list[Callable[..., None]] = [lambda status=None: None]
+    collecting = [first_step]                     # the step whose progress bar is shown
 
     def record(step: int, ep: Episode) -> None:   # every finished episode: durable before training uses it
         store.add_episode(step, ep.attempt, ep.to_dict())
         kill_point("rollout", step)
-        progress[0](_live_status(source.metrics(), ep))
+        if step == collecting[0]:                 # (asynchronous training also finishes later steps' episodes)
+            progress[0](_live_status(source.metrics(), ep))
 
     ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, log.console)
     try:
@@ -125,7 +127,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
                         sampling_policy=r.sampling_policy, max_model_len=cfg.model.max_model_len,
                         host=cfg.proxy.host, max_body_bytes=cfg.proxy.max_body_bytes,
-                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s)
+                        accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s,
+                        seed=cfg.trainer.seed)
     proxy.port = port
     source.bind(proxy)
     proxy.start()
@@ -143,7 +146,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
             with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
-                progress[0] = advance
+                progress[0], collecting[0] = advance, step
                 episodes = source.collect(step)
                 progress[0] = lambda status=None: None
             kill_point("stored", step)
@@ -154,7 +157,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
-            guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version, None,
+            guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version,
+                                            cfg.trainer.async_.max_staleness,
                                             cfg.algorithm.guards.stale_policy)
             for e in usable:
                 if id(e) not in guarded:   # a guarded episode's ids may not even decode: no samples
@@ -162,6 +166,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                                             cfg.algorithm.train_greedy_calls)
             trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
             samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
+            # asynchronous training: a sample with a token older than max_staleness versions is never trained
+            samples, staleness = _drop_stale(samples, backbone.engine.policy_version, cfg.trainer.async_.max_staleness)
             # every usable episode is in its group's baseline, with or without a trained sample
             assign_advantages(samples, {e.episode_id: e.reward for e in usable},
                               {e.episode_id: e.group_id for e in usable},
@@ -179,6 +185,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
             metrics["tracker/trained_samples"] = len(samples)
             metrics.update(guard_metrics, **{"guards/empty_loss_samples": empty_loss_samples(samples)})
+            metrics.update(staleness)
             metrics.update(tool_metrics(episodes))
             metrics.update({f"train/{k}": v for k, v in train.items()})
             metrics["rollout/trained_episodes"] = len(trainable)
@@ -300,6 +307,25 @@ def _trained_samples(episodes: list[Episode], targets: list[str] | None) -> list
             "algorithm.trainable_targets %s matched no agent this step; the agents that called the policy "
             "were %s", targets, seen)
     return chosen
+
+
+def _drop_stale(samples: list[Sample], version: int, max_staleness: int | None) -> tuple[list[Sample], dict[str, float]]:
+    """The samples within `max_staleness` policy versions of `version` (the one the update starts from), and
+    the step's staleness figures. A sample's staleness is `version` minus the OLDEST version that sampled one
+    of its tokens; with `max_staleness` None (synchronous), nothing is dropped.
+
+    Returns:
+        (kept samples, {"async/stale_samples": dropped, "async/staleness_max", "async/staleness_mean": over the
+        kept samples, in versions}).
+    """
+    def staleness(s: Sample) -> int:
+        sampled = [v for v in s.policy_versions if v >= 0]
+        return version - min(sampled) if sampled else 0
+
+    kept = [s for s in samples if max_staleness is None or staleness(s) <= max_staleness]
+    ages = [staleness(s) for s in kept]
+    return kept, {"async/stale_samples": len(samples) - len(kept), "async/staleness_max": max(ages, default=0),
+                  "async/staleness_mean": statistics.fmean(ages) if ages else 0.0}
 
 
 def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: int) -> dict[str, Any]:

@@ -58,7 +58,8 @@ class TokenTrie:
                 diverged = True
                 nxt = node.children[tok] = _Node(tok)
             node = nxt
-        for tok, lp in zip(call.completion_ids, call.completion_logprobs):
+        versions = call.token_versions or [call.policy_version] * len(call.completion_ids)
+        for tok, lp, version in zip(call.completion_ids, call.completion_logprobs, versions):
             nxt = node.children.get(tok)
             if nxt is None:
                 if node.children and not diverged:   # same context, another sample drawn (e.g. a retry)
@@ -66,7 +67,7 @@ class TokenTrie:
                 diverged = True
                 nxt = node.children[tok] = _Node(tok)
             if nxt.sampled_by is None:
-                nxt.sampled_by, nxt.logprob, nxt.policy_version = call.call_id, lp, call.policy_version
+                nxt.sampled_by, nxt.logprob, nxt.policy_version = call.call_id, lp, version
             node = nxt
         node.ends_calls.append(call.call_id)
 

@@ -8,6 +8,9 @@ References:
     Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training": no std division of the advantage
         AND a constant-normalised token sum (`seq-mean-token-sum-norm`); either alone is not Dr. GRPO.
     Aggregation mode names and definitions: verl, `agg_loss` in verl/trainer/ppo/core_algos.py.
+    Truncated importance sampling of off-policy tokens: Yao et al. 2025, "Your Efficient RL Framework Secretly
+        Brings You Off-Policy RL Training" (TIS); verl's token-level `rollout_is` (`rollout_is_threshold`);
+        the decoupled PPO objective of AReaL (Fu et al. 2025).
 
 The trainer's "sequence" in the `seq-mean-*` modes is the EPISODE (all of its samples together), so
 splitting an episode into several samples does not change the gradient; `agg_loss` offers verl's per-row
@@ -170,3 +173,36 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
                  "dual_clip_frac": float((w * dual).sum()),
                  "ratio_mean": float((w * ratio).sum()), "weight_sum": float(w.sum())}
     return loss, stats
+
+
+def truncated_is_weights(prox_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float,
+                         mask: torch.Tensor) -> torch.Tensor:
+    """Token-level truncated importance-sampling weights for samples drawn by an older (behaviour) policy.
+
+        w_t = min(pi_prox(x_t) / pi_behaviour(x_t), cap) = min(exp(log pi_prox - log pi_behaviour), cap)
+
+    pi_behaviour is the policy that sampled the token (the engine's recorded logprob, possibly several
+    versions old under asynchronous training); pi_prox is the policy the update starts from (the trainer's
+    logprob before any weight moves). The PPO ratio is then taken against pi_prox and each token's loss is
+    multiplied by w_t (decoupled PPO: AReaL, Fu et al. 2025; truncation: TIS, Yao et al. 2025; verl's
+    token-level `rollout_is` with `rollout_is_threshold` = cap). No gradient flows through w_t.
+
+    Args:
+        prox_logprobs: `[batch, seq]` log pi_prox(token).
+        behaviour_logprobs: `[batch, seq]` log pi_behaviour(token), the engine's.
+        cap: the truncation C > 0 (verl's default threshold: 2.0).
+        mask: `[batch, seq]` nonzero at the trained tokens.
+    Returns:
+        `[batch, seq]` detached weights in [0, cap]; 0 off the mask (whatever the logprobs hold there).
+    Raises:
+        ValueError: cap <= 0, or shapes that differ.
+    """
+    if cap <= 0:
+        raise ValueError(f"the importance-sampling cap must be > 0 (got {cap})")
+    if prox_logprobs.shape != behaviour_logprobs.shape or prox_logprobs.shape != mask.shape:
+        raise ValueError(f"prox {tuple(prox_logprobs.shape)}, behaviour {tuple(behaviour_logprobs.shape)} and mask "
+                         f"{tuple(mask.shape)} must all be [batch, seq]")
+    live = mask.bool()
+    zero = torch.zeros((), dtype=prox_logprobs.dtype, device=prox_logprobs.device)
+    log_w = torch.where(live, prox_logprobs.detach() - behaviour_logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(live, torch.exp(log_w).clamp(max=cap), zero)

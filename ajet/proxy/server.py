@@ -44,7 +44,7 @@ from starlette.routing import BaseRoute, Route
 
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
 from ajet.engine import Engine
-from ajet.llm_call import Completion, LLMCall, SamplingParams
+from ajet.llm_call import Completion, LLMCall, SamplingParams, call_seed
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
 from ajet.proxy.api.gemini import GeminiApi
@@ -113,6 +113,9 @@ class ProxyServer:
             ...); more get a 400 naming the field holding most of them, before any validation or rendering,
             so that one request's work in the prepare pool stays bounded. Default `MAX_JSON_ITEMS` (20,000).
         apis: the API adapter classes to serve (`ajet/proxy/api/`), each on the paths it declares.
+        seed: the run's seed (`trainer.seed`): a request without its own `seed` samples with
+            `call_seed(seed, episode key, request index in the episode)`, so its tokens do not depend on
+            arrival order or batching. None: such requests draw from the engine's generator.
 
     Parsing, rendering and tokenizing a request run in a pool of `PREPARE_WORKERS` threads, never on the
     event loop, so that a request near the body limit does not stall other episodes' calls.
@@ -122,8 +125,9 @@ class ProxyServer:
                  max_model_len: int = 4096, model_name: str = "ajet-policy", host: str = "127.0.0.1",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, accepted_models: Iterable[str] | None = None,
                  retry_after_s: int = 1, max_body_items: int = MAX_JSON_ITEMS,
-                 apis: Iterable[type[Api]] = APIS):
+                 apis: Iterable[type[Api]] = APIS, seed: int | None = None):
         self.engine = engine
+        self.seed = seed
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.defaults = defaults
@@ -182,11 +186,12 @@ class ProxyServer:
         return f"http://{self.host}:{self.port}"
 
     # ---- episodes ---------------------------------------------------------------------------------
-    def open_episode(self, episode_id: str) -> EpisodeEndpoint:
-        """Register an episode; its calls are recorded until `close_episode`."""
+    def open_episode(self, episode_id: str, seed_key: str | None = None) -> EpisodeEndpoint:
+        """Register an episode; its calls are recorded until `close_episode`. `seed_key` names the episode in
+        its calls' sampler seeds (see `call_seed`; default: `episode_id`)."""
         token = "ajet-" + secrets.token_urlsafe(24)
         with self._lock:
-            self._episodes[token] = Episode(episode_id, token)
+            self._episodes[token] = Episode(episode_id, token, seed_key=seed_key or episode_id)
         return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token)
 
     def close_episode(self, endpoint: EpisodeEndpoint) -> list[LLMCall]:
@@ -373,6 +378,9 @@ class ProxyServer:
         req, messages, tools, prompt, prompt_ids, forced = (prep.req, prep.messages, prep.tools, prep.prompt,
                                                              prep.prompt_ids, prep.forced)
         sampling = self._sampling(req)
+        if sampling.seed is None and self.seed is not None:   # the request's own stream, fixed before the engine
+            sampling = replace(sampling, seed=call_seed(self.seed, ep.seed_key, ep.requests))
+        ep.requests += 1
         turn = Turn(api.id_prefix + uuid.uuid4().hex, int(time.time()), req.n or 1, bool(req.stream), forced,
                     parses_tools(req), sampling.stop, prep.strict)
 
@@ -408,6 +416,7 @@ class ProxyServer:
                     policy_version=c.completion.policy_version, prompt_parent=prompt.parent_call_id,
                     prompt_render_reason=prompt.render_reason, prompt_parent_by=prompt.parent_by, forced_text=forced,
                     strict_violations=c.strict_violations, api=api.name,
+                    token_versions=c.completion.token_versions,
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
                              "total_s": time.perf_counter() - t0})
                 ep.calls.append(c.call)

@@ -109,6 +109,8 @@ class Episode:
     responses: dict[str, Any] = field(default_factory=dict)   # Responses API: response id -> its stored record
     items: dict[str, Any] = field(default_factory=dict)   # Responses API: item id -> the item (`item_reference`)
     open: bool = True
+    seed_key: str = ""                  # names the episode in its calls' sampler seeds (`call_seed`)
+    requests: int = 0                   # requests started (retries answered from an earlier one excluded)
 
 
 @dataclass

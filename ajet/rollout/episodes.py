@@ -46,7 +46,7 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
     """Run `workflow` on `episode.task`, filling in the episode's calls, tool calls, output, reward or error.
     With `tools` (the run's MCP servers), the tuner offers `tuner.tools` / `tuner.call_tool`."""
     episode_tools = await tools.open_episode() if tools is not None else None
-    endpoint = proxy.open_episode(episode.episode_id)
+    endpoint = proxy.open_episode(episode.episode_id, seed_key(episode))
     try:
         out = await execute_episode(workflow, episode.task, episode.episode_id, endpoint.base_url, endpoint.api_key,
                                     judge, timeout_s, model_name, episode_tools)
@@ -93,6 +93,12 @@ def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0
             for ti, task in enumerate(tasks, start=first_task_index) for r in range(num_repeat)]
 
 
+def seed_key(episode: Episode) -> str:
+    """The episode's name in its calls' sampler seeds: its group and repeat, not its attempt, so that a
+    resumed step samples as the interrupted attempt did (`ajet.llm_call.call_seed`)."""
+    return f"{episode.group_id}/r{episode.repeat_index}"
+
+
 async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> float:
     """The episode's reward: the workflow's, else the judge's. Raises ValueError when there is none or it
     is not finite."""
@@ -112,16 +118,18 @@ async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> flo
 async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                   judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                   on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
-                  tools: McpHub | None = None, first_task_index: int = 0) -> list[Episode]:
+                  tools: McpHub | None = None, first_task_index: int = 0,
+                  semaphore: asyncio.Semaphore | None = None) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
 
     `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar);
-    `tools` are the run's MCP servers (see `run_episode`); `first_task_index` as `new_episodes`.
+    `tools` are the run's MCP servers (see `run_episode`); `first_task_index` as `new_episodes`; `semaphore`,
+    when given, replaces the `max_concurrency` bound (asynchronous training shares one across the steps in flight).
 
     Returns:
         `[len(tasks) * num_repeat]` episodes as `new_episodes` names and groups them.
     """
-    sem = asyncio.Semaphore(max_concurrency)
+    sem = semaphore or asyncio.Semaphore(max_concurrency)
     episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index)
 
     async def _one(ep: Episode) -> Episode:

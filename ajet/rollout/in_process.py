@@ -1,11 +1,20 @@
 """The in-process rollout source: one workflow execution per (task, repeat), each behind its own proxy
 endpoint, all in this process (`ajet --conf`), or on a pool of Ray actors (`--with-ray`, ray.py).
 How one episode runs and is scored: episodes.py.
+
+Synchronous (`trainer.async.max_staleness` unset): `collect(step)` draws the step's tasks, runs its episodes and
+returns them. Asynchronous (K = max_staleness): a producer thread with its own event loop starts step t's
+episodes as soon as step t - 1 - K is trained, so the episodes of the next K steps keep running while the
+backbone updates; `collect(t)` waits for step t's groups only, and the episodes of later steps still running
+carry over. Tasks are drawn in step order whatever the timing, and a checkpoint after step t stores the
+sampler as it was right after step t's draw, so a resumed run hands out exactly the steps not trained yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from typing import Any, Callable
 
 from ajet.config import CommandWorkflowConfig
@@ -44,6 +53,13 @@ class InProcessRollout:
         self.proxy: ProxyServer | None = None
         self.handed_out = 0   # tasks of the current step so far
         self.run_episodes: Callable[..., Any] = rollout   # or, with --with-ray, a pool of Ray actors
+        self._sampler_states: dict[int, Any] = {}          # step -> the sampler's state right after its draw
+        self._producer: threading.Thread | None = None     # asynchronous training only (see the module docstring)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._steps: dict[int, concurrent.futures.Future] = {}
+        self._trained = 0
+        self._stopping = False
         r = ctx.cfg.rollout
         if r.ray_workers:
             from ajet.rollout.ray import RayRollout
@@ -66,23 +82,83 @@ class InProcessRollout:
 
     def collect(self, step: int) -> list[Episode]:
         self.handed_out = 0
-        return self.collect_more(step, self.ctx.cfg.trainer.tasks_per_step)
+        if self.ctx.cfg.trainer.async_.max_staleness is None:
+            return self.collect_more(step, self.ctx.cfg.trainer.tasks_per_step)
+        if self._producer is None:
+            self._start_producer(step)
+        self.handed_out = self.ctx.cfg.trainer.tasks_per_step
+        return self._steps[step].result()        # raises what the producer raised for this step
 
     def collect_more(self, step: int, num_tasks: int) -> list[Episode]:
-        """`num_tasks` more tasks for `step` (dynamic sampling's refill), the next ones in sampler order;
-        their episode ids continue the step's task numbering."""
-        r = self.ctx.cfg.rollout
-        tasks = self.sampler.next_batch(num_tasks)
+        """`num_tasks` more tasks for `step` (dynamic sampling's refill; synchronously, also under asynchronous
+        training), the next ones in sampler order; their episode ids continue the step's task numbering."""
+        tasks = self._draw(step, num_tasks)
         first, self.handed_out = self.handed_out, self.handed_out + num_tasks
-        return asyncio.run(self.run_episodes(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
-                                   r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
-                                   attempt=self.ctx.attempt, tools=self.ctx.tools, first_task_index=first))
+        return asyncio.run(self._run_step(step, tasks, None, first))
+
+    def _draw(self, step: int, num_tasks: int | None = None) -> list:
+        """Step `step`'s tasks (`tasks_per_step` unless `num_tasks`); remembers the sampler's state right after
+        the draw (for `state_dict`)."""
+        tasks = self.sampler.next_batch(num_tasks or self.ctx.cfg.trainer.tasks_per_step)
+        self._sampler_states[step] = self.sampler.state()
+        return tasks
+
+    async def _run_step(self, step: int, tasks: list, sem: asyncio.Semaphore | None,
+                        first_task_index: int = 0) -> list[Episode]:
+        r = self.ctx.cfg.rollout
+        return await self.run_episodes(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
+                                       r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
+                                       attempt=self.ctx.attempt, tools=self.ctx.tools, first_task_index=first_task_index,
+                                       **({"semaphore": sem} if sem is not None else {}))
+
+    # ---- asynchronous: a producer running up to max_staleness steps ahead of the update ---------------
+    def _start_producer(self, first_step: int) -> None:
+        total = self.ctx.cfg.trainer.total_steps
+        self._steps = {t: concurrent.futures.Future() for t in range(first_step, total + 1)}
+        self._trained = first_step - 1
+        self._loop = asyncio.new_event_loop()
+        self._producer = threading.Thread(target=self._run_producer, args=(first_step, total),
+                                          name="ajet-rollout-producer", daemon=True)
+        self._producer.start()
+
+    def _run_producer(self, first_step: int, total: int) -> None:
+        try:
+            self._loop.run_until_complete(self._produce(first_step, total))
+        except asyncio.CancelledError:      # close(): the episodes still running are dropped
+            pass
+
+    async def _produce(self, first_step: int, total: int) -> None:
+        """Start each step's episodes once the update `max_staleness + 1` steps earlier is done; one semaphore
+        bounds the episodes running at once across steps (`rollout.max_concurrency`), except on Ray (its pool)."""
+        k = self.ctx.cfg.trainer.async_.max_staleness
+        sem = asyncio.Semaphore(self.ctx.cfg.rollout.max_concurrency) if self.run_episodes is rollout else None
+        self._wake = asyncio.Event()
+        running = []
+        for step in range(first_step, total + 1):
+            while self._trained < step - 1 - k and not self._stopping:
+                self._wake.clear()
+                await self._wake.wait()
+            if self._stopping:
+                break
+            future = self._steps[step]
+            try:
+                tasks = self._draw(step)
+            except Exception as exc:  # noqa: BLE001 - the trainer hears it from collect
+                future.set_exception(exc)
+                break
+            job = asyncio.ensure_future(self._run_step(step, tasks, sem))
+            job.add_done_callback(lambda j, f=future: _settle(f, j))
+            running.append(job)
+        await asyncio.gather(*running, return_exceptions=True)
 
     def step_done(self, step: int) -> None:
-        pass
+        """The update of `step` is applied: the producer may start the step `max_staleness + 1` later."""
+        self._trained = step
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        return {"sampler": self.sampler.state()}
+        return {"sampler": self._sampler_states.get(step, self.sampler.state())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.set_state(state["sampler"])
@@ -91,5 +167,28 @@ class InProcessRollout:
         return {}
 
     def close(self) -> None:
+        """Stop handing out work; with a producer, cancel the episodes still running (never stored: a resumed
+        run rolls their steps out again) and wait for its thread."""
+        self._stopping = True
+        if self._producer is not None and self._loop is not None:
+            def cancel() -> None:
+                for task in asyncio.all_tasks(self._loop):
+                    task.cancel()
+            self._loop.call_soon_threadsafe(cancel)   # the loop is closed here only: a late call never fails
+            self._producer.join(timeout=30)
+            if not self._producer.is_alive():
+                self._loop.close()
         if hasattr(self.run_episodes, "close"):
             self.run_episodes.close()
+
+
+def _settle(future: concurrent.futures.Future, job: asyncio.Future) -> None:
+    """Hand a finished step's episodes (or its error) to the trainer waiting in `collect`."""
+    if future.done():
+        return
+    if job.cancelled():
+        future.set_exception(RuntimeError("the rollout source was closed before this step's episodes finished"))
+    elif job.exception() is not None:
+        future.set_exception(job.exception())
+    else:
+        future.set_result(job.result())

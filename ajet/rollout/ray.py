@@ -22,7 +22,7 @@ from typing import Any, Callable
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.proxy.server import ProxyServer
-from ajet.rollout.episodes import Judge, execute_episode, new_episodes
+from ajet.rollout.episodes import Judge, execute_episode, new_episodes, seed_key
 from ajet.task import Task
 from ajet.workflow import Workflow
 
@@ -89,7 +89,7 @@ class RayRollout:
             async with sem:
                 t0 = time.perf_counter()
                 for attempt_no in range(_RESTART_RETRIES + 1):
-                    endpoint = proxy.open_episode(ep.episode_id)
+                    endpoint = proxy.open_episode(ep.episode_id, seed_key(ep))
                     try:
                         out = await self.workers[i % len(self.workers)].run.remote(
                             wf_ref, judge_ref, ep.task, ep.episode_id, endpoint.base_url, endpoint.api_key, timeout_s,

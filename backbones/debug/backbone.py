@@ -19,7 +19,7 @@ import torch
 
 from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
-from ajet.algorithm.loss import loss_token_weights, ppo_clip_loss
+from ajet.algorithm.loss import loss_token_weights, ppo_clip_loss, truncated_is_weights
 from ajet.model import load_model, load_tokenizer, resolve_model_path
 from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample
@@ -57,6 +57,9 @@ class DebugBackbone:
         if alg.kl_coef > 0 and not self.lora:   # with LoRA the reference is the model with its adapter off
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._rng = random.Random(cfg.trainer.seed)
+        # asynchronous training: the loss corrects off-policy tokens by truncated importance sampling
+        self.is_cap = cfg.trainer.async_.is_cap if cfg.trainer.async_.max_staleness else None
+        self._prox: dict[int, list[float]] | None = None   # id(sample) -> log pi_prox of its response tokens
 
     # ---- the RL step ------------------------------------------------------------------------------
     def update(self, samples: list[Sample]) -> dict[str, float]:
@@ -64,8 +67,13 @@ class DebugBackbone:
 
         Every sample must carry its episode's advantage; every sample with a loss token is trained (a
         sample whose advantage is 0 adds exactly 0 without a KL term and is not forwarded).
+        With `trainer.async.max_staleness` > 0 (`is_cap` set), the PPO ratio is taken against the policy the
+        update starts from (pi_prox: this forward when the step is one optimizer step, else a no-grad pass
+        first) and each token's loss is weighted by `truncated_is_weights` (pi_prox / pi_behaviour, capped).
+
         Returns: loss, pg_loss, kl, grad_norm (means over optimizer steps); clip_frac, dual_clip_frac,
-        ratio_mean (loss-weighted means over every trained token of every optimizer step); entropy (nats)
+        ratio_mean, and with is_cap is_weight_mean and is_capped_frac (loss-weighted means over every
+        trained token of every optimizer step); entropy (nats)
         and logprob_diff (mean |trainer - engine| logprob), token means over the forwarded loss tokens
         measured BEFORE any weight moves in this step (0 up to numerics when rollout and training
         agree); optimizer_steps, update_s.
@@ -82,6 +90,7 @@ class DebugBackbone:
         with self.engine.weights_lock:
             # with one optimizer step the first forward sees the rollout weights; else measure them first
             before = None if one_step else self.measure(trainable)
+            self._prox = self._proximal_logprobs(trainable) if self.is_cap is not None and not one_step else None
             self.model.train()
             for epoch in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
@@ -94,7 +103,9 @@ class DebugBackbone:
             self.model.eval()
             self.engine.policy_version += 1
         mass = totals.pop("weight_sum", 0.0)
-        out = {k: totals.pop(k) / mass if mass > 0 else 0.0 for k in ("clip_frac", "dual_clip_frac", "ratio_mean")}
+        self._prox = None
+        ratios = ("clip_frac", "dual_clip_frac", "ratio_mean") + (("is_weight_mean", "is_capped_frac") if self.is_cap else ())
+        out = {k: totals.pop(k) / mass if mass > 0 else 0.0 for k in ratios}
         before = before or {k: totals.pop(f"_{k}") / totals["_tokens"] if totals["_tokens"] else 0.0
                             for k in ("entropy", "logprob_diff")}
         out.update({k: v / steps for k, v in totals.items() if not k.startswith("_")}, **before)
@@ -139,14 +150,24 @@ class DebugBackbone:
                                      max(len(s.response_ids) for s in samples) if samples else None)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "weight_sum",
                                "_entropy", "_logprob_diff", "_tokens"), 0.0)
+        if self.is_cap is not None:
+            stats.update(is_weight_mean=0.0, is_capped_frac=0.0)
         items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
         for micro in _micro_batches(items, alg.micro_batch_tokens):
-            batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
+            batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device,
+                             self._prox)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                batch["temperatures"], batch["top_ps"], with_entropy=True,
                                                score_mask=batch["loss_mask"])
             ref = self._ref_logprobs(batch) if alg.kl_coef > 0 else None
-            loss, s = ppo_clip_loss(logprobs, batch["old_logprobs"], batch["advantages"], batch["weights"],
+            old, weights = batch["old_logprobs"], batch["weights"]
+            if self.is_cap is not None:   # off-policy tokens: ratio against pi_prox, loss weighted by pi_prox / pi_old
+                prox = batch.get("prox_logprobs", logprobs.detach())
+                is_w = truncated_is_weights(prox, old, self.is_cap, batch["loss_mask"])
+                old, weights = prox, weights * is_w
+                stats["is_weight_mean"] += float((batch["weights"] * is_w).sum())
+                stats["is_capped_frac"] += float((batch["weights"] * (is_w >= self.is_cap)).sum())
+            loss, s = ppo_clip_loss(logprobs, old, batch["advantages"], weights,
                                     alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
             loss.backward()
             for k, v in s.items():
@@ -168,6 +189,24 @@ class DebugBackbone:
         ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
                                 batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
         return ref
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
+        """id(sample) -> log pi_prox of each of its response tokens `[response_len]` (0 where not trained) under
+        the weights before the update: the PPO ratio's denominator when one update takes several optimizer
+        steps (asynchronous training)."""
+        out: dict[int, list[float]] = {}
+        items = [(s, 1.0) for s in samples if self._forwarded(s)]
+        self.model.eval()
+        for micro in _micro_batches(items, self.cfg.algorithm.micro_batch_tokens):
+            batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
+            logprobs, _ = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                         batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+            for i, (s, _) in enumerate(micro):
+                P = len(s.prompt_ids)
+                out[id(s)] = logprobs[i, P:P + len(s.response_ids)].tolist()
+        self.model.train()
+        return out
 
     @torch.no_grad()
     def measure(self, samples: list[Sample]) -> dict[str, float]:
@@ -340,8 +379,10 @@ def _first_pass_sums(logprobs: torch.Tensor, ent: torch.Tensor, batch: dict) -> 
             "_tokens": float(m.sum())}
 
 
-def _collate(samples: list[Sample], weights: list[float], pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Right-pad samples into `[batch, seq]` tensors aligned to full sequences (prompt part zero-weighted)."""
+def _collate(samples: list[Sample], weights: list[float], pad_id: int, device,
+             prox: dict[int, list[float]] | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad samples into `[batch, seq]` tensors aligned to full sequences (prompt part zero-weighted);
+    with `prox` (id(sample) -> `[response_len]` logprobs), also `prox_logprobs`."""
     S = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     B = len(samples)
     out = {k: torch.zeros((B, S), dtype=torch.float32) for k in ("old_logprobs", "advantages", "weights", "loss_mask")}
@@ -359,6 +400,9 @@ def _collate(samples: list[Sample], weights: list[float], pad_id: int, device) -
         out["weights"][i, P:P + R] = w * mask
         out["temperatures"][i, P:P + R] = torch.tensor(s.temperatures, dtype=torch.float32)
         out["top_ps"][i, P:P + R] = torch.tensor(s.top_ps, dtype=torch.float32)
+        if prox is not None:
+            out.setdefault("prox_logprobs", torch.zeros((B, S), dtype=torch.float32))[i, P:P + R] = \
+                torch.tensor(prox[id(s)], dtype=torch.float32)
     out.update(input_ids=input_ids, attention_mask=attn)
     return {k: v.to(device) for k, v in out.items()}
 

@@ -23,8 +23,16 @@ logprob under it is recorded, the quantity the trainer recomputes, so the PPO ra
 update. Temperature 0 is greedy decoding: the argmax token, its logprob recorded under T=1 with no truncation
 (report only; greedy tokens have no sampling distribution and are not trained on as sampled).
 
-Weights: the worker holds `weights_lock` from the moment it has rows in flight until none is left, so an update
-(which takes the lock) never lands in the middle of a completion.
+Weights: the worker holds `weights_lock` (a `WeightsLock`) while it has rows in flight, and steps aside between two
+decode steps as soon as an update (or a checkpoint) waits for it; it resumes once the update has released it. An
+update therefore lands between two tokens of a completion in flight, never inside a forward pass (asynchronous
+training: rollouts keep decoding across updates, as in PipelineRL's in-flight weight updates, Piche et al. 2025).
+What a completion records: each token the version of the weights that sampled it (`Completion.token_versions`
+when they differ, the call's `policy_version` being the first token's), and the logprob under those weights; the
+keys/values of its earlier tokens stay those the older weights computed (the row's cache is not recomputed), so
+after a swap the recorded logprobs are the behaviour policy's exactly, and the trainer's importance-sampling
+correction (`ajet.algorithm.loss.truncated_is_weights`) accounts for the difference to its own policy. Prefix-cache
+entries are tagged with the version that started them and are never reused after an update.
 """
 
 from __future__ import annotations
@@ -42,6 +50,51 @@ from ajet.backbones.debug.prefix_cache import KV, PrefixCache
 from ajet.engine import TokenCallback
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 from ajet.sampling_dist import processed_logprobs
+
+
+class WeightsLock:
+    """A lock that the engine's worker holds while decoding and yields at its next step boundary to any thread
+    that waits for it (`with lock:`: an update, a checkpoint), so an update never waits for the engine to run
+    out of work, and never lands inside a decode step.
+
+    `with lock:` (any thread but the worker) blocks until the worker is between steps; the worker uses
+    `acquire_when_free` (waits while anyone else asks) and `wanted` (someone asks: release now).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._waiting = 0
+
+    def __enter__(self) -> WeightsLock:
+        with self._cv:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._cv:
+                self._waiting -= 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wanted(self) -> bool:
+        """Whether another thread waits for the lock."""
+        return self._waiting > 0
+
+    def acquire_when_free(self) -> None:
+        """The worker's acquire: first let every waiting thread have its turn."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._waiting == 0)
+        self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+        with self._cv:
+            self._cv.notify_all()
 
 
 @dataclass
@@ -71,6 +124,7 @@ class _Row:
     n_ctx: int = 0                # tokens whose keys/values this row has in the cache
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)   # the version that sampled each token
     out_top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: str | None = None
 
@@ -110,7 +164,8 @@ class HFEngine:
 
     Attributes:
         policy_version: the optimizer step of the weights served; the trainer bumps it after an update.
-        weights_lock: held by the worker while rows are in flight; the trainer takes it to update.
+        weights_lock: a `WeightsLock`, held by the worker while rows are in flight; the trainer takes it to
+            update (the worker steps aside between two decode steps).
         generated_tokens, prefilled_tokens: totals so far (tokens sampled; prompt tokens run through the model).
         prefix_cache: the `PrefixCache` (its `reused_tokens` are the prompt tokens not prefilled).
     """
@@ -126,7 +181,7 @@ class HFEngine:
         self.decode_fn = decode_fn
         self.batch_wait_s = batch_wait_s
         self.policy_version = 0
-        self.weights_lock = threading.Lock()
+        self.weights_lock = WeightsLock()
         self.generated_tokens = 0
         self.prefilled_tokens = 0
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
@@ -177,6 +232,9 @@ class HFEngine:
         holding = False
         stopping = False
         while not stopping:
+            if holding and self.weights_lock.wanted():   # an update waits: let it in between two decode steps
+                self._release()
+                holding = False
             joiners, stopping = self._take_new()
             if stopping or self._closed:         # close() also stops a full batch that reads no queue
                 stopping = True
@@ -185,7 +243,7 @@ class HFEngine:
                 break
             try:
                 if (joiners or self._rows) and not holding:
-                    self.weights_lock.acquire()
+                    self.weights_lock.acquire_when_free()
                     holding = True
                     self._was_training = self.model.training
                     self.model.eval()
@@ -346,6 +404,7 @@ class HFEngine:
             tok = int(tokens[i])
             row.out_ids.append(tok)
             row.out_lp.append(token_lp[i])
+            row.out_versions.append(self.policy_version)
             k = row.req.params.top_logprobs
             tops = [list(zip(top_ids[i][:k], top_lp[i][:k]))] if k else None
             if k:
@@ -383,8 +442,9 @@ class HFEngine:
             self._attn = self._attn[:, first:]
 
     def _answer(self, row: _Row) -> None:
+        mixed = any(v != row.version for v in row.out_versions)      # an update landed while it decoded
         c = Completion(row.out_ids, row.out_lp, row.finish or "length", row.version,
-                       row.out_top if row.req.params.top_logprobs else None)
+                       row.out_top if row.req.params.top_logprobs else None, row.out_versions if mixed else None)
         row.req.loop.call_soon_threadsafe(_resolve, row.req.future, c, None)
 
     def _hit_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:

@@ -22,7 +22,7 @@ AJET_SIDE = (
     "rollout.max_concurrency", "rollout.episode_timeout_s", "rollout.failed_episode_policy",
     "rollout.ray_workers", "rollout.ray_address", "algorithm.name", "algorithm.adv_eps",
     "algorithm.group_by_agent_tag", "algorithm.trainable_targets", "algorithm.train_greedy_calls",
-    "trainer.loggers", "trainer.val_freq", "serve.*", "tools.*", "eval.*", "llm_judge.*",
+    "trainer.loggers", "trainer.val_freq", "trainer.async_", "serve.*", "tools.*", "eval.*", "llm_judge.*",
 )
 
 
@@ -72,6 +72,10 @@ def verl_overrides(cfg: AjetConfig) -> dict[str, Any]:
     if a.mini_batches > t.tasks_per_step or t.tasks_per_step % a.mini_batches:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: verl splits a step by task groups, so it must "
                           f"divide trainer.tasks_per_step={t.tasks_per_step}")
+    if t.async_.max_staleness:
+        raise ConfigError(f"trainer.async.max_staleness={t.async_.max_staleness}: the verl backbone does not apply "
+                          f"ajet's importance-sampling correction of off-policy samples yet; use 0 (or leave it unset), "
+                          f"or --backbone=debug")
     if a.loss_agg_mode == "seq-mean-token-sum-norm" and a.loss_scale_factor is None:
         raise ConfigError("algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor on the "
                           "verl backbone (verl's default, the padded response width, changes from step to step here)")
