@@ -157,8 +157,9 @@ class GuardsConfig(_Section):
     (guards/* in metrics.jsonl) and the episode's `not_trained` reason names it."""
 
     stale_policy: Literal["drop", "flag"] = Field(
-        "drop", description="a call served by a policy version more than trainer.async max_staleness behind: drop its "
-                            "episode, or only count it")
+        "drop", description="a sample with a token served by a policy version more than trainer.async max_staleness "
+                            "behind: drop it (async/stale_samples), or train it importance-corrected and only count "
+                            "its episode (guards/stale_policy_episodes)")
 
 
 class AlgorithmConfig(_Section):

@@ -158,8 +158,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
             guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version,
-                                            cfg.trainer.async_.max_staleness,
-                                            cfg.algorithm.guards.stale_policy)
+                                            cfg.trainer.async_.max_staleness)
             for e in usable:
                 if id(e) not in guarded:   # a guarded episode's ids may not even decode: no samples
                     e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
@@ -167,7 +166,10 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
             samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
             # asynchronous training: a sample with a token older than max_staleness versions is never trained
-            samples, staleness = _drop_stale(samples, backbone.engine.policy_version, cfg.trainer.async_.max_staleness)
+            # (stale_policy "flag": they are trained, importance-corrected, and only counted by the guard)
+            samples, staleness = _drop_stale(samples, backbone.engine.policy_version,
+                                             cfg.trainer.async_.max_staleness
+                                             if cfg.algorithm.guards.stale_policy == "drop" else None)
             # every usable episode is in its group's baseline, with or without a trained sample
             assign_advantages(samples, {e.episode_id: e.reward for e in usable},
                               {e.episode_id: e.group_id for e in usable},
@@ -258,14 +260,15 @@ def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:
     return [e for e in episodes if e.ok and (policy == "drop_episode" or e.group_id not in failed_groups)]
 
 
-def _guard(episodes: list[Episode], vocab_size: int, policy_version: int, max_staleness: int | None,
-           stale_policy: str) -> tuple[set[int], dict[str, Any]]:
+def _guard(episodes: list[Episode], vocab_size: int, policy_version: int,
+           max_staleness: int | None) -> tuple[set[int], dict[str, Any]]:
     """Apply the sampled-token and staleness guards (ajet/algorithm/guards.py) to `episodes`: each episode
     that fails one gets `not_trained` set to the reason (unless it already has one).
 
     Args:
         vocab_size: ids the trainer's tokenizer knows; policy_version: the weights the update starts from;
-        max_staleness: updates a call may lag behind (None: no bound); stale_policy: "drop" or "flag".
+        max_staleness: updates a call may lag behind (None: no bound); a stale episode is only counted here
+            (`guards/stale_policy_episodes`): its stale samples are dropped by `_drop_stale` (stale_policy "drop").
     Returns:
         (ids (`id()`) of the episodes dropped for their sampled tokens, the step's guards/* counts).
     """
@@ -281,7 +284,7 @@ def _guard(episodes: list[Episode], vocab_size: int, policy_version: int, max_st
         if why is None:
             continue
         counts[f"guards/{why}_episodes"] += 1
-        if e.not_trained is None and (why != STALE_POLICY or stale_policy == "drop"):
+        if e.not_trained is None and why != STALE_POLICY:
             e.not_trained = why
     counts["guards/max_policy_lag"] = max((policy_lag(e.calls, policy_version) for e in episodes), default=0)
     return dropped, counts
