@@ -56,6 +56,21 @@ def _nested(depth: int):
     return v
 
 
+def _begin_in_thread(client: AjetClient):
+    """`client.begin()` in a thread; returns (thread, [the episode once begun], [the exception it raised])."""
+    got, errors = [], []
+
+    def begin():
+        try:
+            got.append(client.begin())
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=begin)
+    thread.start()
+    return thread, got, errors
+
+
 def _refused(r: httpx.Response, status: int, code: str, names: str) -> None:
     """A JSON refusal (never plain text, never a dropped connection) whose message names the field."""
     assert r.status_code == status, r.text[:500]
@@ -164,22 +179,13 @@ def test_clients_wait_for_a_restarted_server_when_the_trainer_stopped(tokenizer)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    got, errors = [], []
     with served(tokenizer, port=port) as (queue, http, _):
         queue.close()                                    # what trainer.run's `finally` does when a step raised
         r = http.post("/ajet/v1/episodes", json={})
         _refused(r, 503, "server_restarting", "--resume")
         assert int(r.headers["retry-after"]) >= 1
         client = AjetClient(str(http.base_url), secret=SECRET, retry_for_s=60)
-
-        def begin():
-            try:
-                got.append(client.begin())
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        waiting = threading.Thread(target=begin)
-        waiting.start()
+        waiting, got, errors = _begin_in_thread(client)
         time.sleep(1.0)                                  # it is retrying the 503s
     time.sleep(1.0)                                      # ... and the refused connections
     assert not got and not errors
@@ -218,16 +224,8 @@ def test_a_client_waits_for_a_task_however_long_training_takes(tokenizer):
     with served(tokenizer) as (queue, http, _):
         places = [http.post("/ajet/v1/episodes", json={"client_id": "busy"}).json() for _ in range(8)]
         assert http.post("/ajet/v1/episodes", json={}).json()["error"]["code"] == "no_task_available"
-        client, got, errors = AjetClient(str(http.base_url), secret=SECRET, retry_for_s=0.5), [], []
-
-        def begin():
-            try:
-                got.append(client.begin())
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        waiting = threading.Thread(target=begin)
-        waiting.start()
+        client = AjetClient(str(http.base_url), secret=SECRET, retry_for_s=0.5)
+        waiting, got, errors = _begin_in_thread(client)
         time.sleep(2.0)                                       # four times retry_for_s
         assert not got and not errors
         for ep in places[:4]:                                 # two groups complete; the trainer takes them
