@@ -55,9 +55,9 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     """
     import torch
 
+    from ajet.algorithm.advantage import assign_advantages
     from ajet.backbones import load_backbone
     from ajet.eval import Validator
-    from ajet.algorithm.advantage import assign_advantages
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext
@@ -154,6 +154,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
+            # max_staleness None: the synchronous loop sets no bound (the lag is still counted); an asynchronous
+            # loop passes its trainer.async max_staleness here
             guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version, None,
                                             cfg.algorithm.guards.stale_policy)
             for e in usable:
