@@ -182,7 +182,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             metrics["tracker/trained_samples"] = len(samples)
             metrics.update(guard_metrics, **{"guards/empty_loss_samples": empty_loss_samples(samples)})
             metrics.update(tool_metrics(episodes))
-            metrics.update({f"train/{k}": v for k, v in train.items()})
+            metrics.update({k if "/" in k else f"train/{k}": v for k, v in train.items()})   # e.g. distill/kl as is
             metrics["rollout/trained_episodes"] = len(trainable)
             for _, _, why in _left_out(episodes, trainable):
                 metrics[f"rollout/not_trained/{why}"] = metrics.get(f"rollout/not_trained/{why}", 0) + 1
