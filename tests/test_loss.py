@@ -171,3 +171,12 @@ def test_distill_loss_is_the_sampled_token_reverse_kl_as_a_policy_gradient():
     loss.backward()
     # d loss / d log pi_theta = w_t kl_t (r_t = 1): push down where the teacher finds the token less likely
     assert logp.grad[0].tolist() == pytest.approx([0.25, -0.25, 0.0])
+
+
+def test_distill_config_is_refused_by_a_backbone_that_cannot_run_it():
+    from ajet.config import AjetConfig
+
+    base = dict(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}, algorithm={"distill": {"teacher": "t"}})
+    assert AjetConfig(**base).algorithm.distill.mode == "add"
+    with pytest.raises(Exception, match="algorithm.distill is implemented by the debug backbone only, not verl"):
+        AjetConfig(**base, backbone="verl")
