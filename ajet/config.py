@@ -162,6 +162,20 @@ class GuardsConfig(_Section):
                             "its episode (guards/stale_policy_episodes)")
 
 
+class DistillConfig(_Section):
+    """On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models" (GKD); the
+    sampled-token reverse-KL form of Thinking Machines' "On-Policy Distillation", 2025): the student samples,
+    the teacher scores the student's tokens, and the per-token reverse KL log pi_student - log pi_teacher
+    joins the loss (`add`) or is the whole loss (`replace`). See `ajet.algorithm.loss.distill_loss`.
+
+    teacher: a local Hugging Face model folder with the student's vocabulary (debug backbone only; an
+    OpenAI-compatible endpoint is not supported yet)."""
+
+    teacher: str
+    coef: float = Field(1.0, gt=0)
+    mode: Literal["add", "replace"] = "add"
+
+
 class AlgorithmConfig(_Section):
     """GRPO-family update with a PPO-clip token loss (Shao et al. 2024, DeepSeekMath; Schulman et al. 2017)."""
 
@@ -173,6 +187,7 @@ class AlgorithmConfig(_Section):
                                "each sample (verl's per-row semantics)")
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     guards: GuardsConfig = GuardsConfig()
+    distill: DistillConfig | None = None
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -417,6 +432,13 @@ class AjetConfig(_Section):
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _distill_needs_the_debug_backbone(self) -> AjetConfig:
+        if self.algorithm.distill is not None and self.backbone != "debug":
+            raise ValueError(f"algorithm.distill is implemented by the debug backbone only, not {self.backbone}: "
+                             f"remove algorithm.distill or use --backbone=debug")
+        return self
 
     def exp_path(self) -> Path:
         """The experiment folder: `trainer.exp_dir` with `{experiment_name}` filled in (relative to the cwd)."""

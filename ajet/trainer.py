@@ -55,9 +55,9 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     """
     import torch
 
+    from ajet.algorithm.advantage import assign_advantages
     from ajet.backbones import load_backbone
     from ajet.eval import Validator
-    from ajet.algorithm.advantage import assign_advantages
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext
@@ -189,7 +189,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             metrics.update(guard_metrics, **{"guards/empty_loss_samples": empty_loss_samples(samples)})
             metrics.update(staleness)
             metrics.update(tool_metrics(episodes))
-            metrics.update({f"train/{k}": v for k, v in train.items()})
+            metrics.update({k if "/" in k else f"train/{k}": v for k, v in train.items()})   # e.g. distill/kl as is
             metrics["rollout/trained_episodes"] = len(trainable)
             for _, _, why in _left_out(episodes, trainable):
                 metrics[f"rollout/not_trained/{why}"] = metrics.get(f"rollout/not_trained/{why}", 0) + 1

@@ -82,6 +82,10 @@ def test_zero_std_groups_are_replaced_within_the_bound_and_every_episode_is_acco
         assert e["ok"] and not e["abandoned"]
         assert (e["trained_in"], e["not_trained"]) == (([], "zero_std_group") if flat else ([(e["step"], 0)], None))
     assert sorted(task_of.values()) == sorted(t for t in TASKS[:9] for _ in range(2))
+    from ajet.viewer.run_reader import RunReader   # `ajet view` shows the reason on the episode
+
+    flat_id = next(e for e, t in task_of.items() if t.startswith("flat"))
+    assert RunReader(exp).episode(flat_id)["not_trained"] == "zero_std_group"
 
 
 def test_resume_after_an_oversampled_step_continues_with_the_next_task(tiny_model_dir, tmp_path):

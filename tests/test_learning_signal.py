@@ -334,3 +334,32 @@ def test_an_update_never_lands_inside_a_completion(tiny_model_dir):
     n = len(prompt)
     torch.testing.assert_close(old[0, n:n + len(c.token_ids)], torch.tensor(c.logprobs), rtol=0, atol=1e-4)
     assert (new[0, n:n + len(c.token_ids)] - torch.tensor(c.logprobs)).abs().max() > 1e-2   # the update moved them
+
+
+# ---- on-policy distillation -------------------------------------------------------------------------------
+def test_distillation_moves_the_student_towards_the_teacher_on_its_own_tokens(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    teacher.save_pretrained(tmp_path / "teacher")
+    bb = _backbone(tiny_model_dir, lr=3e-3, distill={"teacher": str(tmp_path / "teacher"), "mode": "replace"})
+    try:
+        samples = _episodes(4, seed=4)
+        for s in samples:
+            s.advantage = 0.0                      # no RL signal: only the teacher moves the student
+        kls = []
+        for _ in range(4):
+            kls.append(bb.update(_on_policy(bb, samples))["distill/kl"])
+    finally:
+        bb.close()
+    assert kls[0] > 0.05                           # the perturbed teacher disagrees ...
+    assert kls[-1] < 0.7 * kls[0], kls             # ... less and less after each update
+    same = _backbone(tiny_model_dir, distill={"teacher": tiny_model_dir})
+    try:
+        assert abs(same.update(_on_policy(same, _episodes(2, seed=5)))["distill/kl"]) < 1e-4   # teacher = student
+    finally:
+        same.close()

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from ajet.algorithm.loss import LOSS_AGG_MODES, agg_loss, episode_token_weights, loss_token_weights, ppo_clip_loss
+from ajet.algorithm.loss import (LOSS_AGG_MODES, agg_loss, distill_loss, episode_token_weights, loss_token_weights,
+                                 ppo_clip_loss)
 
 
 def test_episode_weights_make_every_episode_count_once():
@@ -156,3 +157,26 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages():
     assert float(loss) == pytest.approx(0.5 * 5.0 - 0.5 * 1.2)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         ppo_clip_loss(logp, old, adv, w, clip_ratio_c=0.5)
+
+
+# ---- on-policy distillation ------------------------------------------------------------------------------
+def test_distill_loss_is_the_sampled_token_reverse_kl_as_a_policy_gradient():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    teacher = torch.tensor([[-1.5, -1.0, float("-inf")]])      # token 2: outside the teacher's nucleus
+    logp = old.clone().requires_grad_(True)                    # fresh data: ratio 1
+    w = torch.tensor([[0.5, 0.25, 0.25]])
+    loss, kl = distill_loss(logp, old, teacher, w)
+    # kl_t = old - teacher = [0.5, -1.0, (no term)]; loss = 0.5 * 0.5 + 0.25 * -1.0 = 0
+    assert kl == pytest.approx(0.5 * 0.5 - 0.25 * 1.0) and float(loss) == pytest.approx(0.0)
+    loss.backward()
+    # d loss / d log pi_theta = w_t kl_t (r_t = 1): push down where the teacher finds the token less likely
+    assert logp.grad[0].tolist() == pytest.approx([0.25, -0.25, 0.0])
+
+
+def test_distill_config_is_refused_by_a_backbone_that_cannot_run_it():
+    from ajet.config import AjetConfig
+
+    base = dict(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}, algorithm={"distill": {"teacher": "t"}})
+    assert AjetConfig(**base).algorithm.distill.mode == "add"
+    with pytest.raises(Exception, match="algorithm.distill is implemented by the debug backbone only, not verl"):
+        AjetConfig(**base, backbone="verl")

@@ -206,3 +206,31 @@ def truncated_is_weights(prox_logprobs: torch.Tensor, behaviour_logprobs: torch.
     zero = torch.zeros((), dtype=prox_logprobs.dtype, device=prox_logprobs.device)
     log_w = torch.where(live, prox_logprobs.detach() - behaviour_logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.where(live, torch.exp(log_w).clamp(max=cap), zero)
+
+
+def distill_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                 weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """On-policy distillation: the per-token reverse KL to a teacher on the student's own sampled tokens,
+    as a policy-gradient term (Agarwal et al. 2024, GKD; Thinking Machines, "On-Policy Distillation", 2025).
+
+        kl_t   = log pi_old(x_t) - log pi_teacher(x_t)        (x_t sampled by the student: an unbiased
+                                                              estimate of KL(pi_student || pi_teacher) at t)
+        r_t    = exp(clamp(log pi_theta - log pi_old, -20, 20))
+        loss   = sum_t w_t r_t kl_t                           (kl_t detached: a per-token advantage -kl_t)
+
+    On fresh data r_t = 1 and the gradient is sum_t w_t kl_t grad log pi_theta(x_t), the score-function
+    gradient of the reverse KL: tokens the teacher finds less likely than the student are pushed down.
+
+    Args:
+        logprobs: `[batch, seq]` log pi_theta (requires grad); old_logprobs: `[batch, seq]` the engine's;
+        teacher_logprobs: `[batch, seq]` the teacher's logprob of the same tokens under the same temperature
+            and top_p; weights: `[batch, seq]` as `ppo_clip_loss` (0 where not trained).
+    Returns:
+        (loss, kl): the scalar to add (times a coefficient) and the detached weighted sum of kl_t.
+    """
+    live = (weights != 0) & torch.isfinite(teacher_logprobs)     # a token outside the teacher's nucleus: no term
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    kl = torch.where(live, old_logprobs - teacher_logprobs, zero).detach()                    # [batch, seq]
+    ratio = torch.exp(torch.where(live, logprobs - old_logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss = torch.where(live, weights * ratio * kl, zero).sum()
+    return loss, float(torch.where(live, weights * kl, zero).sum())

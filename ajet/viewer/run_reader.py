@@ -236,8 +236,9 @@ class RunReader:
     def episode(self, episode_id: str, attempt: int | None = None) -> dict[str, Any]:
         """One episode for display: the record with each call's token arrays replaced by their lengths
         (`prompt_tokens`, `completion_tokens`), `samples` as summaries (index, tokens, loss tokens,
-        advantage, trained, flags, call_ids) and `trained_in`: [[step, attempt], ...] of the updates that
-        used it (the store's trained-on ledger; [] when none or an older store).
+        advantage, trained, flags, call_ids), `trained_in`: [[step, attempt], ...] of the updates that
+        used it (the store's trained-on ledger; [] when none or an older store) and `not_trained`: the reason
+        an update left it out on purpose (e.g. "zero_std_group", "out_of_vocab_token"), else None.
 
         Raises:
             NotFound: no such episode (or attempt).
@@ -261,9 +262,14 @@ class RunReader:
             trained_in = [list(r) for r in self.db.execute(
                 "SELECT step, trained_attempt FROM trained WHERE episode_id = ? AND attempt = ? ORDER BY rowid",
                 (record["episode_id"], attempt))]
+        not_trained = None   # why the update left it out on purpose (zero-std group, a guard), if it did
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'not_trained'").fetchone():
+            row = self.db.execute("SELECT reason FROM not_trained WHERE episode_id = ? AND attempt = ? "
+                                  "ORDER BY rowid DESC LIMIT 1", (record["episode_id"], attempt)).fetchone()
+            not_trained = row[0] if row else None
         return {**{k: v for k, v in record.items() if k not in ("calls", "samples")}, "attempt": attempt, "step": step,
                 "calls": calls, "samples": summaries, "samples_source": source, "trained_in": trained_in,
-                "failure": _failure_line(record.get("error"))}
+                "not_trained": not_trained, "failure": _failure_line(record.get("error"))}
 
     def sample_tokens(self, episode_id: str, index: int, attempt: int | None = None) -> dict[str, Any]:
         """Sample `index` of an episode token by token.

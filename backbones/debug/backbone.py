@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, truncated_is_weights
 from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
-from ajet.algorithm.loss import loss_token_weights, ppo_clip_loss, truncated_is_weights
+from ajet.errors import ConfigError
 from ajet.model import load_model, load_tokenizer, resolve_model_path
 from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample
@@ -56,6 +57,7 @@ class DebugBackbone:
         self.ref_model = None
         if alg.kl_coef > 0 and not self.lora:   # with LoRA the reference is the model with its adapter off
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.teacher = _load_teacher(cfg, self.model) if alg.distill is not None else None
         self._rng = random.Random(cfg.trainer.seed)
         # asynchronous training: the loss corrects off-policy tokens by truncated importance sampling
         self.is_cap = cfg.trainer.async_.is_cap if cfg.trainer.async_.max_staleness else None
@@ -127,7 +129,7 @@ class DebugBackbone:
         """Whether the loss needs a forward of `sample`: a token with advantage 0 adds exactly 0 to the PPO
         loss and its gradient, so without a KL term such samples are skipped (after the weights were
         computed over all of them, so the loss is unchanged)."""
-        return sample.advantage != 0.0 or self.cfg.algorithm.kl_coef > 0
+        return sample.advantage != 0.0 or self.cfg.algorithm.kl_coef > 0 or self.teacher is not None
 
     def accumulate_gradients(self, samples: list[Sample]) -> dict[str, float]:
         """Backward the GRPO loss of `samples` (one mini-batch) into `.grad`, micro-batch by micro-batch.
@@ -149,7 +151,7 @@ class DebugBackbone:
                                      alg.loss_agg_mode, alg.loss_scale_factor,
                                      max(len(s.response_ids) for s in samples) if samples else None)
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "weight_sum",
-                               "_entropy", "_logprob_diff", "_tokens"), 0.0)
+                               "_entropy", "_logprob_diff", "_tokens") + (("distill/kl",) if self.teacher is not None else ()), 0.0)
         if self.is_cap is not None:
             stats.update(is_weight_mean=0.0, is_capped_frac=0.0)
         items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
@@ -169,6 +171,13 @@ class DebugBackbone:
                 stats["is_capped_frac"] += float((batch["weights"] * (is_w >= self.is_cap)).sum())
             loss, s = ppo_clip_loss(logprobs, old, batch["advantages"], weights,
                                     alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
+            if self.teacher is not None:   # on-policy distillation: the teacher scores the student's tokens
+                with torch.no_grad():
+                    teacher, _ = token_logprobs(self.teacher, batch["input_ids"], batch["attention_mask"],
+                                                batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+                d_loss, s["distill/kl"] = distill_loss(logprobs, batch["old_logprobs"], teacher, batch["weights"])
+                d = alg.distill
+                loss = d.coef * d_loss if d.mode == "replace" else loss + d.coef * d_loss
             loss.backward()
             for k, v in s.items():
                 stats[k] += v
@@ -270,6 +279,25 @@ class DebugBackbone:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _load_teacher(cfg: AjetConfig, student):
+    """The frozen teacher of `algorithm.distill` (a local model folder), on the student's device.
+
+    Raises:
+        ConfigError: the teacher is a URL, or its vocabulary differs from the student's (the teacher must
+            score the student's token ids).
+    """
+    path = cfg.algorithm.distill.teacher
+    if "://" in path:
+        raise ConfigError(f"algorithm.distill.teacher {path!r}: only a local model folder is supported by the debug "
+                          f"backbone (an OpenAI-compatible endpoint is not yet)")
+    teacher = load_model(resolve_model_path(path), cfg.model.dtype, cfg.model.device).eval().requires_grad_(False)
+    sv, tv = student.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
+    if sv != tv:
+        raise ConfigError(f"algorithm.distill.teacher {path!r} has a vocabulary of {tv} ids, the student {sv}: the "
+                          f"teacher must share the student's tokenizer")
+    return teacher
 
 
 def _with_lora(model, lora):

@@ -187,7 +187,7 @@ function episodeBody(ep) {
       h("div", {class: "card"}, h("b", {}, ep.calls.length), "calls"),
       h("div", {class: "card"}, h("b", {}, fmt(ep.duration_s, 1)), "seconds"),
       h("div", {class: "card"}, h("b", {}, ep.group_id), "GRPO group"),
-      h("div", {class: "card"}, h("b", {}, (ep.trained_in || []).map(([st, at]) => `step ${st}` + (at ? ` (attempt ${at})` : "")).join(", ") || "–"), "trained in update")),
+      h("div", {class: "card"}, h("b", {}, (ep.trained_in || []).map(([st, at]) => `step ${st}` + (at ? ` (attempt ${at})` : "")).join(", ") || (ep.not_trained ? `not trained: ${ep.not_trained}` : "–")), "trained in update")),
     h("h3", {}, "Task"), h("pre", {}, ep.task?.query || ""), h("div", {class: "muted"}, `expected answer: ${ep.task?.answer ?? "–"}`),
     ep.error ? [h("h3", {class: "bad"}, "Failure"), h("pre", {class: "bad"}, ep.error)] : null,
     h("h3", {}, "Final answer"), h("pre", {}, out.final_answer ?? "(none)"),
