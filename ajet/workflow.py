@@ -73,6 +73,13 @@ class Tuner:
         return self.base_url[: -len("/v1")]
 
     @property
+    def gemini_base_url(self) -> str:
+        """The base URL for Gemini API clients (`google.genai.Client(api_key=tuner.api_key,
+        http_options=HttpOptions(base_url=...))`, Gemini CLI's `GOOGLE_GEMINI_BASE_URL` with `GEMINI_API_KEY`):
+        `base_url` without `/v1`; they append `/v1beta/models/...`."""
+        return self.base_url[: -len("/v1")]
+
+    @property
     def tools(self) -> list[dict[str, Any]]:
         """The run's MCP tools (config `tools.mcp_servers`) as OpenAI-format schemas, ready for `tools=`;
         [] when the config names no servers."""

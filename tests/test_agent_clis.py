@@ -53,11 +53,14 @@ def _cli(name: str) -> str:
     return found
 
 
-def _run(tokenizer, tool_call: dict, command) -> tuple[subprocess.CompletedProcess, list, ScriptedEngine]:
-    """Serve one episode whose engine calls `tool_call` then answers; run `command(endpoint)` -> (argv, env)."""
-    engine = ScriptedEngine(tokenizer, ["<tool_call>\n" + json.dumps(tool_call) + "\n</tool_call>", "The answer is 4."])
+def _run(tokenizer, tool_call: dict | list[dict], command) -> tuple[subprocess.CompletedProcess, list, ScriptedEngine]:
+    """Serve one episode whose engine calls `tool_call` (or each of a list, one call a turn) then answers; run
+    `command(endpoint)` -> (argv, env, cwd)."""
+    tool_calls = tool_call if isinstance(tool_call, list) else [tool_call]
+    engine = ScriptedEngine(tokenizer, ["<tool_call>\n" + json.dumps(tc) + "\n</tool_call>" for tc in tool_calls]
+                            + ["The answer is 4."])
     # the tiny test tokenizer spends about one token per byte of these CLIs' 20-80 KB prompts
-    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=64), max_model_len=10**6).start()
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=128), max_model_len=10**6).start()
     try:
         ep = proxy.open_episode("cli")
         argv, env, cwd = command(ep)
@@ -88,6 +91,33 @@ def test_claude_code_runs_a_tool_episode_into_one_sample(tokenizer):
     assert len(calls[0].messages[0]["content"]) > 10_000               # Claude Code's own system prompt
     sample, bridges = assert_one_exact_sample(calls, engine)
     assert "4" in tokenizer.decode(bridges[0])                          # the Bash output, loss mask 0
+
+
+def test_claude_code_that_edits_a_file_is_one_sample(tokenizer):
+    """Issue 22: Claude Code sends its `Edit` call back with the schema default `"replace_all": false` added;
+    the later calls find their parent by the tool-call id the proxy issued, and the episode is one sample."""
+    claude = _cli("claude")
+    work = Path(tempfile.mkdtemp(prefix="ajet-claude-"))
+    (work / "a.py").write_text("x = 1\n")
+
+    def command(ep):
+        env = {"PATH": os.environ["PATH"], "HOME": str(work), "ANTHROPIC_BASE_URL": ep.anthropic_base_url,
+               "ANTHROPIC_API_KEY": ep.api_key, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+               "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1"}
+        return [claude, "-p", "Set x to 2 in a.py.", "--output-format", "json", "--model", "claude-sonnet-4-5",
+                "--allowedTools", "Read,Edit,Bash"], env, str(work)
+
+    path = str(work / "a.py")
+    result, calls, engine = _run(tokenizer, [
+        {"name": "Read", "arguments": {"file_path": path}},
+        {"name": "Edit", "arguments": {"file_path": path, "old_string": "x = 1", "new_string": "x = 2"}},
+        {"name": "Bash", "arguments": {"command": "cat a.py", "description": "Show a.py"}}], command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (work / "a.py").read_text() == "x = 2\n" and len(calls) == 4
+    replayed = json.loads(calls[2].messages[-2]["tool_calls"][0]["function"]["arguments"])
+    assert replayed.get("replace_all") is False                         # a default the model never wrote
+    assert [c.prompt_parent_by for c in calls] == ["none", "id", "id", "id"]
+    assert_one_exact_sample(calls, engine)
 
 
 def test_codex_cli_runs_a_tool_episode_into_one_sample(tokenizer, tmp_path):

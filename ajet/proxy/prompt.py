@@ -12,9 +12,9 @@ an edited history, a template that rewrites earlier turns) is rendered in full, 
 The parent is found by identity first, then by text (`find_parent`; docs/protocols.md, "How a call finds
 its parent"):
 - **by id**: every tool-call id the proxy hands out names the call that sampled it. When the request's
-  latest assistant turn carries such an id, that call is the candidate parent; the request continues that call when its
-  messages before the turn are that call's messages and the turn says what the call sampled, serialisation
-  aside (arguments re-serialised with other spacing, key order or number formatting, or with keys the
+  latest assistant turn carries such an id, that call is the candidate parent; the request continues it
+  when its messages before the turn are that call's messages and the turn says what the call sampled,
+  serialisation aside (arguments re-serialised with other spacing, key order or number formatting, or with keys the
   tool's schema gives a `default` added or dropped at that default, as Claude Code adds
   `"replace_all": false` to `Edit`). The model then sees exactly the tokens it sampled.
 - **by text**: for clients that drop or rewrite ids, the latest call whose messages + reply (arguments
