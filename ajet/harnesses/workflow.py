@@ -92,6 +92,8 @@ class HarnessWorkflow(Workflow):
             path_var = ":".join([os.path.dirname(exe), os.path.join(sys.prefix, "bin"), "/usr/local/bin", "/usr/bin",
                                  "/bin"])
             env = {"PATH": path_var, **{k: render(v, values) for k, v in self.spec.env.items()}, **self.conf.env}
+            for profile in (".profile", ".bash_profile"):   # a login shell (Codex's) resets PATH from /etc/profile
+                (home / profile).write_text(f'export PATH="{env["PATH"]}"\n')
             folder = install_dir(self.name, self.spec)
             limits = WorkdirLimits(timeout_s=self.conf.timeout_s or self.spec.timeout_s, memory_mb=sb.memory_mb,
                                    max_processes=sb.max_processes, max_file_mb=sb.max_file_mb)
