@@ -275,7 +275,8 @@ class HarnessSpec(_Section):
     api: what it speaks to the proxy: chat | responses | messages | gemini. argv: the command line of one
     non-interactive task, after the executable. env: variables pointing it at the episode's endpoint.
     files: files written into its fresh HOME before it starts ({path relative to HOME: text}).
-    timeout_s: wall-clock limit of one episode. needs: what it needs that ajet may not have yet (shown by
+    model: the model name it sends when the workflow names none (some check it, e.g. Claude Code's
+    `--model` must be a Claude name; the proxy serves the policy under any name). timeout_s: wall-clock limit of one episode. needs: what it needs that ajet may not have yet (shown by
     `ajet harnesses`; a test of it skips with this reason). notes: known forks or failures (docs/harnesses.md).
     """
 
@@ -286,6 +287,7 @@ class HarnessSpec(_Section):
     argv: list[str] = []
     env: dict[str, str] = {}
     files: dict[str, str] = {}
+    model: str | None = None
     timeout_s: float = Field(600.0, gt=0)
     needs: str = ""
     notes: str = ""

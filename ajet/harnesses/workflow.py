@@ -82,7 +82,7 @@ class HarnessWorkflow(Workflow):
                         else tuner.base_url)
             values = {"instruction": INSTRUCTION.format(query=repo_task.instruction,
                                                         test_command=repo_task.test_command),
-                      "model": self.conf.model or tuner.model, "api_key": tuner.api_key, "base_url": base_url,
+                      "model": self.conf.model or self.spec.model or tuner.model, "api_key": tuner.api_key, "base_url": base_url,
                       "root_url": base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url,
                       "home": HOME_DIR if use_bwrap else str(home), "workdir": SANDBOX_DIR if use_bwrap else str(work)}
             for rel, text in self.spec.files.items():

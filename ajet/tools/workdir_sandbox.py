@@ -193,7 +193,7 @@ async def run_in_workdir(argv: list[str], workdir: str | Path, home: str | Path,
     if os.geteuid() == 0:
         for folder in (workdir, home):
             _chown_tree(str(folder), NOBODY_UID)
-    bw = _bwrap_argv(str(workdir))
+    bw = _bwrap_argv(str(workdir)) + ["--chmod", "1777", "/tmp"]   # a shared /tmp the sandbox uid can write
     for path in read_only:
         for parent in reversed(_parents(path)):
             bw += ["--perms", "0755", "--dir", parent]
