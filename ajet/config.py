@@ -309,7 +309,7 @@ class HarnessSandboxConfig(_Section):
     none (limits only: the harness then shares the host's network and files).
     """
 
-    memory_mb: int = Field(16384, gt=0)
+    memory_mb: int = Field(262144, gt=0)
     max_processes: int = Field(256, gt=0)
     max_file_mb: int = Field(256, gt=0)
     isolation: Literal["auto", "bwrap", "none"] = "auto"

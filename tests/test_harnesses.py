@@ -57,8 +57,16 @@ def _claude_script(new: str, peek: str | None = None) -> list[str]:
                    _call("Bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
 
 
+def _qwen_script(new: str, peek: str | None = None) -> list[str]:
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
+    return head + [_call("read_file", file_path=path), _call("run_shell_command", command=TEST_CMD),
+                   _call("edit", file_path=path, old_string=BUG, new_string=new),
+                   _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+
+
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
-SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script}
+SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script}
 
 
 def _installed(name: str) -> str:

@@ -147,7 +147,7 @@ class WorkdirLimits:
     RLIMIT_NPROC (under bubblewrap only); max_file_mb: RLIMIT_FSIZE; max_output_bytes: kept of stdout/stderr."""
 
     timeout_s: float = 600.0
-    memory_mb: int = 16384
+    memory_mb: int = 262144
     max_processes: int = 256
     max_file_mb: int = 256
     max_output_bytes: int = 256 * 1024
