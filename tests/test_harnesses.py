@@ -65,8 +65,16 @@ def _qwen_script(new: str, peek: str | None = None) -> list[str]:
                    _call("run_shell_command", command=TEST_CMD), "Fixed median."]
 
 
+def _mini_script(new: str, peek: str | None = None) -> list[str]:
+    edit = f"python - <<'EOF'\nimport pathlib\np = pathlib.Path('median.py')\np.write_text(p.read_text().replace({BUG!r}, {new!r}))\nEOF"
+    head = [_call("bash", command=f"cat {peek}")] if peek else []
+    return head + [_call("bash", command="cat median.py"), _call("bash", command=TEST_CMD), _call("bash", command=edit),
+                   _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+
+
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
-SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script}
+SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script,
+           "mini-swe-agent": _mini_script}
 
 
 def _installed(name: str) -> str:

@@ -89,7 +89,8 @@ class HarnessWorkflow(Workflow):
                 path = home / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(render(text, values))
-            path_var = ":".join([os.path.dirname(exe), os.path.join(sys.prefix, "bin"), "/usr/local/bin", "/usr/bin",
+            # the trainer's interpreter first: the model's `python -m pytest` must not find a pip harness's own venv
+            path_var = ":".join([os.path.join(sys.prefix, "bin"), os.path.dirname(exe), "/usr/local/bin", "/usr/bin",
                                  "/bin"])
             env = {"PATH": path_var, **{k: render(v, values) for k, v in self.spec.env.items()}, **self.conf.env}
             for profile in (".profile", ".bash_profile"):   # a login shell (Codex's) resets PATH from /etc/profile
