@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -35,6 +36,7 @@ BUG = "return (s[mid - 1] + s[mid]) / 3"
 FIX = "return (s[mid - 1] + s[mid]) / 2"
 WRONG = "return (s[mid - 1] + s[mid]) / 4"
 TEST_CMD = "python -m pytest -q -rA -p no:cacheprovider"
+BWRAP, WHY_NOT = bwrap_status()
 
 
 def _call(name: str, **arguments) -> str:
@@ -108,15 +110,24 @@ def _episode(tokenizer, name: str, replies: list[str]):
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_harness_fixes_a_shipped_task_reward_1_and_one_sample(tokenizer, name):
+def test_harness_fixes_a_shipped_task_in_the_sandbox_reward_1_one_sample(tokenizer, name, tmp_path):
+    """One episode: first a peek at a file of the trainer's outside the workdir (the sandbox must hide it),
+    then read, test, edit with the harness's own tool, retest, answer."""
     _installed(name)
-    output, calls, engine = _episode(tokenizer, name, SCRIPTS[name](FIX))
+    secret = tmp_path / "trainer_secret.txt"
+    secret.write_text("AJET-SECRET-4711")
+    replies = SCRIPTS[name](FIX, peek=str(secret))
+    output, calls, engine = _episode(tokenizer, name, replies)
     meta = output.metadata
     assert meta["exit_status"] == 0, meta["stderr"][-2000:]
-    assert len(calls) == 5 and len(engine.sampled) == 5                    # every scripted turn went through
+    assert len(calls) == len(replies) == len(engine.sampled)              # every scripted turn went through
     assert output.reward == 1.0 and meta["tests"] == {"tests/test_median.py::test_even": "passed"}
     assert f"-    {BUG}\n+    {FIX}\n" in meta["diff"]                      # the harness's own edit tool did it
-    assert "1 failed" in json.dumps([c.messages for c in calls])           # it ran the failing test first
+    seen = json.dumps([c.messages for c in calls])
+    assert "1 failed" in seen                                              # it ran the failing test first
+    if BWRAP or os.environ.get("AJET_REQUIRE_BWRAP") == "1":
+        assert meta["isolation"] == "bwrap"
+        assert "No such file" in seen and "AJET-SECRET-4711" not in seen  # the trainer's file is not there
     if name == "claude-code":
         samples = merge_calls(calls, "g")
         if len(samples) > 1:   # issue 22: its Edit is replayed with `replace_all: false` added; fixed on branch merge
@@ -125,27 +136,13 @@ def test_harness_fixes_a_shipped_task_reward_1_and_one_sample(tokenizer, name):
     assert_one_exact_sample(calls, engine)
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_harness_wrong_edit_gets_reward_0(tokenizer, name):
-    _installed(name)
-    output, calls, _ = _episode(tokenizer, name, SCRIPTS[name](WRONG))
+def test_a_wrong_edit_gets_reward_0(tokenizer):
+    """The judge is the same for every harness: one harness's wrong edit (Codex's apply_patch) scores 0."""
+    _installed("codex")
+    output, _, _ = _episode(tokenizer, "codex", SCRIPTS["codex"](WRONG))
     assert output.metadata["exit_status"] == 0, output.metadata["stderr"][-2000:]
     assert f"+    {WRONG}\n" in output.metadata["diff"]
     assert output.reward == 0.0 and output.metadata["tests"] == {"tests/test_median.py::test_even": "failed"}
-
-
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_sandbox_stops_the_harness_reading_outside_its_workdir(tokenizer, name, tmp_path):
-    ok, why = bwrap_status()
-    if not ok:
-        pytest.skip(why)
-    _installed(name)
-    secret = tmp_path / "trainer_secret.txt"
-    secret.write_text("AJET-SECRET-4711")
-    output, calls, _ = _episode(tokenizer, name, SCRIPTS[name](FIX, peek=str(secret)))
-    assert output.reward == 1.0 and output.metadata["isolation"] == "bwrap"
-    seen = json.dumps([c.messages for c in calls])
-    assert "No such file" in seen and "AJET-SECRET-4711" not in seen
 
 
 def test_registry_lists_every_harness_with_a_pinned_version():
