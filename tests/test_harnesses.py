@@ -74,9 +74,17 @@ def _mini_script(new: str, peek: str | None = None) -> list[str]:
                    _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
 
 
+def _opencode_script(new: str, peek: str | None = None) -> list[str]:
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("bash", command=f"cat {peek}")] if peek else []
+    return head + [_call("read", filePath=path), _call("bash", command=TEST_CMD),
+                   _call("edit", filePath=path, oldString=BUG, newString=new), _call("bash", command=TEST_CMD),
+                   "Fixed median."]
+
+
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
 SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script,
-           "mini-swe-agent": _mini_script}
+           "mini-swe-agent": _mini_script, "opencode": _opencode_script}
 
 
 def _installed(name: str) -> str:

@@ -5,6 +5,7 @@ the sandbox: the unix-socket bridge) and writes the line it answers into the rep
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import textwrap
 from pathlib import Path
@@ -111,3 +112,26 @@ def test_config_names_a_harness_and_defines_one(tmp_path):
     conf.write_text("workflow: {harness: nope}\ndata: {train_path: t.jsonl}\n")
     with pytest.raises(ConfigError, match="unknown harness 'nope'.*codex"):
         HarnessWorkflow(load_config(conf).workflow, load_config(conf).harnesses, tmp_path)
+
+
+def test_shipped_tasks_each_have_a_repo_an_issue_and_named_tests_that_exist():
+    rows = [json.loads(line) for line in (TASKS / "tasks.jsonl").read_text().splitlines()]
+    assert len(rows) >= 20 and len({r["task_id"] for r in rows}) == len(rows)
+    for r in rows:
+        repo = TASKS / r["repo"]
+        assert (repo / "ISSUE.md").read_text().strip() == r["query"]
+        for test_id in r["tests"]:
+            path, name = test_id.split("::")
+            assert f"def {name}(" in (repo / path).read_text()
+        assert (TASKS / "seeds" / f"{r['task_id']}.py").read_text() != (repo / f"{r['task_id']}.py").read_text()
+
+
+def test_ajet_harnesses_lists_the_registry(capsys):
+    from ajet.cli import main
+
+    assert main(["harnesses"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["name", "package", "version", "api", "installed"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) >= {"codex", "claude-code", "gemini-cli", "opencode", "qwen-code", "aider", "mini-swe-agent"}
+    assert rows["codex"][1:4] == ["npm:@openai/codex", "0.169.0", "responses"]
