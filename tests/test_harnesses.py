@@ -82,9 +82,19 @@ def _opencode_script(new: str, peek: str | None = None) -> list[str]:
                    "Fixed median."]
 
 
+def _gemini_script(new: str, peek: str | None = None) -> list[str]:
+    """Gemini CLI's tool names (read_file, run_shell_command, replace); not run yet: it needs the Gemini route."""
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
+    return head + [_call("read_file", absolute_path=path), _call("run_shell_command", command=TEST_CMD),
+                   _call("replace", file_path=path, old_string=BUG, new_string=new),
+                   _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+
+
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
 SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script,
-           "mini-swe-agent": _mini_script, "opencode": _opencode_script}
+           "mini-swe-agent": _mini_script, "opencode": _opencode_script,
+           "gemini-cli": _gemini_script}
 
 
 def _installed(name: str) -> str:
