@@ -268,7 +268,7 @@ class CommandWorkflowConfig(_Section):
 
 class HarnessSpec(_Section):
     """One coding-agent harness as data (the built-in ones are in ajet/harnesses/builtin.yaml; a config adds its
-    own under `harnesses:` with the same keys). See ajet/harnesses/registry.py for the placeholders.
+    own under `harnesses:` with the same keys). The placeholders are listed below.
 
     package: `npm:NAME` or `pip:NAME` (None: the executable must already be on PATH). version: the pinned
     version installed into the cache. executable: the program's name in the install's bin folder (or on PATH).
@@ -276,8 +276,10 @@ class HarnessSpec(_Section):
     non-interactive task, after the executable. env: variables pointing it at the episode's endpoint.
     files: files written into its fresh HOME before it starts ({path relative to HOME: text}).
     model: the model name it sends when the workflow names none (some check it, e.g. Claude Code's
-    `--model` must be a Claude name; the proxy serves the policy under any name). timeout_s: wall-clock limit of one episode. needs: what it needs that ajet may not have yet (shown by
-    `ajet harnesses`; a test of it skips with this reason). notes: known forks or failures (docs/harnesses.md).
+    `--model` must be a Claude name; the proxy serves the policy under any name).
+    timeout_s: wall-clock limit of one episode, seconds. needs: what it needs that ajet may not have yet
+    (shown by `ajet harnesses`; its test skips with this reason). notes: known forks or failures.
+    Placeholders in argv, env and files: see the head of ajet/harnesses/builtin.yaml.
     """
 
     package: str | None = None
@@ -303,8 +305,9 @@ class HarnessSpec(_Section):
 class HarnessSandboxConfig(_Section):
     """Limits of one harness episode's sandbox (ajet/tools/workdir_sandbox.py).
 
-    memory_mb: address-space limit per process (RLIMIT_AS; node and Rust CLIs reserve several GiB of
-    address space they never touch, hence the large default). max_processes: RLIMIT_NPROC of the sandbox
+    memory_mb: address-space limit per process, MiB (RLIMIT_AS; Node's fetch, through undici's WebAssembly,
+    reserves more than 16 GiB of address space it never touches, hence the large default; a real memory limit
+    needs cgroups, not set up here). max_processes: RLIMIT_NPROC of the sandbox
     uid. max_file_mb: largest file written. isolation: auto (bubblewrap when it works), bwrap (required),
     none (limits only: the harness then shares the host's network and files).
     """

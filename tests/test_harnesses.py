@@ -74,14 +74,6 @@ def _mini_script(new: str, peek: str | None = None) -> list[str]:
                    _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
 
 
-def _opencode_script(new: str, peek: str | None = None) -> list[str]:
-    path = f"{SANDBOX_DIR}/median.py"
-    head = [_call("bash", command=f"cat {peek}")] if peek else []
-    return head + [_call("read", filePath=path), _call("bash", command=TEST_CMD),
-                   _call("edit", filePath=path, oldString=BUG, newString=new), _call("bash", command=TEST_CMD),
-                   "Fixed median."]
-
-
 def _gemini_script(new: str, peek: str | None = None) -> list[str]:
     """Gemini CLI's tool names (read_file, run_shell_command, replace); not run yet: it needs the Gemini route."""
     path = f"{SANDBOX_DIR}/median.py"
@@ -93,7 +85,7 @@ def _gemini_script(new: str, peek: str | None = None) -> list[str]:
 
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
 SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script,
-           "mini-swe-agent": _mini_script, "opencode": _opencode_script,
+           "mini-swe-agent": _mini_script,
            "gemini-cli": _gemini_script}
 
 
