@@ -56,16 +56,19 @@ def codex_script() -> list[str]:
     def patch(body: str) -> str:
         return f"apply_patch <<'EOF'\n*** Begin Patch\n{body}*** End Patch\nEOF"
 
+    def test(cmd: str = TEST) -> str:   # waits up to 60 s for pytest's output (Codex's default wait is shorter)
+        return _call("exec_command", cmd=cmd, yield_time_ms=60000)
+
     add = "".join("+" + line + "\n" for line in ("", "",) + tuple(SPREAD.splitlines()))
     return [_call("exec_command", cmd="ls -R"), _call("exec_command", cmd="cat median.py"),
-            _call("exec_command", cmd="cat tests/test_median.py"), _call("exec_command", cmd=TEST),
+            _call("exec_command", cmd="cat tests/test_median.py"), test(),
             _call("exec_command", cmd=patch(f"*** Update File: median.py\n@@\n-    {BUG}\n+    {FIX}\n")),
-            _call("exec_command", cmd=TEST),
+            test(),
             _call("exec_command", cmd=patch(f"*** Update File: median.py\n@@\n     {FIX}\n{add}")),
             _call("exec_command", cmd=patch("*** Add File: tests/test_spread.py\n"
                                             + "".join("+" + line + "\n" for line in SPREAD_TEST.splitlines()))),
-            _call("exec_command", cmd=TEST), _call("exec_command", cmd="cat tests/test_spread.py"),
-            _call("exec_command", cmd="grep -n def median.py"), _call("exec_command", cmd=TEST + " -k spread"),
+            test(), _call("exec_command", cmd="cat tests/test_spread.py"),
+            _call("exec_command", cmd="grep -n def median.py"), test(TEST + " -k spread"),
             "Fixed median and added spread with its test."]
 
 

@@ -47,8 +47,10 @@ def _codex_script(new: str, peek: str | None = None) -> list[str]:
     patch = (f"apply_patch <<'EOF'\n*** Begin Patch\n*** Update File: median.py\n@@\n-    {BUG}\n+    {new}\n"
              "*** End Patch\nEOF")
     head = [_call("exec_command", cmd=f"cat {peek}")] if peek else []
-    return head + [_call("exec_command", cmd="cat median.py"), _call("exec_command", cmd=TEST_CMD),
-                   _call("exec_command", cmd=patch), _call("exec_command", cmd=TEST_CMD), "Fixed median."]
+    # a test run waits up to 60 s for its output (Codex's default wait is shorter than pytest on a busy machine)
+    test = _call("exec_command", cmd=TEST_CMD, yield_time_ms=60000)
+    return head + [_call("exec_command", cmd="cat median.py"), test, _call("exec_command", cmd=patch), test,
+                   "Fixed median."]
 
 
 def _claude_script(new: str, peek: str | None = None) -> list[str]:
