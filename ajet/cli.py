@@ -8,6 +8,7 @@ command runs, so `ajet --help` is instant.
     ajet eval --conf X.yaml [--checkpoint DIR | --model M] [--n K] ...                 held-out evaluation
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
     ajet show EXP_DIR [--step N] [--episode ID]                                       trajectories in the terminal
+    ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
 
 To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS`.
 """
@@ -99,6 +100,35 @@ def _load(args: argparse.Namespace, **extra):
     return load_config(args.conf, {k: v for k, v in overrides.items() if v is not None})
 
 
+def _harnesses_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet harnesses", description="List the coding-agent harnesses a "
+                                "`workflow: {harness: NAME}` can run, with their pinned versions and whether each "
+                                "is installed in the cache (docs/harnesses.md).")
+    p.add_argument("--conf", metavar="YAML", help="also list the harnesses this config defines under `harnesses:`")
+    p.add_argument("--install", metavar="NAME", help="install this harness into the cache now")
+    return p
+
+
+def _harnesses(args: argparse.Namespace) -> int:
+    from ajet.config import load_config
+    from ajet.harnesses.registry import HarnessInstallError, get_harness, install, listing
+
+    extra = load_config(args.conf).harnesses if args.conf else {}
+    if args.install:
+        try:
+            print(install(args.install, get_harness(args.install, extra)))
+        except HarnessInstallError as exc:
+            print(f"ajet: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    rows = listing(extra)
+    cols = ["name", "package", "version", "api", "installed", "needs"]
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    for r in [dict(zip(cols, cols))] + rows:
+        print("  ".join(r[c].ljust(widths[c]) for c in cols).rstrip())
+    return 0
+
+
 def _train(args: argparse.Namespace) -> int:
     from ajet.trainer import run
 
@@ -147,7 +177,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS = {"serve": (_serve_parser, _serve), "doctor": (doctor_parser, _doctor),
-               "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval)}
+               "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
+               "harnesses": (_harnesses_parser, _harnesses)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -330,6 +330,76 @@ class CommandWorkflowConfig(_Section):
     cwd: str | None = None
 
 
+class HarnessSpec(_Section):
+    """One coding-agent harness as data (the built-in ones are in ajet/harnesses/builtin.yaml; a config adds its
+    own under `harnesses:` with the same keys). The placeholders are listed below.
+
+    package: `npm:NAME` or `pip:NAME` (None: the executable must already be on PATH). version: the pinned
+    version installed into the cache. executable: the program's name in the install's bin folder (or on PATH).
+    api: what it speaks to the proxy: chat | responses | messages | gemini. argv: the command line of one
+    non-interactive task, after the executable. env: variables pointing it at the episode's endpoint.
+    files: files written into its fresh HOME before it starts ({path relative to HOME: text}).
+    model: the model name it sends when the workflow names none (some check it, e.g. Claude Code's
+    `--model` must be a Claude name; the proxy serves the policy under any name).
+    timeout_s: wall-clock limit of one episode, seconds. needs: what it needs that ajet may not have yet
+    (shown by `ajet harnesses`; its test skips with this reason). notes: known forks or failures.
+    Placeholders in argv, env and files: see the head of ajet/harnesses/builtin.yaml.
+    """
+
+    package: str | None = None
+    version: str | None = None
+    executable: str
+    api: Literal["chat", "responses", "messages", "gemini"]
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    files: dict[str, str] = {}
+    model: str | None = None
+    timeout_s: float = Field(600.0, gt=0)
+    needs: str = ""
+    notes: str = ""
+
+    @field_validator("package")
+    @classmethod
+    def _package_kind(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("npm:", "pip:")):
+            raise ValueError(f"package must be `npm:NAME` or `pip:NAME`, got {v!r}")
+        return v
+
+
+class HarnessSandboxConfig(_Section):
+    """Limits of one harness episode's sandbox (ajet/tools/workdir_sandbox.py).
+
+    memory_mb: address-space limit per process, MiB (RLIMIT_AS; Node's fetch, through undici's WebAssembly,
+    reserves more than 16 GiB of address space it never touches, hence the large default; a real memory limit
+    needs cgroups, not set up here). max_processes: RLIMIT_NPROC of the sandbox
+    uid. max_file_mb: largest file written. isolation: auto (bubblewrap when it works), bwrap (required),
+    none (limits only: the harness then shares the host's network and files).
+    """
+
+    memory_mb: int = Field(262144, gt=0)
+    max_processes: int = Field(256, gt=0)
+    max_file_mb: int = Field(256, gt=0)
+    isolation: Literal["auto", "bwrap", "none"] = "auto"
+
+
+class HarnessWorkflowConfig(_Section):
+    """`workflow: {harness: NAME}`: a registered coding-agent CLI run unmodified per episode on a repository
+    task, in the sandbox, then judged by the task's tests (ajet/harnesses/workflow.py).
+
+    harness: a built-in name (`ajet harnesses` lists them) or one defined under the config's `harnesses:`.
+    model: the model name the harness sends (any string: the proxy serves the policy under every name).
+    timeout_s: overrides the harness's own timeout. env: extra variables for the harness.
+    test_timeout_s: limit of the judge's test run. sandbox: the limits of both.
+    """
+
+    harness: str
+    model: str | None = None
+    timeout_s: float | None = Field(None, gt=0)
+    env: dict[str, str] = {}
+    test_timeout_s: float = Field(120.0, gt=0)
+    sandbox: HarnessSandboxConfig = HarnessSandboxConfig()
+
+
 class ServeConfig(_Section):
     """`ajet serve`: the training server that clients anywhere run episodes against (docs/serve.md).
 
@@ -409,11 +479,13 @@ class AjetConfig(_Section):
     workflow: `module:Class` or `path/to/file.py:Class` (relative paths resolve against the YAML file's
     folder, then the working directory), or `{command: [...], env: {...}, timeout_s: ...}` for a program
     run per episode; `ajet serve` needs none (its clients run the episodes). judge: same form naming a
-    function `judge(task, output) -> float`, used when the workflow returns no reward.
+    function `judge(task, output) -> float`, used when the workflow returns no reward. `{harness: NAME}`
+    runs a registered coding-agent CLI on repository tasks; `harnesses:` defines more of them by name.
     """
 
     experiment_name: str = "ajet"
-    workflow: str | CommandWorkflowConfig | None = None
+    workflow: str | HarnessWorkflowConfig | CommandWorkflowConfig | None = None
+    harnesses: dict[str, HarnessSpec] = {}
     judge: str | None = None
     model: ModelConfig = ModelConfig()
     data: DataConfig

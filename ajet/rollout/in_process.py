@@ -17,7 +17,7 @@ import concurrent.futures
 import threading
 from typing import Any, Callable
 
-from ajet.config import CommandWorkflowConfig
+from ajet.config import CommandWorkflowConfig, HarnessWorkflowConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.importing import load_object
@@ -29,7 +29,7 @@ from ajet.rollout.episodes import Judge, rollout
 from ajet.workflow import Workflow
 
 def load_workflow(cfg) -> Workflow:
-    """The config's workflow: an instance of its `Workflow` class, or a `CommandWorkflow`.
+    """The config's workflow: an instance of its `Workflow` class, a `CommandWorkflow`, or a `HarnessWorkflow`.
 
     Raises:
         ConfigError: no `workflow` in the config, or it cannot be loaded.
@@ -39,6 +39,10 @@ def load_workflow(cfg) -> Workflow:
                           "`{command: [...]}`); only `ajet serve` runs without one")
     if isinstance(cfg.workflow, CommandWorkflowConfig):
         return CommandWorkflow(cfg.workflow, cfg.config_dir)
+    if isinstance(cfg.workflow, HarnessWorkflowConfig):
+        from ajet.harnesses.workflow import HarnessWorkflow
+
+        return HarnessWorkflow(cfg.workflow, cfg.harnesses, cfg.config_dir)
     workflow_cls = load_object(cfg.workflow, cfg.config_dir)   # a built-in workflow may read its config section
     return workflow_cls.from_config(cfg) if hasattr(workflow_cls, "from_config") else workflow_cls()
 

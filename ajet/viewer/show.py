@@ -114,6 +114,12 @@ def _show_episode(run: RunReader, episode_id: str, console: Console) -> None:
         console.print(Text("  -> ", style="bold green") + Text(printable(_content(c.get("response_message") or {}))))
     answer = (ep.get("output") or {}).get("final_answer")
     console.print(Text("final answer: ", style="bold") + Text(printable(str(answer))))
+    meta = (ep.get("output") or {}).get("metadata") or {}
+    for test_id, result in (meta.get("tests") or {}).items():      # a repository task's tests (ajet/judges/tests.py)
+        console.print(Text(f"  {result:<8}", style="green" if result == "passed" else "red") + Text(test_id))
+    if isinstance(meta.get("diff"), str):
+        console.print(Text("what the agent changed:", style="bold"))
+        console.print(Text(printable(meta["diff"] or "(no change)")))
     for summary in ep["samples"]:
         s = run.sample_tokens(episode_id, summary["index"], ep["attempt"])
         console.rule(Text(f"sample {s['index']} · agent {s['agent_tag']} · advantage {_fmt(s['advantage'])} · "

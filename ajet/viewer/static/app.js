@@ -191,6 +191,9 @@ function episodeBody(ep) {
     h("h3", {}, "Task"), h("pre", {}, ep.task?.query || ""), h("div", {class: "muted"}, `expected answer: ${ep.task?.answer ?? "–"}`),
     ep.error ? [h("h3", {class: "bad"}, "Failure"), h("pre", {class: "bad"}, ep.error)] : null,
     h("h3", {}, "Final answer"), h("pre", {}, out.final_answer ?? "(none)"),
+    out.metadata?.tests ? [h("h3", {}, "Tests"), h("table", {class: "tests"}, Object.entries(out.metadata.tests).map(([id, r]) =>
+      h("tr", {}, h("td", {}, id), h("td", {class: r === "passed" ? "" : "bad"}, r))))] : null,
+    typeof out.metadata?.diff === "string" ? [h("h3", {}, "What the agent changed"), h("pre", {class: "diff"}, out.metadata.diff || "(no change)")] : null,
     out.metrics && Object.keys(out.metrics).length ? h("div", {class: "muted"}, "workflow metrics: " + JSON.stringify(out.metrics)) : null,
     h("h3", {}, `Samples (${ep.samples_source})`),
     ep.samples.length ? h("div", {class: "scroll"}, h("table", {class: "samples"}, h("tr", {}, ["sample", "agent", "calls", "prompt tokens", "response tokens", "trained tokens", "advantage", "trained", "flags"].map(c => h("th", {}, c))),

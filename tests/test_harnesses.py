@@ -1,0 +1,164 @@
+"""Registered coding-agent harnesses, unmodified, on a shipped repository task, in the sandbox, against the real
+proxy, with a scripted engine playing a competent model: it reads the file, runs the failing test, edits with
+the harness's own edit tool, reruns the test, answers.
+
+Each harness is installed by the registry into its cache (`$AJET_HARNESS_CACHE`, default
+`~/.cache/ajet/harnesses`; `.ci/run` warms it); a test skips, saying why, only when node/npm (for an npm
+package) are absent or the install cannot reach its registry. The task is `median` of
+tutorial/example_swe_tasks (its mutation turned `/ 2` into `/ 3`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ajet.config import HarnessWorkflowConfig
+from ajet.harnesses.registry import HarnessInstallError, builtin_harnesses, executable, install
+from ajet.harnesses.workflow import HarnessWorkflow
+from ajet.llm_call import SamplingParams
+from ajet.proxy.server import ProxyServer
+from ajet.tasks import read_jsonl_tasks
+from ajet.tools.sandbox import bwrap_status
+from ajet.tools.workdir_sandbox import SANDBOX_DIR
+from ajet.tracker import merge_calls
+from ajet.workflow import Tuner
+from tests.exact_sample import assert_one_exact_sample
+from tests.scripted_engine import ScriptedEngine
+
+TASKS = Path(__file__).resolve().parent.parent / "tutorial" / "example_swe_tasks"
+BUG = "return (s[mid - 1] + s[mid]) / 3"
+FIX = "return (s[mid - 1] + s[mid]) / 2"
+WRONG = "return (s[mid - 1] + s[mid]) / 4"
+TEST_CMD = "python -m pytest -q -rA -p no:cacheprovider"
+BWRAP, WHY_NOT = bwrap_status()
+
+
+def _call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def _codex_script(new: str, peek: str | None = None) -> list[str]:
+    patch = (f"apply_patch <<'EOF'\n*** Begin Patch\n*** Update File: median.py\n@@\n-    {BUG}\n+    {new}\n"
+             "*** End Patch\nEOF")
+    head = [_call("exec_command", cmd=f"cat {peek}")] if peek else []
+    # a test run waits up to 60 s for its output (Codex's default wait is shorter than pytest on a busy machine)
+    test = _call("exec_command", cmd=TEST_CMD, yield_time_ms=60000)
+    return head + [_call("exec_command", cmd="cat median.py"), test, _call("exec_command", cmd=patch), test,
+                   "Fixed median."]
+
+
+def _claude_script(new: str, peek: str | None = None) -> list[str]:
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("Bash", command=f"cat {peek}", description="Look")] if peek else []
+    return head + [_call("Read", file_path=path), _call("Bash", command=TEST_CMD, description="Run the tests"),
+                   _call("Edit", file_path=path, old_string=BUG, new_string=new),
+                   _call("Bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
+
+
+def _qwen_script(new: str, peek: str | None = None) -> list[str]:
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
+    return head + [_call("read_file", file_path=path), _call("run_shell_command", command=TEST_CMD),
+                   _call("edit", file_path=path, old_string=BUG, new_string=new),
+                   _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+
+
+def _mini_script(new: str, peek: str | None = None) -> list[str]:
+    edit = f"python - <<'EOF'\nimport pathlib\np = pathlib.Path('median.py')\np.write_text(p.read_text().replace({BUG!r}, {new!r}))\nEOF"
+    head = [_call("bash", command=f"cat {peek}")] if peek else []
+    return head + [_call("bash", command="cat median.py"), _call("bash", command=TEST_CMD), _call("bash", command=edit),
+                   _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
+
+
+def _gemini_script(new: str, peek: str | None = None) -> list[str]:
+    """Gemini CLI's tool names (read_file, run_shell_command, replace); not run yet: it needs the Gemini route."""
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
+    return head + [_call("read_file", absolute_path=path), _call("run_shell_command", command=TEST_CMD),
+                   _call("replace", file_path=path, old_string=BUG, new_string=new),
+                   _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+
+
+# the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
+SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script,
+           "mini-swe-agent": _mini_script,
+           "gemini-cli": _gemini_script}
+
+
+def _installed(name: str) -> str:
+    spec = builtin_harnesses()[name]
+    if spec.needs:
+        pytest.skip(f"{name} needs {spec.needs}")
+    if executable(name, spec):
+        return executable(name, spec)
+    if spec.package.startswith("npm:") and (shutil.which("npm") is None or shutil.which("node") is None):
+        pytest.skip(f"{name}: node/npm are not installed (needed for {spec.package})")
+    try:
+        return install(name, spec)
+    except HarnessInstallError as exc:
+        pytest.skip(f"{name}: could not install (no registry access?): {str(exc)[-300:]}")
+
+
+def _episode(tokenizer, name: str, replies: list[str]):
+    """Run one harness episode on the `median` task: (output, calls, engine)."""
+    engine = ScriptedEngine(tokenizer, replies)
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=256), max_model_len=10**6).start()
+    task = next(t for t in read_jsonl_tasks(TASKS / "tasks.jsonl") if t.task_id == "median")
+    workflow = HarnessWorkflow(HarnessWorkflowConfig(harness=name, timeout_s=300), None, TASKS)
+    try:
+        ep = proxy.open_episode(name)
+        tuner = Tuner(base_url=ep.base_url, api_key=ep.api_key, model="ajet-policy", episode_id=name)
+        output = asyncio.run(workflow.execute(task, tuner))
+        calls = proxy.close_episode(ep)
+    finally:
+        proxy.stop()
+    return output, calls, engine
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_harness_fixes_a_shipped_task_in_the_sandbox_reward_1_one_sample(tokenizer, name, tmp_path):
+    """One episode: first a peek at a file of the trainer's outside the workdir (the sandbox must hide it),
+    then read, test, edit with the harness's own tool, retest, answer."""
+    _installed(name)
+    secret = tmp_path / "trainer_secret.txt"
+    secret.write_text("AJET-SECRET-4711")
+    replies = SCRIPTS[name](FIX, peek=str(secret))
+    output, calls, engine = _episode(tokenizer, name, replies)
+    meta = output.metadata
+    assert meta["exit_status"] == 0, meta["stderr"][-2000:]
+    assert len(calls) == len(replies) == len(engine.sampled)              # every scripted turn went through
+    assert output.reward == 1.0 and meta["tests"] == {"tests/test_median.py::test_even": "passed"}
+    assert f"-    {BUG}\n+    {FIX}\n" in meta["diff"]                      # the harness's own edit tool did it
+    seen = json.dumps([c.messages for c in calls])
+    assert "1 failed" in seen                                              # it ran the failing test first
+    if BWRAP or os.environ.get("AJET_REQUIRE_BWRAP") == "1":
+        assert meta["isolation"] == "bwrap"
+        assert "No such file" in seen and "AJET-SECRET-4711" not in seen  # the trainer's file is not there
+    if name == "claude-code":
+        samples = merge_calls(calls, "g")
+        if len(samples) > 1:   # issue 22: its Edit is replayed with `replace_all: false` added; fixed on branch merge
+            assert {s.flags.get("fork_reason") for s in samples[1:]} == {"prefix_mismatch"}
+            pytest.xfail(f"Claude Code's replayed Edit forks: {len(samples)} samples (issue 22, branch merge)")
+    assert_one_exact_sample(calls, engine)
+
+
+def test_a_wrong_edit_gets_reward_0(tokenizer):
+    """The judge is the same for every harness: one harness's wrong edit (Codex's apply_patch) scores 0."""
+    _installed("codex")
+    output, _, _ = _episode(tokenizer, "codex", SCRIPTS["codex"](WRONG))
+    assert output.metadata["exit_status"] == 0, output.metadata["stderr"][-2000:]
+    assert f"+    {WRONG}\n" in output.metadata["diff"]
+    assert output.reward == 0.0 and output.metadata["tests"] == {"tests/test_median.py::test_even": "failed"}
+
+
+def test_registry_lists_every_harness_with_a_pinned_version():
+    specs = builtin_harnesses()
+    assert set(specs) >= {"codex", "claude-code", "gemini-cli", "opencode", "qwen-code", "aider", "mini-swe-agent"}
+    assert all(s.version and s.package for s in specs.values())
+    assert specs["gemini-cli"].api == "gemini" and "Gemini" in specs["gemini-cli"].needs

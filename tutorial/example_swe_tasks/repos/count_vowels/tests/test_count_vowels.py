@@ -1,0 +1,7 @@
+from count_vowels import count_vowels
+
+def test_lower():
+    assert count_vowels("banana") == 3
+
+def test_upper():
+    assert count_vowels("AEIOU") == 5

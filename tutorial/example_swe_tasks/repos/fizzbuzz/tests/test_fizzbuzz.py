@@ -1,0 +1,4 @@
+from fizzbuzz import fizzbuzz
+
+def test_fizz():
+    assert fizzbuzz(9) == "Fizz"

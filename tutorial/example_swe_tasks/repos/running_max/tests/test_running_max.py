@@ -1,0 +1,7 @@
+from running_max import running_max
+
+def test_rising():
+    assert running_max([1, 2, 3]) == [1, 2, 3]
+
+def test_mixed():
+    assert running_max([3, 1, 4, 1, 5]) == [3, 3, 4, 4, 5]

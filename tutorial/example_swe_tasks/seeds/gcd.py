@@ -1,0 +1,5 @@
+def gcd(a, b):
+    """Return the greatest common divisor of two non-negative integers (gcd(0, 0) == 0)."""
+    while b != 0:
+        a, b = b, a % b
+    return a
