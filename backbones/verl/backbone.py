@@ -214,9 +214,10 @@ class VerlBackbone:
         return {k: float(v) for k, v in reduce_metrics(out).items() if _is_number(v)}
 
     def _ref_log_prob(self, td):
-        """`[rows, (jagged) response]` log-probs of the reference policy, by verl's workers: the reference model
+        """`[rows, R]` log-probs of the reference policy, by verl's workers: the reference model
         (`compute_ref_log_prob`), or with LoRA the actor with its adapter disabled (`no_lora_adapter`)."""
         from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
 
         ref_td = td.copy()
         tu.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False, temperature=tu.get_non_tensor_data(
@@ -226,7 +227,7 @@ class VerlBackbone:
             out = self.actor_wg.compute_log_prob(ref_td)
         else:
             out = self.ref_wg.compute_ref_log_prob(ref_td)
-        return tu.get(out, "log_probs").float()
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float()          # [rows, R], as old_log_probs
 
     # ---- weights ----------------------------------------------------------------------------------
     def _weights_lock(self):

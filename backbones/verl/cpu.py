@@ -52,6 +52,17 @@ def apply_env() -> None:
     os.environ.update(worker_env())
 
 
+def replace_pinned_offload() -> None:
+    """The one verl component replaced on CPU: verl's FSDP engine wraps a forward-only engine (the reference
+    policy) in `CPUOffloadPolicy(pin_memory=True)` (verl/workers/engine/fsdp/transformer_impl.py,
+    `_build_fsdp_module`), and pinning needs an accelerator: "RuntimeError: Cannot access accelerator device
+    when none is available". On CPU the same policy without pinning (the parameters already live in CPU memory)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from verl.workers.engine.fsdp import transformer_impl
+
+    transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
+
+
 def init_process_group() -> None:
     """This worker's torch.distributed group on gloo alone (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT come
     from verl's RayWorkerGroup). verl's own `initialize_global_process_group_ray` asks for

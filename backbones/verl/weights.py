@@ -29,9 +29,10 @@ class AjetActorWorker(ActorRolloutRefWorker):
         if role not in ("actor", "actor_ref"):
             raise ValueError(f"AjetActorWorker role must be 'actor' or 'actor_ref', got {role!r}")
         if not torch.cuda.is_available():
-            from ajet.backbones.verl.cpu import init_process_group
+            from ajet.backbones.verl.cpu import init_process_group, replace_pinned_offload
 
             init_process_group()
+            replace_pinned_offload()
         super().__init__(config, "actor", **kwargs)
         self.role = role          # init_model builds the reference when "ref" is in the role
         self._is_ref = role == "actor_ref"
