@@ -107,7 +107,8 @@ class VerlBackbone:
             from ajet.backbones.verl.cpu import worker_env
 
             runtime_env["env_vars"].update(worker_env())
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(address=cfg.rollout.ray_address, runtime_env=runtime_env, include_dashboard=False,
                      num_cpus=None if cfg.rollout.ray_address else max(os.cpu_count() or 1, self.dp_size + 2))
         if self.rollout == "ajet":
@@ -131,11 +132,12 @@ class VerlBackbone:
 
         cuda = torch.cuda.is_available()
         role = "actor_ref" if self.cfg.algorithm.kl_coef > 0 and not self.lora else "actor"
-        pool = RayResourcePool(process_on_nodes=[int(self.config.trainer.n_gpus_per_node)] * int(
-            self.config.trainer.nnodes), use_gpu=cuda, max_colocate_count=1, name_prefix="ajet_actor")
+        self._pool = pool = RayResourcePool(process_on_nodes=[int(self.config.trainer.n_gpus_per_node)] * int(
+            self.config.trainer.nnodes), use_gpu=cuda, max_colocate_count=1)
         worker = RayClassWithInitArgs(cls=ray.remote(AjetActorWorker), config=self.config.actor_rollout_ref,
                                       role=role)
-        self.actor_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker,
+        env = {} if cuda else __import__("ajet.backbones.verl.cpu", fromlist=["worker_env"]).worker_env()
+        self.actor_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, worker_env=env,
                                        device_name="cuda" if cuda else "cpu")
         self.actor_wg.init_model()
         self.ref_wg = self.actor_wg
@@ -286,7 +288,12 @@ class VerlBackbone:
 
         if self.rollout == "ajet":
             self.engine.close()
-        ray.shutdown()
+            for w in self.actor_wg.workers:
+                ray.kill(w)
+            for pg in self._pool.pgs or []:
+                ray.util.remove_placement_group(pg)
+        if self._owns_ray:
+            ray.shutdown()
 
 
 def pad_rows(rows: list[Sample], multiple: int) -> list[Sample]:

@@ -47,6 +47,29 @@ class AjetActorWorker(ActorRolloutRefWorker):
         out = {name: t.detach().to("cpu").clone() for name, t in params}
         return out if torch.distributed.get_rank() == 0 else None
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def record_grads(self) -> None:
+        """From now on, keep the gradients each optimizer step starts from (before verl clips them; verl zeroes
+        them when its train mode exits): `export_grads` returns the last ones. For conformance checks."""
+        engine = self.actor.engine
+        step = engine.optimizer_step
+
+        def recording_step(*args, **kwargs):
+            grads = {}
+            for name, p in engine.module.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad   # collective
+                    grads[name] = g.detach().to("cpu").clone()
+            self._last_grads = grads
+            return step(*args, **kwargs)
+
+        engine.optimizer_step = recording_step
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_grads(self) -> dict[str, torch.Tensor] | None:
+        """`{name: full gradient}` of the last optimizer step since `record_grads` (rank 0; None elsewhere)."""
+        return self._last_grads if torch.distributed.get_rank() == 0 else None
+
 
 @torch.no_grad()
 def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
