@@ -5,7 +5,8 @@ JSON and loaded inside the backbone's venv by a script that uses only that proje
 test compares, in this environment: the tensors ajet's conversion produces here with those verl's
 `DataProto` holds there, and ajet's loss (`ppo_clip_loss` with `loss_token_weights`, and `agg_loss`) with
 verl's `compute_policy_loss_vanilla` / `agg_loss` (Trinity's policy loss) for every `loss_agg_mode`.
-Each venv test skips, naming the build command, when that venv is absent.
+Each venv test skips, naming the build command, when that venv is absent; in CI it fails instead
+(tests/backbone_conformance/venvs.py).
 """
 
 import json
@@ -19,17 +20,13 @@ import torch
 from ajet.backbones.verl.data import verl_batch_tensors
 from ajet.grpo import LOSS_AGG_MODES, agg_loss, loss_token_weights, ppo_clip_loss
 from ajet.tracker.sample import Sample
+from tests.backbone_conformance.venvs import venv_python
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = Path(__file__).resolve().parent / "backbone_conformance"
 CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_scale_factor": 64.0}
 
 
-def venv_python(name: str) -> str:
-    venv = ROOT / ".venvs" / name
-    if not (venv / ".complete").exists():
-        pytest.skip(f"the {name} venv is absent: build it with `.ci/make_backbone_env.sh {name}`")
-    return str(venv / "bin" / "python")
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +164,7 @@ def test_verl_update_on_cpu_equals_the_debug_backbones(recorded, tiny_model_dir,
     assert res["token-mean/dp2/kl"]["grad_rel_vs_same_as"] < 1e-5
     assert res["token-mean"]["rows"] == len(samples) - 1
     # the modes really differ on this batch (the comparison is not mode-blind)
-    assert len({round(r["grad_norm"], 4) for r in res.values() if "dp2" not in r}) >= 3
+    assert len({round(r["grad_norm"], 4) for n, r in res.items() if "dp2" not in n}) >= 3
 
 
 def test_trinity_experiences_and_policy_loss_equal_ajets(recorded, tmp_path):
@@ -221,10 +218,18 @@ def test_ajet_backbone_verl_without_the_extra_names_it(tmp_path):
     assert "pip install 'ajet[verl]'" in proc.stderr
 
 
-def test_ajet_backbone_verl_without_a_gpu_says_rollout_needs_one(tmp_path):
-    proc = _ajet_cli(venv_python("verl"), tmp_path)
+def test_ajet_backbone_verl_asking_for_vllm_without_a_gpu_says_it_needs_one(tmp_path):
+    """Without CUDA the verl backbone trains with ajet's engine as its rollout; asking for verl's vLLM rollout
+    there is a config error naming the key, not a traceback."""
+    conf = CLI_CONF + "verl: {actor_rollout_ref.rollout.name: vllm}\n"
+    (tmp_path / "c.yaml").write_text(conf)
+    (tmp_path / "wf.py").write_text(CLI_WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "t", "query": "q", "answer": "a"}\n')
+    proc = subprocess.run([venv_python("verl"), "-m", "ajet", "--conf", str(tmp_path / "c.yaml"), "--backbone",
+                           "verl", "--exp-dir", str(tmp_path / "exp")], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "needs a CUDA GPU" in proc.stderr and "vLLM or SGLang" in proc.stderr
+    assert "actor_rollout_ref.rollout.name=vllm" in proc.stderr and "needs a CUDA GPU" in proc.stderr
 
 
 VERL_CONFIG_CHECK = """
