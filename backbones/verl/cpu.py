@@ -9,9 +9,9 @@ import this module (in the driver and in each Ray worker, whose environment come
 class, which verl registers for the cuda/npu devices only (its code is device-agnostic: the device comes from the
 platform).
 
-The settings (`cpu_overrides`) are the ones the FSDP2 engine needs on CPU, each measured
-(`shared/notes/verl-trinity-on-cpu.md`, 2026-11-24): `strategy: fsdp2` (FSDP1 refuses CPU parameters), fp32 mixed
-precision (bf16 moves the loss by ~4%), no torch.compile, and no parameter/optimizer offload.
+The settings (`cpu_overrides`) are the ones the FSDP2 engine needs on CPU: `strategy: fsdp2` (FSDP1 refuses CPU
+parameters), no torch.compile, and no parameter/optimizer offload; the precision comes from `model.dtype` (fp32 by
+default; verl's bf16 default moves the loss by ~4%). The components replaced on CPU are named in docs/backbones.md.
 """
 
 from __future__ import annotations
