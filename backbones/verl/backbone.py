@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -174,13 +175,15 @@ class VerlBackbone:
     # ---- the RL step ------------------------------------------------------------------------------
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step: `ppo_epochs` x `mini_batches` verl optimizer steps over `samples` (split by episode, as
-        the debug backbone). Returns verl's metrics (means over optimizer steps) and `optimizer_steps`."""
+        the debug backbone). Returns verl's metrics (means over optimizer steps), `optimizer_steps` and `update_s`
+        (seconds, the weight sync to ajet's engine included)."""
         from ajet.backbones.debug.backbone import _split
 
         alg = self.cfg.algorithm
+        t0 = time.perf_counter()
         trainable = [s for s in samples if s.num_loss_tokens > 0]
         if not trainable:
-            return {"optimizer_steps": 0.0}
+            return {"update_s": 0.0, "optimizer_steps": 0.0}
         episodes = sorted({s.episode_id for s in trainable})
         sums: dict[str, float] = {}
         steps = 0
@@ -196,7 +199,8 @@ class VerlBackbone:
             self.engine.policy_version += 1
             if self.rollout == "ajet":
                 self._sync_weights()
-        return {**{k: v / steps for k, v in sums.items()}, "optimizer_steps": float(steps)}
+        return {**{k: v / steps for k, v in sums.items()}, "optimizer_steps": float(steps),
+                "update_s": time.perf_counter() - t0}
 
     def _optimizer_step(self, rows: list[Sample], num_episodes: int) -> dict[str, float]:
         """One verl `update_actor` call on `rows` (one mini-batch: one optimizer step on every rank)."""
