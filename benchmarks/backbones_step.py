@@ -7,8 +7,8 @@ experiment folders of two real runs with the same config and seed.
     python benchmarks/backbones_step.py /tmp/bb_debug /tmp/bb_verl
 
 Prints, per run: the training steps, the mean rollout reward over them, val/pass@1 before step 1 and after the
-last step, the mean step time (rollout + update, seconds; held-out evaluation excluded) and the mean update
-time; then the step- and update-time ratios of the second run to the first (the named peer).
+last step, the mean step time (rollout + update, seconds; held-out evaluation excluded) and the mean time
+after the rollout (step - rollout: the update and its weight sync); then the step- and update-time ratios of the second run to the first (the named peer).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def summary(exp: Path) -> dict:
             "val_pass@1_first": vals[0]["val/pass@1"] if vals else float("nan"),
             "val_pass@1_last": vals[-1]["val/pass@1"] if len(vals) > 1 else float("nan"),
             "step_s": statistics.fmean(r["time/step_s"] for r in steps) if steps else float("nan"),
-            "update_s": statistics.fmean(r.get("train/update_s", float("nan")) for r in steps) if steps
+            # everything after the rollout: samples, the update, the weight sync (the same for both backbones)
+            "update_s": statistics.fmean(r["time/step_s"] - r["time/rollout_s"] for r in steps) if steps
             else float("nan")}
 
 
