@@ -238,30 +238,35 @@ from ajet.backbones.verl.backbone import verl_config
 from ajet.config import load_config
 from ajet.errors import ConfigError
 try:
-    c = verl_config(load_config(sys.argv[1]))
+    c = verl_config(load_config(sys.argv[1]), cuda=sys.argv[2] == "cuda")
 except ConfigError as exc:
     print("ConfigError:", exc)
     sys.exit(0)
 a = c.actor_rollout_ref
 print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora_rank, a.rollout.n,
-      c.trainer.n_gpus_per_node)
+      c.trainer.n_gpus_per_node, a.rollout.name, a.actor.strategy, a.actor.optim.clip_grad,
+      a.actor.fsdp_config.mixed_precision.param_dtype, a.model.override_config.attn_implementation)
 """
 
 
-@pytest.mark.parametrize("extra, expected", [
-    ("model: {path: Qwen/Qwen2.5-0.5B-Instruct, lora: {rank: 8, alpha: 16}}\nrollout: {num_repeat: 5}\n"
-     "algorithm: {kl_coef: 0.01, loss_agg_mode: seq-mean-token-sum-norm, loss_scale_factor: 512}\n"
-     "verl: {trainer: {n_gpus_per_node: 8}}\n", "composed seq-mean-token-sum-norm 512.0 8 5 8"),
-    ("model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {actor_rollout_ref.rollout.nmae: vllm}\n",
+@pytest.mark.parametrize("device, extra, expected", [
+    ("cuda", "model: {path: Qwen/Qwen2.5-0.5B-Instruct, lora: {rank: 8, alpha: 16}}\nrollout: {num_repeat: 5}\n"
+     "algorithm: {kl_coef: 0.01, loss_agg_mode: seq-mean-token-sum-norm, loss_scale_factor: 512, max_grad_norm: 0.5}\n"
+     "verl: {trainer: {n_gpus_per_node: 8}, actor_rollout_ref.rollout.engine_kwargs.vllm.logprobs_mode: "
+     "processed_logprobs}\n", "composed seq-mean-token-sum-norm 512.0 8 5 8 vllm fsdp 0.5 fp32 sdpa"),
+    # without CUDA: ajet's engine generates, verl's actor gets the CPU settings (FSDP2), model.dtype -> fp32
+    ("cpu", "model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {trainer: {n_gpus_per_node: 2}}\n",
+     "composed seq-mean-token-mean None 0 4 2 vllm fsdp2 1.0 fp32 sdpa"),
+    ("cuda", "model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {actor_rollout_ref.rollout.nmae: vllm}\n",
      "ConfigError: verl's config has no key `actor_rollout_ref.rollout.nmae`"),
 ])
-def test_every_translated_key_exists_in_verls_own_config(tmp_path, extra, expected):
+def test_every_translated_key_exists_in_verls_own_config(tmp_path, device, extra, expected):
     """verl's ppo_trainer.yaml composed by Hydra in the verl venv takes every key the translation writes;
     a misspelt key in the `verl:` block is a ConfigError naming it."""
     py = venv_python("verl")
     (tmp_path / "c.yaml").write_text("workflow: wf.py:W\ndata: {train_path: tasks.jsonl}\n" + extra)
-    proc = subprocess.run([py, "-c", VERL_CONFIG_CHECK, str(tmp_path / "c.yaml")], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run([py, "-c", VERL_CONFIG_CHECK, str(tmp_path / "c.yaml"), device], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith(expected), proc.stdout
 
