@@ -210,9 +210,10 @@ class VerlBackbone:
 
         rows = pad_rows(rows, self.dp_size)
         td = left_right_2_no_padding(to_data_proto(rows, self.tokenizer.pad_token_id).to_tensordict())
+        tu.assign_non_tensor(td, temperature=batch_temperature(rows))     # the policy's logits are scaled by it
         if self.cfg.algorithm.kl_coef > 0:
             td["ref_log_prob"] = self._ref_log_prob(td)
-        tu.assign_non_tensor(td, temperature=batch_temperature(rows), multi_turn=True, calculate_entropy=False,
+        tu.assign_non_tensor(td, multi_turn=True, calculate_entropy=False,
                              distillation_use_topk=False, distillation_only=False, compute_loss=True,
                              global_batch_size=num_episodes, mini_batch_size=len(rows), epochs=1,
                              seed=self.cfg.trainer.seed, dataloader_kwargs={"shuffle": False})
@@ -226,8 +227,7 @@ class VerlBackbone:
         from verl.workers.utils.padding import no_padding_2_padding
 
         ref_td = td.copy()
-        tu.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False, temperature=tu.get_non_tensor_data(
-            td, "temperature", None) or 1.0)
+        tu.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)   # same temperature as td
         if self.lora:
             tu.assign_non_tensor(ref_td, no_lora_adapter=True)
             out = self.actor_wg.compute_log_prob(ref_td)
