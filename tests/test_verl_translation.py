@@ -6,7 +6,8 @@ import textwrap
 import pytest
 import torch
 
-from ajet.backbones.verl.config import check_keys_exist, flatten, unsupported_keys, verl_overrides
+from ajet.backbones.verl.backbone import pad_rows
+from ajet.backbones.verl.config import check_keys_exist, flatten, rollout_choice, unsupported_keys, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, verl_batch_tensors
 from ajet.config import load_config
 from ajet.errors import ConfigError
@@ -82,7 +83,12 @@ def test_translation_key_by_key(tmp_path):
     expected = {
         "actor_rollout_ref.model.path": "Qwen/Qwen2.5-7B-Instruct",
         "actor_rollout_ref.rollout.dtype": "bfloat16",
-        "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16",
+        "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32",
+                                                                "buffer_dtype": "fp32"},
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32",
+                                                              "buffer_dtype": "fp32"},
         "actor_rollout_ref.rollout.max_model_len": 8192,
         "actor_rollout_ref.model.lora_rank": 16,
         "actor_rollout_ref.model.lora_alpha": 32.0,
@@ -105,9 +111,10 @@ def test_translation_key_by_key(tmp_path):
         "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
         "actor_rollout_ref.actor.ppo_epochs": 2,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+        "actor_rollout_ref.actor.optim.total_training_steps": 100 * 4 * 2,
         "actor_rollout_ref.actor.use_dynamic_bsz": True,
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 16384,
-        "actor_rollout_ref.actor.grad_clip": 0.5,
+        "actor_rollout_ref.actor.optim.clip_grad": 0.5,
         "actor_rollout_ref.actor.use_kl_loss": True,
         "actor_rollout_ref.actor.kl_loss_coef": 0.001,
         "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
@@ -140,7 +147,6 @@ def test_passthrough_block_wins_and_nests(tmp_path):
 @pytest.mark.parametrize("extra, key", [
     ("model: {path: Qwen/Qwen2.5-7B-Instruct, device: cpu}\n", "model.device"),
     ("model: {path: smollm2-135m-instruct}\n", "model.path"),
-    ("algorithm: {mini_batches: 3}\ntrainer: {tasks_per_step: 4}\n", "algorithm.mini_batches"),
     ("algorithm: {loss_agg_mode: seq-mean-token-sum-norm}\n", "algorithm.loss_scale_factor"),
 ])
 def test_settings_verl_cannot_honour_are_errors_naming_the_key(tmp_path, extra, key):
@@ -181,3 +187,43 @@ def test_passthrough_keys_must_exist_in_verls_defaults():
     check_keys_exist({"actor_rollout_ref.rollout.name": "sglang", "trainer.nnodes": 2}, defaults)
     with pytest.raises(ConfigError, match=r"`actor_rollout_ref\.rollout\.nmae`.*`trainer\.gpus`"):
         check_keys_exist({"actor_rollout_ref.rollout.nmae": "x", "trainer.gpus": 2}, defaults)
+
+
+def test_keys_below_a_null_or_empty_default_and_dataclass_fields_exist():
+    """verl's defaults of null / {} take any content, and a field of the config dataclass a node's `_target_`
+    names exists even when the YAML leaves it out (fsdp_config.mixed_precision)."""
+    defaults = {"model": {"override_config": {}, "lora_adapter_path": None},
+                "fsdp_config": {"_target_": "x.FSDPEngineConfig", "param_offload": False}}
+    fields = {"x.FSDPEngineConfig": {"param_offload", "mixed_precision"}}.get
+    check_keys_exist({"model.override_config.attn_implementation": "eager", "model.lora_adapter_path.a.b": 1,
+                      "fsdp_config.mixed_precision.param_dtype": "fp32"}, defaults, lambda t: fields(t, set()))
+    with pytest.raises(ConfigError, match=r"`fsdp_config\.mixed_precison`"):
+        check_keys_exist({"fsdp_config.mixed_precison": {}}, defaults, lambda t: fields(t, set()))
+    with pytest.raises(ConfigError, match=r"`model\.overide_config\.x`"):
+        check_keys_exist({"model.overide_config.x": 1}, defaults)
+
+
+def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
+    assert rollout_choice(_cfg(tmp_path, ""), cuda=False) == "ajet"
+    assert rollout_choice(_cfg(tmp_path, ""), cuda=True) == "vllm"
+    assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref.rollout.name: sglang}\n"), cuda=True) == "sglang"
+    assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref.rollout.name: ajet}\n"), cuda=True) == "ajet"
+    with pytest.raises(ConfigError, match=r"rollout\.name=vllm: vllm needs a CUDA GPU"):
+        rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: vllm}}}\n"), cuda=False)
+    with pytest.raises(ConfigError, match=r"model\.lora with the verl backbone's ajet rollout"):
+        verl_overrides(_cfg(tmp_path, "model: {path: /x, lora: {rank: 4}}\n"), cuda=False)
+    # on CPU the embedded GGUF model is fine (ajet's engine serves it; verl's actor gets the converted folder)
+    o = verl_overrides(_cfg(tmp_path, "model: {path: /nonexistent/hf-folder, device: cpu}\n"), cuda=False)
+    assert o["actor_rollout_ref.rollout.name"] == "vllm"      # verl's mandatory key; no verl rollout is built
+
+
+def test_pad_rows_adds_all_masked_copies_up_to_the_data_parallel_size():
+    rows = [_sample(f"e{i}", [1, 2], [3, 4, 5], [1, 0, 1], 0.5 + i) for i in range(5)]
+    for dp, n in [(1, 5), (2, 6), (4, 8), (5, 5)]:
+        out = pad_rows(rows, dp)
+        assert len(out) == n and out[:5] == rows
+        assert all(p.num_loss_tokens == 0 and p.advantage == 0.0 and not any(p.old_logprobs) for p in out[5:])
+    # verl's tensors: the pad rows carry no loss token and no advantage, so they add nothing to the loss
+    t = verl_batch_tensors(pad_rows(rows, 4), PAD)
+    assert t["response_mask"][5:].sum() == 0 and t["advantages"][5:].abs().sum() == 0
+    assert t["attention_mask"][5:].sum() > 0                # real tokens: verl's unpadding keeps them

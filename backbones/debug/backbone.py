@@ -42,14 +42,7 @@ class DebugBackbone:
             self.model = _with_lora(self.model, cfg.model.lora)
         self.model.config.use_cache = True
         self.device = next(self.model.parameters()).device
-        eos = {self.tokenizer.eos_token_id}
-        if self.model.generation_config is not None and self.model.generation_config.eos_token_id is not None:
-            g = self.model.generation_config.eos_token_id
-            eos |= set(g if isinstance(g, list) else [g])
-        self.engine = HFEngine(self.model, sorted(eos), self.tokenizer.pad_token_id,
-                               max_batch_size=cfg.rollout.max_batch_size, max_model_len=cfg.model.max_model_len,
-                               decode_fn=self.tokenizer.decode)
-        self.engine.seed(cfg.trainer.seed)
+        self.engine = engine_for(self.model, self.tokenizer, cfg)
         alg = cfg.algorithm
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=alg.lr,
                                            weight_decay=alg.weight_decay)
@@ -298,6 +291,19 @@ def _load_teacher(cfg: AjetConfig, student):
         raise ConfigError(f"algorithm.distill.teacher {path!r} has a vocabulary of {tv} ids, the student {sv}: the "
                           f"teacher must share the student's tokenizer")
     return teacher
+
+
+def engine_for(model, tokenizer, cfg: AjetConfig) -> HFEngine:
+    """The in-process engine serving `model` (also the verl backbone's engine on CPU): stops at the tokenizer's
+    EOS and the generation config's, batch and length limits from `cfg`, seeded with `trainer.seed`."""
+    eos = {tokenizer.eos_token_id}
+    if model.generation_config is not None and model.generation_config.eos_token_id is not None:
+        g = model.generation_config.eos_token_id
+        eos |= set(g if isinstance(g, list) else [g])
+    engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch_size=cfg.rollout.max_batch_size,
+                      max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode)
+    engine.seed(cfg.trainer.seed)
+    return engine
 
 
 def _with_lora(model, lora):

@@ -1,128 +1,325 @@
-"""The verl backbone: verl's Ray worker groups train, verl's vLLM/SGLang servers generate, ajet drives.
+"""The verl backbone: verl's Ray worker group trains (FSDP actor, verl's loss, verl's checkpoints), ajet drives.
 
-    ajet YAML --verl_overrides--> verl config (verl's ppo_trainer.yaml defaults + overrides + `verl:` block)
-    verl's TaskRunner helpers --> role/worker mapping and resource pools (FSDP actor, reference fused in)
-    RayPPOTrainer.init_workers --> actor worker group + rollout servers (LLMServerManager; hybrid engine)
-    ServerPool(RemoteEngine per server) --> the proxy's engine: token-in-token-out, sticky per episode
-    update(samples) --> to_data_proto --> RayPPOTrainer._update_actor (verl's mini-batching, loss, FSDP)
-    sleep_rollout / wake_rollout --> checkpoint_manager.sleep_replicas / update_weights (weight sync)
+One class, two rollouts (`config.rollout_choice`: verl's key `actor_rollout_ref.rollout.name`):
 
-Written against verl 0.9.1 (`verl.trainer.main_ppo_v0.BaseTaskRunner`, `verl.trainer.ppo.ray_trainer`); verl
-splits a step into mini-batches of `ppo_mini_batch_size * rollout.n` ROWS, so a step with forked episodes
-makes more optimizer steps than `algorithm.mini_batches` says.
+    ajet (default without CUDA)   ajet's in-process engine (`HFEngine`) generates; after every update the
+                                  actor's weights come back through verl's weight export (`weights.py`)
+    vllm | sglang (CUDA)          verl's rollout servers generate (`RayPPOTrainer.init_workers`, hybrid engine);
+                                  `checkpoint_manager.sleep_replicas / update_weights` sync the weights
 
-ajet computes the advantages (GRPO over its episodes) and the old logprobs are the engine's, so verl's own
-advantage estimation and old-logprob recomputation are not used. Needs CUDA GPUs: vLLM and SGLang cannot
-sample on CPU; the CPU conformance tests (tests/test_backbone_conformance.py) check the data and the loss
-against verl's real functions instead.
+    ajet YAML --verl_overrides--> verl config (verl's ppo_trainer.yaml + overrides + `verl:` block)
+    ajet rollout:  RayWorkerGroup(AjetActorWorker) over a RayResourcePool of CPU bundles (cpu.py registers
+                   verl's CPU platform in every worker through VERL_USE_EXTERNAL_MODULES)
+    GPU rollout:   verl's TaskRunner helpers + RayPPOTrainer.init_workers (actor + rollout servers)
+    update(samples): ajet's episode mini-batches -> one verl `update_actor` call each (one optimizer step)
+
+The update follows the debug backbone step for step: `algorithm.mini_batches` splits the step's EPISODES (after
+the same seeded shuffle), each mini-batch is one call of verl's `update_actor` with `mini_batch_size` = all its
+rows (one optimizer step), padded to a multiple of the data-parallel size with copies of a row whose
+`response_mask` is all 0 (they add exactly 0 to the loss and to verl's token and sequence counts). verl's
+`global_batch_size` (the divisor of the `seq-mean-*` modes) is the number of EPISODES in the mini-batch, as in
+ajet's `loss_token_weights`. With `kl_coef > 0` verl's reference worker computes `ref_log_prob` (with LoRA: the
+actor with its adapter disabled, `no_lora_adapter`). ajet computes the advantages (GRPO over its episodes) and
+the old logprobs are the engine's, so verl's advantage estimation and old-logprob recomputation are unused.
+
+Written against verl 0.9.1 (`verl.trainer.main_ppo_v0.BaseTaskRunner`, `verl.trainer.ppo.ray_trainer`,
+`verl.workers.engine_workers`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import random
+import time
 from pathlib import Path
 
+import torch
+
 from ajet.backbones.server_pool import ServerPool
-from ajet.backbones.verl.config import check_keys_exist, verl_overrides
-from ajet.backbones.verl.data import to_data_proto
+from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
+from ajet.backbones.verl.data import batch_temperature, to_data_proto
 from ajet.config import AjetConfig
-from ajet.errors import BackboneUnavailable
 from ajet.tracker.sample import Sample
 
 
-def verl_config(cfg: AjetConfig):
-    """verl's full config (an OmegaConf DictConfig) for `cfg`: verl's `ppo_trainer.yaml` composed by Hydra, with
-    `verl_overrides(cfg)` applied; every overridden key must exist in verl's defaults (ConfigError otherwise)."""
+def verl_config(cfg: AjetConfig, cuda: bool | None = None):
+    """verl's full config (an OmegaConf DictConfig) for `cfg`: verl's `ppo_trainer.yaml` composed by Hydra, the
+    CPU settings (`cpu.cpu_overrides`) on a machine without CUDA, then `verl_overrides(cfg)`; every key must
+    exist in verl's config (ConfigError otherwise, see `check_keys_exist`)."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf, open_dict
 
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         config = compose(config_name="ppo_trainer")
-    overrides = verl_overrides(cfg)
-    check_keys_exist(overrides, OmegaConf.to_container(config))
+    overrides = {}
+    if rollout_choice(cfg, cuda) == "ajet":
+        from ajet.backbones.verl.cpu import cpu_overrides
+
+        overrides.update(cpu_overrides() if not cuda else {})
+    overrides.update(verl_overrides(cfg, cuda))
+    check_keys_exist(overrides, OmegaConf.to_container(config), _dataclass_fields)
     with open_dict(config):
         for key, value in overrides.items():
             OmegaConf.update(config, key, value, merge=False)
     return config
 
 
+def _dataclass_fields(target: str) -> set[str]:
+    """The field names of the verl config dataclass `target` (a `_target_` such as
+    `verl.workers.config.FSDPEngineConfig`); empty when it is not a dataclass."""
+    import importlib
+
+    module, _, name = target.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
 class VerlBackbone:
     """`Backbone` on verl (>= 0.9): see the module docstring.
 
     Raises:
-        BackboneUnavailable: no CUDA GPU (verl's rollout servers need one), or verl's workers failed to start.
+        BackboneUnavailable: verl's workers failed to start.
         ConfigError: an ajet setting verl cannot honour, or an unknown key in the `verl:` block.
     """
 
     def __init__(self, cfg: AjetConfig):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BackboneUnavailable(
-                "the verl backbone needs a CUDA GPU: verl's rollout runs on vLLM or SGLang servers, which cannot "
-                "sample on CPU. On this machine use --backbone=debug (see docs/backbones.md)")
         import ray
+
+        from ajet.model import load_tokenizer
+
+        self.cfg = cfg
+        cuda = torch.cuda.is_available()
+        self.rollout = rollout_choice(cfg, cuda)
+        if self.rollout == "ajet" and not cuda:
+            from ajet.backbones.verl import cpu
+
+            cpu.apply_env()          # before verl is imported: its platform is chosen once per process
+        self.config = verl_config(cfg, cuda)
+        self.tokenizer = load_tokenizer(self.config.actor_rollout_ref.model.path, cfg.model.chat_template)
+        self.lora = cfg.model.lora is not None
+        self._rng = random.Random(cfg.trainer.seed)      # the episode shuffle, as the debug backbone's
+        from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+        runtime_env = get_ppo_ray_runtime_env(self.config)
+        if self.rollout == "ajet" and not cuda:
+            from ajet.backbones.verl.cpu import worker_env
+
+            runtime_env["env_vars"].update(worker_env())
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=cfg.rollout.ray_address, runtime_env=runtime_env, include_dashboard=False,
+                     num_cpus=None if cfg.rollout.ray_address else max(os.cpu_count() or 1, self.dp_size + 2))
+        if self.rollout == "ajet":
+            self._init_ajet_rollout()
+        else:
+            self._init_verl_rollout()
+
+    @property
+    def dp_size(self) -> int:
+        t = self.config.trainer
+        return int(t.n_gpus_per_node) * int(t.nnodes)
+
+    def _init_ajet_rollout(self) -> None:
+        """verl's actor worker group on Ray (`dp_size` FSDP ranks), ajet's engine on a copy of the weights."""
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+        from ajet.backbones.debug.backbone import engine_for
+        from ajet.backbones.verl.weights import AjetActorWorker
+        from ajet.model import load_model
+
+        cuda = torch.cuda.is_available()
+        role = "actor_ref" if self.cfg.algorithm.kl_coef > 0 and not self.lora else "actor"
+        self._pool = pool = RayResourcePool(process_on_nodes=[int(self.config.trainer.n_gpus_per_node)] * int(
+            self.config.trainer.nnodes), use_gpu=cuda, max_colocate_count=1)
+        worker = RayClassWithInitArgs(cls=ray.remote(AjetActorWorker), config=self.config.actor_rollout_ref,
+                                      role=role)
+        env = {} if cuda else __import__("ajet.backbones.verl.cpu", fromlist=["worker_env"]).worker_env()
+        self.actor_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, worker_env=env,
+                                       device_name="cuda" if cuda else "cpu")
+        self.actor_wg.init_model()
+        self.ref_wg = self.actor_wg
+        self.model = load_model(self.config.actor_rollout_ref.model.path, self.cfg.model.dtype,
+                                "cuda" if cuda else "cpu").eval()
+        self.engine = engine_for(self.model, self.tokenizer, self.cfg)
+        self._sync_weights()          # the engine serves exactly the actor's weights from the start
+
+    def _init_verl_rollout(self) -> None:
+        """verl's own wiring (GPU): actor worker group + vLLM/SGLang servers (hybrid engine)."""
         from verl.trainer.main_ppo_v0 import BaseTaskRunner
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.utils import hf_tokenizer
 
-        from ajet.model import load_tokenizer
         from ajet.remote_engine import RemoteEngine
 
-        self.cfg = cfg
-        self.config = verl_config(cfg)
-        if not ray.is_initialized():
-            ray.init(address=cfg.rollout.ray_address)
         runner = BaseTaskRunner()        # verl's own wiring of roles, workers and resource pools
         _, worker_group_cls = runner.add_actor_rollout_worker(self.config)
-        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.chat_template)
-        self.trainer = RayPPOTrainer(config=self.config, tokenizer=hf_tokenizer(cfg.model.path),
+        path = self.config.actor_rollout_ref.model.path
+        self.trainer = RayPPOTrainer(config=self.config, tokenizer=hf_tokenizer(path),
                                      role_worker_mapping=runner.role_worker_mapping,
                                      resource_pool_manager=runner.init_resource_pool_mgr(self.config),
                                      ray_worker_group_cls=worker_group_cls,
                                      # ajet samples the tasks itself; verl's trainer only needs datasets to exist
-                                     train_dataset=_placeholder_tasks(cfg.trainer.tasks_per_step),
+                                     train_dataset=_placeholder_tasks(self.cfg.trainer.tasks_per_step),
                                      val_dataset=_placeholder_tasks(1), collate_fn=_collate_nothing)
         self.trainer.init_workers()
+        self.actor_wg = self.trainer.actor_rollout_wg
+        self.ref_wg = self.trainer.ref_policy_wg if self.cfg.algorithm.kl_coef > 0 else None
         addresses = self.trainer.llm_server_manager.server_addresses
-        self.engine = ServerPool([RemoteEngine(f"http://{a}/v1", cfg.model.path) for a in addresses])
+        self.engine = ServerPool([RemoteEngine(f"http://{a}/v1", path) for a in addresses])
         self.trainer.checkpoint_manager.update_weights(0)   # init_workers leaves the servers asleep
 
+    # ---- the RL step ------------------------------------------------------------------------------
     def update(self, samples: list[Sample]) -> dict[str, float]:
-        """verl's actor update on `samples` (as a DataProto); returns verl's metrics, averaged per key."""
-        from verl.utils.metric import reduce_metrics
+        """One RL step: `ppo_epochs` x `mini_batches` verl optimizer steps over `samples` (split by episode, as
+        the debug backbone). Returns verl's metrics (means over optimizer steps), `optimizer_steps` and `update_s`
+        (seconds, the weight sync to ajet's engine included)."""
+        from ajet.backbones.debug.backbone import _split
 
+        alg = self.cfg.algorithm
+        t0 = time.perf_counter()
         trainable = [s for s in samples if s.num_loss_tokens > 0]
         if not trainable:
-            return {"optimizer_steps": 0.0}
-        batch = to_data_proto(trainable, self.tokenizer.pad_token_id,
-                              {"global_token_num": [len(s.input_ids) for s in trainable]})
-        out = self.trainer._update_actor(batch)          # verl's own path from a DataProto to update_actor
-        self.engine.policy_version += 1
-        return {k: float(v) for k, v in reduce_metrics(out.meta_info["metrics"]).items()}
+            return {"update_s": 0.0, "optimizer_steps": 0.0}
+        episodes = sorted({s.episode_id for s in trainable})
+        sums: dict[str, float] = {}
+        steps = 0
+        with self._weights_lock():
+            for _ in range(alg.ppo_epochs):
+                self._rng.shuffle(episodes)
+                for mb_eps in _split(episodes, alg.mini_batches):
+                    chosen = set(mb_eps)
+                    for k, v in self._optimizer_step([s for s in trainable if s.episode_id in chosen],
+                                                     len(chosen)).items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    steps += 1
+            self.engine.policy_version += 1
+            if self.rollout == "ajet":
+                self._sync_weights()
+        return {**{k: v / steps for k, v in sums.items()}, "optimizer_steps": float(steps),
+                "update_s": time.perf_counter() - t0}
+
+    def _optimizer_step(self, rows: list[Sample], num_episodes: int) -> dict[str, float]:
+        """One verl `update_actor` call on `rows` (one mini-batch: one optimizer step on every rank)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.metric import reduce_metrics
+        from verl.workers.utils.padding import left_right_2_no_padding
+
+        rows = pad_rows(rows, self.dp_size)
+        td = left_right_2_no_padding(to_data_proto(rows, self.tokenizer.pad_token_id).to_tensordict())
+        tu.assign_non_tensor(td, temperature=batch_temperature(rows))     # the policy's logits are scaled by it
+        if self.cfg.algorithm.kl_coef > 0:
+            td["ref_log_prob"] = self._ref_log_prob(td)
+        tu.assign_non_tensor(td, multi_turn=True, calculate_entropy=False,
+                             distillation_use_topk=False, distillation_only=False, compute_loss=True,
+                             global_batch_size=num_episodes, mini_batch_size=len(rows), epochs=1,
+                             seed=self.cfg.trainer.seed, dataloader_kwargs={"shuffle": False})
+        out = tu.get(self.actor_wg.update_actor(td), "metrics")
+        return {k: float(v) for k, v in reduce_metrics(out).items() if _is_number(v)}
+
+    def _ref_log_prob(self, td):
+        """`[rows, R]` log-probs of the reference policy, by verl's workers: the reference model
+        (`compute_ref_log_prob`), or with LoRA the actor with its adapter disabled (`no_lora_adapter`)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        ref_td = td.copy()
+        tu.assign_non_tensor(ref_td, calculate_entropy=False, compute_loss=False)   # same temperature as td
+        if self.lora:
+            tu.assign_non_tensor(ref_td, no_lora_adapter=True)
+            out = self.actor_wg.compute_log_prob(ref_td)
+        else:
+            out = self.ref_wg.compute_ref_log_prob(ref_td)
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float()          # [rows, R], as old_log_probs
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def _weights_lock(self):
+        import contextlib
+
+        return self.engine.weights_lock if self.rollout == "ajet" else contextlib.nullcontext()
+
+    def _sync_weights(self) -> None:
+        """ajet's engine <- the actor's weights (verl's export, through Ray's object store)."""
+        from ajet.backbones.verl.weights import load_into
+
+        load_into(self.model, self.actor_wg.export_weights()[0])
 
     def sleep_rollout(self) -> None:
-        """The rollout servers release their weights and KV cache (verl's hybrid engine)."""
-        self.trainer.checkpoint_manager.sleep_replicas()
+        """verl's rollout servers release their weights and KV cache (no-op for ajet's engine)."""
+        if self.rollout != "ajet":
+            self.trainer.checkpoint_manager.sleep_replicas()
 
     def wake_rollout(self) -> None:
-        """Sync the actor's new weights into the rollout servers and resume them."""
-        self.trainer.checkpoint_manager.update_weights(self.engine.policy_version)
+        """Sync the actor's new weights into verl's rollout servers (ajet's engine got them in `update`)."""
+        if self.rollout != "ajet":
+            self.trainer.checkpoint_manager.update_weights(self.engine.policy_version)
 
+    # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
-        """verl's actor checkpoint under `path/actor` (FSDP shards + optimizer + `huggingface/` config), written
-        by verl's checkpoint manager; `verl.model_merger` turns the shards into a plain HF folder."""
-        self.trainer.actor_rollout_wg.save_checkpoint(str(path / "actor"), None, self.engine.policy_version, None)
+        """verl's actor checkpoint under `path/actor` (FSDP shards + optimizer + `huggingface/` config, by verl's
+        checkpoint manager; `python -m verl.model_merger merge --backend fsdp --local_dir path/actor
+        --target_dir OUT` turns it into a HF folder), the tokenizer, and `backbone_state.json` (policy version,
+        episode-shuffle RNG). With ajet's engine, `path` is also a HF folder of the served weights."""
+        path.mkdir(parents=True, exist_ok=True)
+        self.actor_wg.save_checkpoint(str(path / "actor"), None, self.engine.policy_version, None)
         self.tokenizer.save_pretrained(path)
+        state = {"policy_version": self.engine.policy_version, "update_rng": _jsonable(self._rng.getstate())}
+        if self.rollout == "ajet":
+            with self.engine.weights_lock:
+                self.model.save_pretrained(path)
+                state["engine_rng"] = self.engine._generator.get_state().tolist()
+        (path / "backbone_state.json").write_text(json.dumps(state))
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore what `save_checkpoint` wrote, then push the weights to the rollout servers."""
-        self.trainer.actor_rollout_wg.load_checkpoint(str(path / "actor"), del_local_after_load=False)
-        self.trainer.checkpoint_manager.update_weights(self.engine.policy_version)
+        """Restore what `save_checkpoint` wrote (verl's actor + optimizer, RNGs, policy version), then serve
+        those weights."""
+        self.actor_wg.load_checkpoint(str(path / "actor"), del_local_after_load=False)
+        state = json.loads((path / "backbone_state.json").read_text())
+        self._rng.setstate(_tuples(state["update_rng"]))
+        self.engine.policy_version = state["policy_version"]
+        if self.rollout == "ajet":
+            with self.engine.weights_lock:
+                self.engine._generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+                self._sync_weights()
+        else:
+            self.trainer.checkpoint_manager.update_weights(self.engine.policy_version)
 
     def close(self) -> None:
         import ray
 
-        ray.shutdown()
+        if self.rollout == "ajet":
+            self.engine.close()
+            for w in self.actor_wg.workers:
+                ray.kill(w)
+            for pg in self._pool.pgs or []:
+                ray.util.remove_placement_group(pg)
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def pad_rows(rows: list[Sample], multiple: int) -> list[Sample]:
+    """`rows` plus copies of the first one with an all-0 loss mask and advantage 0 up to a multiple of `multiple`
+    rows (verl's dispatch splits a batch evenly over the data-parallel ranks): such a row adds exactly 0 to the
+    loss, to its gradient and to verl's token and sequence counts (verl excludes fully masked sequences)."""
+    pad = (-len(rows)) % multiple
+    blank = dataclasses.replace(rows[0], loss_mask=[0] * len(rows[0].loss_mask), advantage=0.0,
+                                old_logprobs=[0.0] * len(rows[0].old_logprobs), episode_id="_pad")
+    return rows + [blank] * pad
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) or (hasattr(v, "item") and getattr(v, "numel", lambda: 0)() == 1)
+
+
+def _jsonable(state):
+    return [list(x) if isinstance(x, tuple) else x for x in state]
+
+
+def _tuples(state):
+    return tuple(tuple(x) if isinstance(x, list) else x for x in state)
 
 
 def _placeholder_tasks(n: int) -> list[dict]:

@@ -9,10 +9,11 @@ advantages and verl's actor trains on them), or refused with an error that names
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
+from ajet.model import resolve_model_path
 
 # ajet keys that ajet itself honours, whichever backbone runs (no verl counterpart needed)
 AJET_SIDE = (
@@ -52,8 +53,29 @@ def unsupported_keys(cfg: AjetConfig) -> list[str]:
     return sorted(out)
 
 
-def verl_overrides(cfg: AjetConfig) -> dict[str, Any]:
+def rollout_choice(cfg: AjetConfig, cuda: bool) -> str:
+    """Who serves generation: `actor_rollout_ref.rollout.name` from the `verl:` block (verl's `vllm` / `sglang`,
+    or `ajet`: ajet's in-process engine fed by verl's weight export), else `vllm` with CUDA and `ajet` without.
+
+    Raises:
+        ConfigError: vLLM/SGLang asked for on a machine without CUDA, or an unknown name.
+    """
+    name = flatten(cfg.verl).get("actor_rollout_ref.rollout.name") if isinstance(cfg.verl, dict) else None
+    name = name or ("vllm" if cuda else "ajet")
+    if name not in ("ajet", "vllm", "sglang"):
+        raise ConfigError(f"actor_rollout_ref.rollout.name={name!r}: choose ajet, vllm or sglang")
+    if name != "ajet" and not cuda:
+        raise ConfigError(f"actor_rollout_ref.rollout.name={name}: {name} needs a CUDA GPU (it cannot sample on "
+                          f"CPU); remove the key to use ajet's own engine on this machine")
+    return name
+
+
+def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
     """verl config keys (dotted) for `cfg`, then the YAML's `verl:` block on top.
+
+    Args:
+        cuda: whether this machine has a CUDA GPU (without one, the rollout is ajet's engine; `cpu.py` adds
+            the CPU-only settings).
 
     Raises:
         ConfigError: an ajet setting verl cannot honour (the message names the key and what to do), or a
@@ -63,27 +85,34 @@ def verl_overrides(cfg: AjetConfig) -> dict[str, Any]:
     if unsupported := unsupported_keys(cfg):
         raise ConfigError(f"the verl backbone does not support {', '.join(f'`{k}`' for k in unsupported)}: remove "
                           f"it, or set the verl option you mean in the `verl:` block")
-    if m.device not in ("auto", "cuda"):
-        raise ConfigError(f"model.device={m.device!r}: the verl backbone trains and samples on CUDA GPUs only; "
-                          f"remove model.device (or use --backbone=debug)")
-    if m.path == "smollm2-135m-instruct":
+    rollout_name = rollout_choice(cfg, cuda)
+    if m.device not in ("auto", "cuda" if cuda else "cpu"):
+        raise ConfigError(f"model.device={m.device!r}: the verl backbone trains on {'CUDA GPUs' if cuda else 'CPU'} "
+                          f"on this machine; remove model.device")
+    if rollout_name != "ajet" and m.path.lower() == "smollm2-135m-instruct":
         raise ConfigError("model.path='smollm2-135m-instruct' is ajet's embedded GGUF model, which vLLM/SGLang cannot "
                           "serve: give a Hugging Face id or folder (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
-    if a.mini_batches > t.tasks_per_step or t.tasks_per_step % a.mini_batches:
-        raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: verl splits a step by task groups, so it must "
-                          f"divide trainer.tasks_per_step={t.tasks_per_step}")
     if t.async_.max_staleness:
         raise ConfigError(f"trainer.async.max_staleness={t.async_.max_staleness}: the verl backbone does not apply "
                           f"ajet's importance-sampling correction of off-policy samples yet; use 0 (or leave it unset), "
                           f"or --backbone=debug")
+    if rollout_name == "ajet" and m.lora:
+        raise ConfigError("model.lora with the verl backbone's ajet rollout (no CUDA) is not supported yet: the weight "
+                          "sync sends full weights only; remove model.lora, or use --backbone=debug for LoRA on CPU")
     if a.loss_agg_mode == "seq-mean-token-sum-norm" and a.loss_scale_factor is None:
         raise ConfigError("algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor on the "
                           "verl backbone (verl's default, the padded response width, changes from step to step here)")
+    model_path = resolve_model_path(m.path) if rollout_name == "ajet" else m.path
     out: dict[str, Any] = {
         # the policy
-        "actor_rollout_ref.model.path": m.path,
+        "actor_rollout_ref.model.path": model_path,
+        # eager/sdpa need no extra package (verl's default needs flash_attn); `verl:` may ask for flash_attention_2
+        "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+        "actor_rollout_ref.rollout.name": "vllm" if rollout_name == "ajet" else rollout_name,
         "actor_rollout_ref.rollout.dtype": _VLLM_DTYPE[m.dtype],
-        "actor_rollout_ref.actor.fsdp_config.dtype": m.dtype,
+        # the FSDP engine reads its training precision from fsdp_config.mixed_precision (fsdp_config.dtype: unread)
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision": _mixed_precision(m.dtype),
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision": _mixed_precision(m.dtype),
         "actor_rollout_ref.rollout.max_model_len": m.max_model_len,
         "actor_rollout_ref.model.lora_rank": m.lora.rank if m.lora else 0,
         # sampling (the proxy sends each call's own params; these are the servers' defaults)
@@ -105,10 +134,13 @@ def verl_overrides(cfg: AjetConfig) -> dict[str, Any]:
         "actor_rollout_ref.actor.clip_ratio_c": a.clip_ratio_c if a.clip_ratio_c is not None else 1e9,
         "actor_rollout_ref.actor.loss_agg_mode": a.loss_agg_mode,
         "actor_rollout_ref.actor.ppo_epochs": a.ppo_epochs,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": t.tasks_per_step // a.mini_batches,
+        # ajet splits a step into algorithm.mini_batches by episode and sends each as one verl mini-batch
+        # (backbone.py); verl's own split size is then unused, but its config checks want a positive value
+        "actor_rollout_ref.actor.ppo_mini_batch_size": max(1, t.tasks_per_step // a.mini_batches),
+        "actor_rollout_ref.actor.optim.total_training_steps": t.total_steps * a.mini_batches * a.ppo_epochs,
         "actor_rollout_ref.actor.use_dynamic_bsz": True,            # micro-batches by tokens, as ajet packs them
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": a.micro_batch_tokens,
-        "actor_rollout_ref.actor.grad_clip": a.max_grad_norm,
+        "actor_rollout_ref.actor.optim.clip_grad": a.max_grad_norm,      # what the FSDP engine clips with
         "actor_rollout_ref.actor.use_kl_loss": a.kl_coef > 0,
         "actor_rollout_ref.actor.kl_loss_coef": a.kl_coef,
         "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",       # k3, clamped to [-10, 10] as ajet's
@@ -130,10 +162,19 @@ def verl_overrides(cfg: AjetConfig) -> dict[str, Any]:
         if not isinstance(cfg.verl, dict):
             raise ConfigError(f"`verl:` must be a mapping of verl config keys, got {type(cfg.verl).__name__}")
         out.update(flatten(cfg.verl))
+    if rollout_name == "ajet":   # verl's key is mandatory; no verl rollout is built (ajet's engine serves)
+        out["actor_rollout_ref.rollout.name"] = "vllm"
     return out
 
 
 _VLLM_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_FSDP_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _mixed_precision(dtype: str) -> dict[str, str]:
+    """verl's FSDP `mixed_precision` for ajet's `model.dtype`: parameters in that dtype, gradients reduced and
+    buffers kept in fp32 (verl's own defaults for bf16)."""
+    return {"param_dtype": _FSDP_DTYPE[dtype], "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -148,8 +189,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_keys_exist(overrides: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Refuse any dotted key of `overrides` that verl's default config (`defaults`, nested) does not have.
+def check_keys_exist(overrides: dict[str, Any], defaults: dict[str, Any],
+                     fields_of: Callable[[str], set[str]] | None = None) -> None:
+    """Refuse any dotted key of `overrides` that verl's config does not have.
+
+    A key exists when its path is in `defaults` (verl's composed config, nested), or continues below a default of
+    null / `{}` (e.g. `model.override_config.attn_implementation`, `rollout.engine_kwargs.vllm.*`), or names a
+    field of the config dataclass a node's `_target_` builds (`fields_of(target)`; e.g. `fsdp_config.
+    mixed_precision`, a field of verl's FSDPEngineConfig that the YAML leaves out), whatever its default.
 
     Raises:
         ConfigError: naming every unknown key (a typo in the `verl:` block, or a key this verl version dropped).
@@ -158,10 +205,16 @@ def check_keys_exist(overrides: dict[str, Any], defaults: dict[str, Any]) -> Non
     for key in overrides:
         node: Any = defaults
         for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                unknown.append(key)
-                break
-            node = node[part]
+            if node is None or node == {}:
+                break                           # below a null / {} default: verl takes any content
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+                continue
+            target = node.get("_target_") if isinstance(node, dict) else None
+            if target and fields_of is not None and part in fields_of(target):
+                break                           # a field of verl's config dataclass the YAML does not list
+            unknown.append(key)
+            break
     if unknown:
         raise ConfigError("verl's config has no key " + ", ".join(f"`{k}`" for k in unknown)
                           + " (check the `verl:` block against verl/trainer/config/ppo_trainer.yaml)")

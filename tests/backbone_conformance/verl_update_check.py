@@ -1,0 +1,83 @@
+"""Runs INSIDE the verl environment (.venvs/verl): the same recorded samples trained by ajet's verl backbone (verl's
+RayWorkerGroup, FSDP2 on gloo, verl's ppo_loss and AdamW, on CPU) and by the debug backbone (in-process torch).
+
+    .venvs/verl/bin/python tests/backbone_conformance/verl_update_check.py IN.json OUT.json
+
+IN.json: model_dir, samples (advantages set), lr, runs: [{name, mode, dp, kl_coef, select}] (select: "all", "no_forks":
+the first sample of each episode only, "drop_last": all but the last sample). For each run, OUT.json
+gets: the relative L2 distance between verl's and the debug backbone's gradients of the first update (all
+parameters as one vector), the same for the weight changes after 3 updates, verl's grad_norm and optimizer
+steps, and, for a run with `same_as` (another run's name), the relative L2 distance between the two runs' verl
+gradients (2 FSDP ranks against 1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def rel(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over all tensors of two {name: tensor} dicts with the same names."""
+    assert set(a) == set(b), (sorted(set(a) ^ set(b)))[:5]
+    num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
+    den = sum(float(b[k].double().pow(2).sum()) for k in b)
+    return (num / den) ** 0.5
+
+
+def main(inp: str, out: str) -> None:
+    import ray
+
+    from ajet.backbones.debug.backbone import DebugBackbone
+    from ajet.backbones.verl.backbone import VerlBackbone
+    from ajet.config import AjetConfig
+    from ajet.tracker.sample import Sample
+
+    d = json.load(open(inp))
+    all_samples = [Sample(**s) for s in d["samples"]]
+    res = {}
+    grads_by_run = {}
+    for run in d["runs"]:
+        samples = {"all": all_samples, "drop_last": all_samples[:-1],
+                   "no_forks": [s for s in all_samples if "fork_reason" not in s.flags]}[run["select"]]
+        conf = {"workflow": "x:y", "data": {"train_path": "x"},
+                "model": {"path": d["model_dir"], "max_model_len": 1024},
+                "algorithm": {"loss_agg_mode": run["mode"], "lr": d["lr"], "kl_coef": run["kl_coef"],
+                              "loss_scale_factor": 64.0 if run["mode"] == "seq-mean-token-sum-norm" else None}}
+        debug = DebugBackbone(AjetConfig.model_validate({**conf, "model": {**conf["model"], "device": "cpu"}}))
+        w0 = {k: v.detach().clone() for k, v in debug.model.named_parameters()}
+        debug.accumulate_gradients(samples)
+        g_debug = {k: p.grad.detach().clone() for k, p in debug.model.named_parameters()}
+        debug.optimizer.zero_grad(set_to_none=True)
+        for _ in range(3):
+            debug.update(samples)
+        dw_debug = {k: p.detach() - w0[k] for k, p in debug.model.named_parameters()}
+
+        verl = VerlBackbone(AjetConfig.model_validate({**conf, "backbone": "verl",
+                                                       "verl": {"trainer": {"n_gpus_per_node": run["dp"]}}}))
+        verl.actor_wg.record_grads()
+        metrics = [verl.update(samples)]
+        g_verl = verl.actor_wg.export_grads()[0]
+        for _ in range(2):
+            metrics.append(verl.update(samples))
+        dw_verl = {k: v - w0[k] for k, v in verl.actor_wg.export_weights()[0].items() if k in w0}
+        engine_w = {k: p.detach() - w0[k] for k, p in verl.model.named_parameters()}
+        name = run["name"]
+        res[name] = {"grad_rel": rel(g_verl, g_debug), "weight_rel": rel(dw_verl, dw_debug),
+                     "engine_vs_actor": rel(engine_w, dw_verl), "grad_norm": metrics[0]["grad_norm"],
+                     "optimizer_steps": [m["optimizer_steps"] for m in metrics], "rows": len(samples),
+                     "policy_version": verl.engine.policy_version}
+        grads_by_run[name] = g_verl
+        verl.close()
+        debug.close()
+    for run in d["runs"]:                   # data parallel: a run against the run named in its "same_as"
+        if run.get("same_as"):
+            res[run["name"]]["grad_rel_vs_same_as"] = rel(grads_by_run[run["name"]], grads_by_run[run["same_as"]])
+    ray.shutdown()
+    json.dump(res, open(out, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
