@@ -2,7 +2,7 @@
 
 Trinity's `VERLTrainer` places its FSDP workers with verl's `RayWorkerGroup` on a resource pool of "GPUs"
 and names the device "cuda" (trinity/trainer/verl/trainer.py: `self.device_name = "cuda"`). Nothing in the
-update itself needs CUDA; six places assume it, and `patch_verl_for_cpu` changes 1-5, in every
+update itself needs CUDA; seven places assume it, and `patch_verl_for_cpu` changes 1-6, in every
 process that imports verl (the driver, and each Ray worker through Ray's `worker_process_setup_hook`):
 
   1. verl/utils/device.py `get_nccl_backend()` returns "nccl" whatever the device, and the worker's process
@@ -20,7 +20,11 @@ process that imports verl (the driver, and each Ray worker through Ray's `worker
   5. verl/workers/engine/fsdp/transformer_impl.py shards a forward-only model (the reference policy) with
      `CPUOffloadPolicy(pin_memory=True)`; pinning needs an accelerator ("Cannot access accelerator device when
      none is available", torch/distributed/fsdp/_fully_shard/_fsdp_param.py). -> the same policy unpinned.
-  6. The resource pool asks Ray for one GPU per FSDP rank (`use_gpu=True` in verl's `ResourcePoolManager`).
+  6. verl calls its device module (`get_torch_device()`, here `torch.cpu`) for memory counters, cache and RNG
+     (verl/utils/memory_utils.py `aggressive_empty_cache`: "module 'torch.cpu' has no attribute
+     'memory_reserved'"; the checkpoint manager's `get_rng_state`). -> the missing ones added to `torch.cpu`:
+     counters read 0, cache calls do nothing, the RNG state is torch's CPU generator.
+  7. The resource pool asks Ray for one GPU per FSDP rank (`use_gpu=True` in verl's `ResourcePoolManager`).
      -> `ray_init_kwargs` starts a local Ray cluster that declares `world_size` logical "GPU" slots, which
      Ray only counts (a worker with one sees CUDA_VISIBLE_DEVICES set and `torch.cuda.is_available()` False).
 
@@ -34,7 +38,7 @@ import os
 
 
 def patch_verl_for_cpu() -> None:
-    """Apply the CPU changes 1-5 of the module docstring to the verl modules of this process (idempotent).
+    """Apply the CPU changes 1-6 of the module docstring to the verl modules of this process (idempotent).
 
     A no-op when CUDA is available. Raises ImportError when verl is not installed.
     """
@@ -62,6 +66,9 @@ def patch_verl_for_cpu() -> None:
     torch.cuda.get_device_capability = _no_capability                      # 4
     if transformer_impl.CPUOffloadPolicy is not None and transformer_impl.CPUOffloadPolicy.__name__ != "Unpinned":
         transformer_impl.CPUOffloadPolicy = _unpinned(transformer_impl.CPUOffloadPolicy)     # 5
+    for name, fn in _CPU_DEVICE_FALLBACKS.items():                        # 6
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
     pure_torch.index_first_axis  # the module is importable: verl ships it for NPUs, it needs only torch + einops
 
 
@@ -75,6 +82,23 @@ def _with_gloo(init_process_group):
 
     init_gloo._ajet_gloo = True
     return init_gloo
+
+
+def _zero(*args, **kwargs) -> int:
+    return 0
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+_CPU_DEVICE_FALLBACKS = {
+    "memory_reserved": _zero, "memory_allocated": _zero, "max_memory_allocated": _zero,
+    "max_memory_reserved": _zero, "reset_peak_memory_stats": _nothing, "empty_cache": _nothing,
+    "ipc_collect": _nothing, "mem_get_info": lambda *a, **k: (0, 0),
+    "get_rng_state": lambda *a, **k: __import__("torch").get_rng_state(),
+    "set_rng_state": lambda state, *a, **k: __import__("torch").set_rng_state(state),
+}
 
 
 def _unpinned(policy_cls):
@@ -97,7 +121,7 @@ def _pure_torch_padding():
 
 
 def ray_init_kwargs(world_size: int) -> dict:
-    """`ray.init` arguments for a local CPU cluster that can hold `world_size` FSDP ranks (change 6), with
+    """`ray.init` arguments for a local CPU cluster that can hold `world_size` FSDP ranks (change 7), with
     `patch_verl_for_cpu` run in every Ray worker process before it imports the actor class."""
     return {
         # logical counts, not cores: verl's placement group asks 3 CPUs per rank (max_colocate_count), and
