@@ -2,8 +2,9 @@
 
 ajet is the explorer (its proxy and engine generate, its context tracker builds the samples, it computes the
 GRPO advantages); Trinity's trainer only updates. So the Trinity config is a `mode: train` one whose
-algorithm is `grpo` with the advantages taken as given (`compute_advantage_in_trainer` is False for it)
-and the old logprobs taken from the experiences (`bypass_old_logprobs`). The `trinity:` block holds any
+algorithm takes the advantages as given (`compute_advantage_in_trainer` is False for Trinity's `grpo` and
+`dapo` types: `dapo` when `kl_coef` is 0, as Trinity's `grpo` always builds a reference model) and the old
+logprobs from the experiences (`bypass_old_logprobs`). The `trinity:` block holds any
 Trinity config key, nested as in Trinity's own YAML (e.g. `algorithm: {policy_loss_fn: gspo}`); it is
 merged last into Trinity's typed `Config`, which refuses a key it does not have.
 """
@@ -54,7 +55,9 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
         "cluster": {"node_num": 1, "gpu_per_node": world_size},
         "buffer": {"batch_size": t.tasks_per_step, "train_batch_size": t.tasks_per_step * r.num_repeat},
         "algorithm": {
-            "algorithm_type": "grpo",                 # advantages come from ajet (compute_advantage_in_trainer=False)
+            # both take the advantages as given (compute_advantage_in_trainer=False) and train the PPO loss; Trinity's
+            # grpo type always builds a reference model, its dapo type (grpo advantages, ppo loss) builds none
+            "algorithm_type": "grpo" if a.kl_coef > 0 else "dapo",
             "repeat_times": r.num_repeat,
             "bypass_old_logprobs": True,              # old logprobs = the engine's, as in ajet's debug backbone
             "optimizer": {"lr": a.lr, "weight_decay": a.weight_decay, "clip_grad": a.max_grad_norm,
