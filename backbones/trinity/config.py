@@ -37,6 +37,9 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
     if a.mini_batches != 1:
         raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: the trinity backbone makes one optimizer step "
                           f"per step (verl 0.8 needs the row count to divide by the mini-batch); set it to 1")
+    if a.loss_scale_factor is not None:
+        raise ConfigError("algorithm.loss_scale_factor: Trinity's seq-mean-token-sum-norm divides by the padded "
+                          "response width and takes no constant; remove it (or use --backbone debug / verl)")
     # one micro-batch per step unless the YAML sets micro_batch_tokens: Trinity aggregates the loss per
     # micro-batch and verl 0.8 sums micro-batch gradients, so several micro-batches change the loss's scale
     tokens = a.micro_batch_tokens if "micro_batch_tokens" in a.model_fields_set \

@@ -25,7 +25,8 @@ def worker_grads(backbone) -> dict[str, torch.Tensor]:
     import ray
 
     def read(worker_dict):
-        engine = worker_dict.worker_dict["actor_rollout_ref"].actor.engine
+        worker, = worker_dict.worker_dict.values()    # the actor role ("actor_rollout", "_ref" with a reference)
+        engine = worker.actor.engine
         out = {}
         for name, p in engine.module.named_parameters():
             g = p.grad
