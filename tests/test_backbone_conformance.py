@@ -218,12 +218,16 @@ print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora
 def test_every_translated_key_exists_in_verls_own_config(tmp_path, extra, expected):
     """verl's ppo_trainer.yaml composed by Hydra in the verl venv takes every key the translation writes;
     a misspelt key in the `verl:` block is a ConfigError naming it."""
-    py = venv_python("verl")
+    assert _config_check(venv_python("verl"), VERL_CONFIG_CHECK, extra, tmp_path).startswith(expected)
+
+
+def _config_check(py: str, script: str, extra: str, tmp_path) -> str:
+    """The last line `script` prints for a config of the minimal keys + `extra`, run by the venv's `py`."""
     (tmp_path / "c.yaml").write_text("workflow: wf.py:W\ndata: {train_path: tasks.jsonl}\n" + extra)
-    proc = subprocess.run([py, "-c", VERL_CONFIG_CHECK, str(tmp_path / "c.yaml")], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run([py, "-c", script, str(tmp_path / "c.yaml")], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith(expected), proc.stdout
+    return proc.stdout.strip().splitlines()[-1]
 
 
 VERL_API_CHECK = """
@@ -357,9 +361,5 @@ def test_the_trinity_block_reaches_trinitys_config(tmp_path, extra, expected):
     """ajet's keys and the `trinity:` block compose into Trinity's own typed Config (its validators run, in the
     trinity venv): Trinity's algorithm choice passes through with that algorithm's own defaults; a misspelt key is
     a ConfigError naming it; a setting the backbone cannot honour is a ConfigError naming the ajet key."""
-    py = venv_python("trinity")
-    (tmp_path / "c.yaml").write_text("workflow: wf.py:W\ndata: {train_path: tasks.jsonl}\n" + extra)
-    proc = subprocess.run([py, "-c", TRINITY_CONFIG_CHECK, str(tmp_path / "c.yaml")], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1].startswith(expected), proc.stdout
+    line = _config_check(venv_python("trinity"), TRINITY_CONFIG_CHECK, extra, tmp_path)
+    assert line.startswith(expected), line
