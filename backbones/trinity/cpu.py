@@ -50,7 +50,7 @@ def patch_verl_for_cpu() -> None:
     import verl.utils.device as device
     import verl.utils.distributed as distributed
     import verl.workers.engine_workers as engine_workers
-    from verl.utils import npu_flash_attn_utils as pure_torch
+    from verl.utils import npu_flash_attn_utils  # noqa: F401  (change 3's helpers: fails here without einops)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp import transformer_impl   # (importing it registers the FSDP engines)
 
@@ -69,7 +69,6 @@ def patch_verl_for_cpu() -> None:
     for name, fn in _CPU_DEVICE_FALLBACKS.items():                        # 6
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
-    pure_torch.index_first_axis  # the module is importable: verl ships it for NPUs, it needs only torch + einops
 
 
 def _gloo() -> str:
