@@ -78,8 +78,13 @@ class TrinityBackbone:
         ).remote(self.config, module_ref=self._explorer)
         from trinity.trainer.verl.trainer import VERLTrainer
 
-        self.trainer = VERLTrainer(self.config)
-        self._run(self.trainer.prepare())
+        try:
+            self.trainer = VERLTrainer(self.config)
+            self._run(self.trainer.prepare())
+        except ray.exceptions.RayError as exc:   # e.g. a worker killed by Ray's memory monitor
+            self.close()
+            raise BackboneUnavailable(f"Trinity's trainer workers failed to start: {str(exc).splitlines()[0]}") \
+                from exc
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -110,7 +115,10 @@ class TrinityBackbone:
         # verl 0.8 splits the rows into mini-batches of exactly this many rows: all of them = one optimizer step
         self.trainer.config.actor.ppo_mini_batch_size = len(exps)
         self.trainer.global_config.model.temperature = batch_temperature(trainable)
-        metrics = self._run(self.trainer.train_step(exps))
+        try:
+            metrics = self._run(self.trainer.train_step(exps))
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"Trinity's trainer step failed: {str(exc).splitlines()[0]}") from exc
         t1 = time.perf_counter()
         self._run(self.trainer.upload_state_dict())
         state, version = ray.get(self.synchronizer.get_model_state_dict.remote())
@@ -158,6 +166,7 @@ class TrinityBackbone:
             self.engine.policy_version = state["policy_version"]
 
     def close(self) -> None:
+        """Stop ajet's engine, the trainer's event loop and the Ray cluster this backbone started."""
         import ray
 
         self.engine.close()
