@@ -501,6 +501,9 @@ class AjetConfig(_Section):
     # verl backbone only: verl config keys passed through as they are (dotted or nested), applied after the
     # translation of the sections above; see ajet.backbones.verl.config
     verl: dict[str, Any] | None = None
+    # trinity backbone only: Trinity-RFT config keys (nested or dotted, as in Trinity's YAML), merged last into
+    # Trinity's typed Config, which refuses unknown keys; see ajet.backbones.trinity.config
+    trinity: dict[str, Any] | None = None
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)

@@ -1,0 +1,200 @@
+"""The Trinity-RFT backbone: ajet explores, Trinity-RFT's own trainer updates.
+
+    ajet's proxy + HFEngine (the debug backbone's engine) --> episodes --> context tracker --> Samples
+    update(samples):
+        to_experiences(samples)                        ajet's recorded token ids -> Trinity `Experience`s
+        VERLTrainer.train_step(experiences)            Trinity's trainer (trinity/trainer/verl/trainer.py):
+                                                       to_data_proto -> [ref logprobs] -> update_actor on its
+                                                       TrinityActorRolloutRefWorker (verl 0.8 FSDP2 engine,
+                                                       Trinity's policy/KL loss) in a Ray worker group
+        VERLTrainer.upload_state_dict()                Trinity's MEMORY weight sync: the worker gathers the
+                                                       full state dict into Trinity's Synchronizer actor
+        Synchronizer.get_model_state_dict()            ajet's engine loads those tensors (no file per step)
+
+Trinity's own `Trainer` class (trinity/trainer/trainer.py) wraps the same `VERLTrainer` with a loop that
+pulls experiences from Trinity's buffer; ajet hands its experiences over directly instead, and drives the
+weight sync the way Trinity's explorer does with `sync_method: memory`.
+
+On a machine without CUDA the worker group runs on a local Ray cluster with logical GPU slots and the
+verl changes of `backbones/trinity/cpu.py` (gloo, a CPU engine registration, pure-torch padding helpers,
+fp32, eager attention, FSDP2). On CUDA the same code trains on GPUs; generation stays ajet's engine (Trinity's
+vLLM explorer is not used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ajet.config import AjetConfig
+from ajet.tracker.sample import Sample
+
+
+class TrinityBackbone:
+    """`Backbone` whose update is Trinity-RFT's `VERLTrainer.train_step` (see the module docstring).
+
+    Args:
+        cfg: the experiment config; `cfg.trinity` is merged into Trinity's config (`backbones/trinity/config.py`).
+    Raises:
+        ConfigError: an ajet setting this backbone cannot honour, or a `trinity:` key Trinity's config lacks.
+        BackboneUnavailable: Ray could not start Trinity's workers.
+    """
+
+    def __init__(self, cfg: AjetConfig):
+        import ray
+        from trinity.manager.synchronizer import Synchronizer
+
+        from ajet.backbones.trinity.config import trinity_config
+        from ajet.backbones.trinity.cpu import patch_verl_for_cpu, ray_init_kwargs
+        from ajet.errors import BackboneUnavailable
+        from ajet.model import resolve_model_path
+
+        self.cfg = cfg
+        self.on_cpu = not torch.cuda.is_available()
+        self.world_size = 1
+        path = str(resolve_model_path(cfg.model.path))
+        self.model, self.tokenizer, self.engine = _explorer_engine(cfg, path)
+        exp_dir = Path(cfg.trainer.exp_dir) if cfg.trainer.exp_dir else Path(".")
+        self.config = trinity_config(cfg, path, str((exp_dir / "trinity").resolve()), self.world_size, self.on_cpu)
+        if self.on_cpu:
+            patch_verl_for_cpu()
+        if not ray.is_initialized():
+            try:
+                ray.init(namespace=self.config.ray_namespace,
+                         **(ray_init_kwargs(self.world_size) if self.on_cpu else {"address": cfg.rollout.ray_address}))
+            except Exception as exc:   # noqa: BLE001  (Ray raises many kinds)
+                raise BackboneUnavailable(f"the trinity backbone could not start Ray: {exc}") from exc
+        self._loop = asyncio.new_event_loop()           # Trinity's trainer API is async; one loop, one thread
+        threading.Thread(target=self._loop.run_forever, name="trinity-trainer", daemon=True).start()
+        # Trinity's Synchronizer holds the state dict the trainer uploads (sync_method: memory); it watches the
+        # modules it serves and stops when none is alive: ajet's explorer is represented by a tiny actor
+        self._explorer = ray.remote(_ExplorerHandle).options(namespace=self.config.ray_namespace).remote()
+        self.synchronizer = ray.remote(Synchronizer).options(
+            name="synchronizer", namespace=self.config.ray_namespace, get_if_exists=True,
+        ).remote(self.config, module_ref=self._explorer)
+        from trinity.trainer.verl.trainer import VERLTrainer
+
+        try:
+            self.trainer = VERLTrainer(self.config)
+            self._run(self.trainer.prepare())
+        except ray.exceptions.RayError as exc:   # e.g. a worker killed by Ray's memory monitor
+            self.close()
+            raise BackboneUnavailable(f"Trinity's trainer workers failed to start: {str(exc).splitlines()[0]}") \
+                from exc
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # ---- the RL step ------------------------------------------------------------------------------
+    def update(self, samples: list[Sample]) -> dict[str, float]:
+        """Trinity's `train_step` on the samples with a loss token (one Experience each), then the new weights
+        into ajet's engine through Trinity's Synchronizer.
+
+        Returns Trinity's metrics (floats; `actor/pg_loss`, `actor/grad_norm`, `actor/ppo_kl`, ...) plus
+        optimizer_steps, update_s (the train step) and sync_s (the weight sync).
+
+        Raises:
+            ValueError: the loss tokens were sampled at several temperatures or with top_p < 1 (verl scores a
+                batch at one temperature, without nucleus truncation); the message names the setting.
+            RuntimeError: Trinity's workers failed.
+        """
+        import ray
+
+        from ajet.backbones.trinity.data import to_experiences
+        from ajet.backbones.verl.data import batch_temperature
+
+        trainable = [s for s in samples if s.num_loss_tokens > 0]
+        if not trainable:
+            return {"optimizer_steps": 0.0}
+        t0 = time.perf_counter()
+        exps = to_experiences(trainable)
+        # verl 0.8 splits the rows into mini-batches of exactly this many rows: all of them = one optimizer step
+        self.trainer.config.actor.ppo_mini_batch_size = len(exps)
+        self.trainer.global_config.model.temperature = batch_temperature(trainable)
+        try:
+            metrics = self._run(self.trainer.train_step(exps))
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"Trinity's trainer step failed: {str(exc).splitlines()[0]}") from exc
+        t1 = time.perf_counter()
+        self._run(self.trainer.upload_state_dict())
+        state, version = ray.get(self.synchronizer.get_model_state_dict.remote())
+        with self.engine.weights_lock:
+            self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in state.items()})
+            self.engine.policy_version += 1
+        del state
+        out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out.update(optimizer_steps=float(self.trainer.config.actor.ppo_epochs), update_s=t1 - t0,
+                   sync_s=time.perf_counter() - t1, trinity_step=float(version))
+        return out
+
+    def sleep_rollout(self) -> None:
+        """No-op: ajet's engine keeps its weights while Trinity's workers train their own copy."""
+
+    def wake_rollout(self) -> None:
+        """No-op: `update` already loaded the new weights into ajet's engine."""
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path) -> None:
+        """The policy in Hugging Face format (ajet's engine holds the trained weights after every sync) plus
+        Trinity's actor checkpoint under `path/actor` (FSDP shards, optimizer, scheduler; written by verl's
+        checkpoint manager through Trinity's worker) and `backbone_state.pt` (policy version, engine RNG)."""
+        path.mkdir(parents=True, exist_ok=True)
+        with self.engine.weights_lock:
+            self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        self.trainer.actor_rollout_wg.save_checkpoint(local_path=str((path / "actor").resolve()),
+                                                      global_step=self.trainer.global_steps)
+        self.trainer.actor_rollout_wg.wait_on_save_thread()
+        torch.save({"policy_version": self.engine.policy_version, "trinity_step": self.trainer.global_steps,
+                    "engine_rng": self.engine._generator.get_state()}, path / "backbone_state.pt")
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what `save_checkpoint` wrote: Trinity's actor (weights + optimizer) and ajet's engine."""
+        from transformers import AutoModelForCausalLM
+
+        state = torch.load(path / "backbone_state.pt", weights_only=False)
+        self.trainer.actor_rollout_wg.load_checkpoint(str((path / "actor").resolve()), del_local_after_load=False)
+        self.trainer.global_steps = state["trinity_step"]
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
+        with self.engine.weights_lock:
+            self.model.load_state_dict(saved.state_dict())
+            self.engine._generator.set_state(state["engine_rng"])
+            self.engine.policy_version = state["policy_version"]
+
+    def close(self) -> None:
+        """Stop ajet's engine, the trainer's event loop and the Ray cluster this backbone started."""
+        import ray
+
+        self.engine.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        ray.shutdown()
+
+
+class _ExplorerHandle:
+    """ajet's explorer as Trinity's Synchronizer sees it: a module that answers `is_alive`."""
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def _explorer_engine(cfg: AjetConfig, path: str):
+    """(model, tokenizer, engine): the policy copy ajet's proxy generates with, served by the debug backbone's
+    `HFEngine` (token ids and logprobs exactly as sampled)."""
+    from ajet.backbones.debug.engine import HFEngine
+    from ajet.model import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(path, cfg.model.chat_template)
+    model = load_model(path, cfg.model.dtype, cfg.model.device).eval()
+    model.config.use_cache = True
+    eos = {tokenizer.eos_token_id}
+    g = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if g is not None:
+        eos |= set(g if isinstance(g, list) else [g])
+    engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch_size=cfg.rollout.max_batch_size,
+                      max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode)
+    engine.seed(cfg.trainer.seed)
+    return model, tokenizer, engine

@@ -1,0 +1,77 @@
+"""Runs INSIDE the Trinity environment (.venvs/trinity): the real Trinity backbone (`TrinityBackbone`: Trinity-RFT's
+`VERLTrainer` with its FSDP2 worker in a Ray worker group on CPU) trains ajet's recorded samples, per
+`loss_agg_mode`, from the same initial weights: the worker's gradients after the first update (read from the
+FSDP module inside the Ray worker) and the weights ajet's engine holds after `steps` updates (synced back through
+Trinity's Synchronizer).
+
+    .venvs/trinity/bin/python tests/backbone_conformance/trinity_update.py IN.json OUT.pt
+
+IN.json: {"model_dir", "exp_dir", "samples", "modes", "lr", "steps", "clip_ratio_low", "clip_ratio_high",
+"clip_ratio_c"}. OUT.pt: {mode: {"grads": {name: tensor}, "weights": {name: tensor}, "metrics": [dict per step]}}.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def worker_grads(backbone) -> dict[str, torch.Tensor]:
+    """The FSDP actor's `.grad` of every parameter (full tensors, HF names), read inside its Ray worker."""
+    import ray
+
+    def read(worker_dict):
+        worker, = worker_dict.worker_dict.values()    # the actor role ("actor_rollout", "_ref" with a reference)
+        engine = worker.actor.engine
+        out = {}
+        for name, p in engine.module.named_parameters():
+            g = p.grad
+            if g is not None:
+                out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
+        return out
+
+    return ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(read))
+
+
+def main(inp: str, out: str) -> None:
+    from ajet.backbones.trinity import TrinityBackbone
+    from ajet.config import AjetConfig
+    from ajet.tracker.sample import Sample
+
+    d = json.load(open(inp))
+    samples = [Sample(**s) for s in d["samples"]]
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, trainer={"exp_dir": d["exp_dir"]},
+                     model={"path": d["model_dir"], "device": "cpu", "max_model_len": 1024},
+                     algorithm={"lr": d["lr"], "loss_agg_mode": d["modes"][0], "max_grad_norm": d["max_grad_norm"],
+                                "clip_ratio_low": d["clip_ratio_low"],
+                                "clip_ratio_high": d["clip_ratio_high"], "clip_ratio_c": d["clip_ratio_c"]})
+    bb = TrinityBackbone(cfg)
+    init = Path(d["exp_dir"]) / "init"
+    bb.save_checkpoint(init)
+    res = {}
+    try:
+        for mode in d["modes"]:
+            bb.load_checkpoint(init)
+            algo = copy.deepcopy(bb.config.algorithm)        # Trinity's own way to set the loss on its workers
+            algo.loss_agg_mode = mode
+            algo.policy_loss_fn_args = {**algo.policy_loss_fn_args, "loss_agg_mode": mode}
+            bb.trainer.actor_rollout_wg.set_trinity_config(algo_config=algo, rollout_engine_type="vllm",
+                                                           ray_namespace=bb.config.ray_namespace)
+            metrics, grads = [], None
+            for step in range(d["steps"]):
+                metrics.append(bb.update(samples))
+                if step == 0:
+                    grads = worker_grads(bb)
+            res[mode] = {"grads": grads, "metrics": metrics,
+                         "weights": {k: v.detach().clone() for k, v in bb.model.state_dict().items()}}
+    finally:
+        bb.close()
+    torch.save(res, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
