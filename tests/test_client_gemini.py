@@ -132,8 +132,15 @@ def test_errors_have_googles_shape(proxy):
     ep = server.open_episode("ep")
     client = _client(ep)
     with pytest.raises(errors.ClientError) as exc:
+        client.models.generate_content(model="m", contents="x", config=types.GenerateContentConfig(presence_penalty=1))
+    assert exc.value.code == 400 and exc.value.status == "INVALID_ARGUMENT" and "penalties" in exc.value.message
+    # topK (Gemini CLI sends 64): the config's sampling replaces the client's, unless the client's is to win
+    assert client.models.generate_content(model="m", contents="x", config=types.GenerateContentConfig(top_k=5)).text
+    server.sampling_policy = "client"
+    with pytest.raises(errors.ClientError) as exc:
         client.models.generate_content(model="m", contents="x", config=types.GenerateContentConfig(top_k=5))
-    assert exc.value.code == 400 and exc.value.status == "INVALID_ARGUMENT" and "topK" in exc.value.message
+    assert exc.value.code == 400 and "topK" in exc.value.message
+    server.sampling_policy = "config"
     stranger = genai.Client(api_key="x", http_options=types.HttpOptions(base_url=server.url + "/ep/nope"))
     with pytest.raises(errors.ClientError) as exc:
         stranger.models.generate_content(model="m", contents="x")
