@@ -298,44 +298,6 @@ def test_the_trainers_baseline_counts_an_episode_that_made_no_call(tiny_model_di
 
 
 # ---- an update while a completion decodes -----------------------------------------------------------------
-def test_an_update_never_lands_inside_a_completion(tiny_model_dir):
-    """The update starts while a completion is decoding; it waits for the engine's weights lock, so every
-    token of the completion is sampled, and its logprob recorded, under the weights it started with."""
-    import asyncio
-    import threading
-
-    bb = _backbone(tiny_model_dir, lr=0.5)
-    try:
-        before = copy.deepcopy(bb.model).eval()
-        train = _on_policy(bb, _episodes(2, seed=3))
-        prompt = bb.tokenizer.encode("Tell me a long story about a cat.", add_special_tokens=False)
-        started, out = threading.Event(), {}
-
-        def decode():
-            params = SamplingParams(temperature=1.0, max_tokens=48, seed=11)
-            out["c"] = asyncio.run(bb.engine.generate(prompt, params, on_tokens=lambda d: started.set()))
-
-        t = threading.Thread(target=decode)
-        t.start()
-        assert started.wait(60)
-        bb.update(train)                         # asked for while the completion decodes
-        t.join(60)
-        c = out["c"]
-    finally:
-        bb.close()
-    assert len(c.token_ids) >= 16 and c.policy_version == 0 and bb.engine.policy_version == 1
-    sample = Sample(episode_id="e", group_id="g", agent_tag="default", call_ids=["c"], prompt_ids=prompt,
-                    response_ids=c.token_ids, loss_mask=[1] * len(c.token_ids), old_logprobs=c.logprobs,
-                    policy_versions=[0] * len(c.token_ids))
-    batch = _collate([sample], [1.0], bb.tokenizer.pad_token_id, bb.device)
-    with torch.no_grad():
-        old, _ = token_logprobs(before, batch["input_ids"], batch["attention_mask"], batch["temperatures"])
-        new, _ = token_logprobs(bb.model, batch["input_ids"], batch["attention_mask"], batch["temperatures"])
-    n = len(prompt)
-    torch.testing.assert_close(old[0, n:n + len(c.token_ids)], torch.tensor(c.logprobs), rtol=0, atol=1e-4)
-    assert (new[0, n:n + len(c.token_ids)] - torch.tensor(c.logprobs)).abs().max() > 1e-2   # the update moved them
-
-
 # ---- on-policy distillation -------------------------------------------------------------------------------
 def test_distillation_moves_the_student_towards_the_teacher_on_its_own_tokens(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM

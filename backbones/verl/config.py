@@ -24,6 +24,7 @@ AJET_SIDE = (
     "rollout.ray_workers", "rollout.ray_address", "algorithm.name", "algorithm.adv_eps",
     "algorithm.group_by_agent_tag", "algorithm.trainable_targets", "algorithm.train_greedy_calls",
     "trainer.loggers", "trainer.val_freq", "trainer.async_", "serve.*", "tools.*", "eval.*", "llm_judge.*",
+    "harnesses.*",
 )
 
 
