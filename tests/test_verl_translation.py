@@ -167,10 +167,10 @@ def test_every_ajet_key_is_translated_or_ajet_side_and_new_keys_are_refused(tmp_
 
 
 def test_all_config_fields_are_classified():
-    from ajet.backbones.verl.config import AJET_SIDE, TRANSLATED
+    from ajet.backbones.verl.config import AJET_SIDE, REFUSED, TRANSLATED
     from ajet.config import AjetConfig
 
-    known = set(TRANSLATED) | set(AJET_SIDE)
+    known = set(TRANSLATED) | set(AJET_SIDE) | set(REFUSED)
     for name, field in AjetConfig.model_fields.items():
         if field.exclude is True:
             continue
@@ -227,3 +227,10 @@ def test_pad_rows_adds_all_masked_copies_up_to_the_data_parallel_size():
     t = verl_batch_tensors(pad_rows(rows, 4), PAD)
     assert t["response_mask"][5:].sum() == 0 and t["advantages"][5:].abs().sum() == 0
     assert t["attention_mask"][5:].sum() > 0                # real tokens: verl's unpadding keeps them
+
+
+def test_keys_verl_cannot_honour_are_refused_by_name_when_set(tmp_path):
+    from ajet.backbones.verl.config import unsupported_keys
+
+    assert unsupported_keys(_cfg(tmp_path, "algorithm: {adv_estimator: rloo}\n")) == []   # ajet computes advantages
+    assert unsupported_keys(_cfg(tmp_path, "algorithm: {episode_weight: episode}\n")) == ["algorithm.episode_weight"]

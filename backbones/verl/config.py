@@ -24,8 +24,12 @@ AJET_SIDE = (
     "rollout.ray_workers", "rollout.ray_address", "algorithm.name", "algorithm.adv_eps",
     "algorithm.group_by_agent_tag", "algorithm.trainable_targets", "algorithm.train_greedy_calls",
     "trainer.loggers", "trainer.val_freq", "trainer.async_", "serve.*", "tools.*", "eval.*", "llm_judge.*",
-    "harnesses.*",
+    "harnesses.*", "trinity.*", "algorithm.adv_estimator", "algorithm.dynamic_sampling", "algorithm.guards",
 )
+
+# ajet keys the verl backbone refuses by name when the YAML sets them (verl's loss cannot honour them yet):
+# `unsupported_keys` leaves them out of the known keys
+REFUSED = ("algorithm.episode_weight", "algorithm.distill")
 
 
 # ajet keys translated by `verl_overrides` (the source of each line of its table)
