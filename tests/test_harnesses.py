@@ -71,7 +71,8 @@ def _qwen_script(new: str, peek: str | None = None) -> list[str]:
 
 
 def _mini_script(new: str, peek: str | None = None) -> list[str]:
-    edit = f"python - <<'EOF'\nimport pathlib\np = pathlib.Path('median.py')\np.write_text(p.read_text().replace({BUG!r}, {new!r}))\nEOF"
+    edit = (f"python - <<'EOF'\nimport pathlib\np = pathlib.Path('median.py')\n"
+            f"p.write_text(p.read_text().replace({BUG!r}, {new!r}))\nEOF")
     head = [_call("bash", command=f"cat {peek}")] if peek else []
     return head + [_call("bash", command="cat median.py"), _call("bash", command=TEST_CMD), _call("bash", command=edit),
                    _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]

@@ -96,7 +96,8 @@ def test_a_harness_defined_in_yaml_is_judged_by_the_tests(tokenizer):
     assert out.metadata["exit_status"] == 0, out.metadata["stderr"]
     assert len(calls) == 1 and "Fix median." in calls[0].messages[0]["content"]
     assert out.reward == 1.0 and out.metadata["tests"] == {"tests/test_median.py::test_even": "passed"}
-    assert out.metadata["diff"].endswith("-    return (s[mid - 1] + s[mid]) / 3\n+    return (s[mid - 1] + s[mid]) / 2\n")
+    assert out.metadata["diff"].endswith("-    return (s[mid - 1] + s[mid]) / 3\n"
+                                         "+    return (s[mid - 1] + s[mid]) / 2\n")
     if bwrap_status()[0]:     # under bubblewrap its cwd is the sandbox's, reached through the bridge
         assert out.metadata["isolation"] == "bwrap" and "edited /sandbox" in out.metadata["stdout"]
     wrong, _ = _run_user_harness(tokenizer, "return s[mid]")
