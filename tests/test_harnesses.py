@@ -2,9 +2,10 @@
 proxy, with a scripted engine playing a competent model: it reads the file, runs the failing test, edits with
 the harness's own edit tool, reruns the test, answers.
 
-Each harness is installed by the registry into its cache (`$AJET_HARNESS_CACHE`, default
-`~/.cache/ajet/harnesses`; `.ci/run` warms it); a test skips, saying why, only when node/npm (for an npm
-package) are absent or the install cannot reach its registry. The task is `median` of
+Each harness is installed by the registry into its cache on first use (`$AJET_HARNESS_CACHE`, default
+`~/.cache/ajet/harnesses`; npm packages take seconds, mini-swe-agent's pip install about a minute); a test skips,
+saying why, only when node/npm (for an npm package) are absent or the install cannot reach its registry.
+Gemini CLI's test waits for the proxy's Gemini adapter (`ajet.proxy.api.gemini`). The task is `median` of
 tutorial/example_swe_tasks (its mutation turned `/ 2` into `/ 3`).
 """
 
