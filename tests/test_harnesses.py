@@ -63,12 +63,16 @@ def _claude_script(new: str, peek: str | None = None) -> list[str]:
                    _call("Bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
 
 
-def _qwen_script(new: str, peek: str | None = None) -> list[str]:
-    path = f"{SANDBOX_DIR}/median.py"
-    head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
-    return head + [_call("read_file", file_path=path), _call("run_shell_command", command=TEST_CMD),
-                   _call("edit", file_path=path, old_string=BUG, new_string=new),
-                   _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+def _gemini_family_script(read_key: str, edit_tool: str):
+    """Qwen Code is a fork of Gemini CLI: the same shell tool, read_file (`file_path` or `absolute_path`), and an
+    edit tool (`edit` or `replace`) taking file_path/old_string/new_string."""
+    def script(new: str, peek: str | None = None) -> list[str]:
+        path = f"{SANDBOX_DIR}/median.py"
+        head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
+        return head + [_call("read_file", **{read_key: path}), _call("run_shell_command", command=TEST_CMD),
+                       _call(edit_tool, file_path=path, old_string=BUG, new_string=new),
+                       _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+    return script
 
 
 def _mini_script(new: str, peek: str | None = None) -> list[str]:
@@ -79,19 +83,11 @@ def _mini_script(new: str, peek: str | None = None) -> list[str]:
                    _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
 
 
-def _gemini_script(new: str, peek: str | None = None) -> list[str]:
-    """Gemini CLI's tool names (read_file, run_shell_command, replace); not run yet: it needs the Gemini route."""
-    path = f"{SANDBOX_DIR}/median.py"
-    head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
-    return head + [_call("read_file", absolute_path=path), _call("run_shell_command", command=TEST_CMD),
-                   _call("replace", file_path=path, old_string=BUG, new_string=new),
-                   _call("run_shell_command", command=TEST_CMD), "Fixed median."]
-
-
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
-SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "qwen-code": _qwen_script,
-           "mini-swe-agent": _mini_script,
-           "gemini-cli": _gemini_script}
+# (Gemini CLI's has not run yet: it waits for the proxy's Gemini route)
+SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "mini-swe-agent": _mini_script,
+           "qwen-code": _gemini_family_script("file_path", "edit"),
+           "gemini-cli": _gemini_family_script("absolute_path", "replace")}
 
 
 def _installed(name: str) -> str:
