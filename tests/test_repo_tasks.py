@@ -96,7 +96,8 @@ def test_a_harness_defined_in_yaml_is_judged_by_the_tests(tokenizer):
     assert out.metadata["exit_status"] == 0, out.metadata["stderr"]
     assert len(calls) == 1 and "Fix median." in calls[0].messages[0]["content"]
     assert out.reward == 1.0 and out.metadata["tests"] == {"tests/test_median.py::test_even": "passed"}
-    assert out.metadata["diff"].endswith("-    return (s[mid - 1] + s[mid]) / 3\n+    return (s[mid - 1] + s[mid]) / 2\n")
+    assert out.metadata["diff"].endswith("-    return (s[mid - 1] + s[mid]) / 3\n"
+                                         "+    return (s[mid - 1] + s[mid]) / 2\n")
     if bwrap_status()[0]:     # under bubblewrap its cwd is the sandbox's, reached through the bridge
         assert out.metadata["isolation"] == "bwrap" and "edited /sandbox" in out.metadata["stdout"]
     wrong, _ = _run_user_harness(tokenizer, "return s[mid]")
@@ -135,3 +136,13 @@ def test_ajet_harnesses_lists_the_registry(capsys):
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert set(rows) >= {"codex", "claude-code", "gemini-cli", "opencode", "qwen-code", "aider", "mini-swe-agent"}
     assert rows["codex"][1:4] == ["npm:@openai/codex", "0.169.0", "responses"]
+
+
+def test_an_agent_that_edits_the_named_test_does_not_pass_it(tokenizer):
+    cheat = "open('tests/test_median.py', 'w').write('def test_even():\\n    assert True\\n')"
+    spec = HarnessSpec(executable="python", api="chat", argv=["-c", cheat])
+    workflow = HarnessWorkflow(HarnessWorkflowConfig(harness="cheat", timeout_s=60), {"cheat": spec}, TASKS)
+    out = asyncio.run(workflow.execute(_median_task(), Tuner("http://127.0.0.1:9/v1", "k", "m", "cheat")))
+    assert out.metadata["exit_status"] == 0, out.metadata["stderr"]
+    assert "+    assert True\n" in out.metadata["diff"]                 # the edit is on the episode, not in the reward
+    assert out.reward == 0.0 and out.metadata["tests"] == {"tests/test_median.py::test_even": "failed"}

@@ -7,8 +7,9 @@ One episode:
 3. the harness runs once, non-interactively, in the sandbox (ajet/tools/workdir_sandbox.py): the copy is its
    working directory, it sees no file of the trainer's and no secret, and its only network is the episode's
    proxy, reached through the unix-socket bridge; every model call it makes is recorded by the proxy;
-4. the task's test command runs in the same sandbox on the same copy (ajet/judges/tests.py): the reward is the
-   share of the named tests passing;
+4. the task's test command runs in the same sandbox on the same copy (ajet/judges/tests.py), with the files of
+   the named tests put back as the snapshot has them (editing a test does not pass it): the reward is the share
+   of the named tests passing;
 5. the episode keeps, in `output.metadata`: `tests` (pass/fail per named test), `diff` (what the agent changed),
    `test_output`, the harness's `exit_status`, `stdout`/`stderr` tails and the sandbox's `isolation`.
 
@@ -82,7 +83,8 @@ class HarnessWorkflow(Workflow):
                         else tuner.base_url)
             values = {"instruction": INSTRUCTION.format(query=repo_task.instruction,
                                                         test_command=repo_task.test_command),
-                      "model": self.conf.model or self.spec.model or tuner.model, "api_key": tuner.api_key, "base_url": base_url,
+                      "model": self.conf.model or self.spec.model or tuner.model, "api_key": tuner.api_key,
+                      "base_url": base_url,
                       "root_url": base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url,
                       "home": HOME_DIR if use_bwrap else str(home), "workdir": SANDBOX_DIR if use_bwrap else str(work)}
             for rel, text in self.spec.files.items():
@@ -103,12 +105,14 @@ class HarnessWorkflow(Workflow):
                 run = await run_in_workdir([exe, *(render(a, values) for a in self.spec.argv)], work, home, env=env,
                                            limits=limits, isolation=sb.isolation,
                                            read_only=[str(folder)] if folder else [], bridge_folder=bridge_folder)
+            changes = diff(before, work)
+            for rel in {t.split("::")[0] for t in repo_task.tests} & set(before):   # the agent's edits to the
+                (work / rel).write_bytes(before[rel])                              # named tests do not count
             report = await run_tests(repo_task.test_command, work, home, repo_task.tests, path=path_var,
                                      limits=WorkdirLimits(timeout_s=self.conf.test_timeout_s, memory_mb=sb.memory_mb,
                                                           max_processes=sb.max_processes,
                                                           max_file_mb=sb.max_file_mb),
                                      isolation=sb.isolation)
-            changes = diff(before, work)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         passed = sum(v == "passed" for v in report.results.values())
