@@ -5,6 +5,7 @@ importance-sampling weight of the loss; the trainer's rollouts run ahead of the 
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -334,3 +335,25 @@ def test_ajet_serve_drops_and_counts_a_sample_older_than_max_staleness(tiny_mode
     # ... the sample of its first call (the same prompt twice: two samples) is too old to train, the other trains
     assert sorted((min(v for v in s["policy_versions"] if v >= 0), s["trained"]) for s in samples) == \
         [(0, False), (1, True)]
+
+
+def test_a_caller_whose_event_loop_is_gone_does_not_stop_the_engine(tiny_model_dir):
+    """A request whose caller gave up and closed its event loop (a stopped proxy) while the request decodes:
+    answering it must not kill the engine's worker; the next request is served."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    eng = HFEngine(model, [], tok.pad_token_id, max_batch_size=4, max_model_len=256)
+    prompt = tok.encode("hello", add_special_tokens=False)
+    try:
+        loop = asyncio.new_event_loop()
+        with pytest.raises(asyncio.TimeoutError):
+            loop.run_until_complete(asyncio.wait_for(eng.generate(prompt, SamplingParams(max_tokens=30)), 0.01))
+        loop.close()                               # the request still decodes; its answer has nowhere to go
+        deadline = time.monotonic() + 60
+        while eng.generated_tokens < 30 or eng._rows:   # until it is answered (into the closed loop)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        out = asyncio.run(asyncio.wait_for(eng.generate(prompt, SamplingParams(max_tokens=3)), 120))
+        assert len(out.token_ids) == 3
+    finally:
+        eng.close()

@@ -107,7 +107,7 @@ class _Request:
     enqueued_at: float = field(default_factory=time.perf_counter)
 
     def fail(self, exc: BaseException) -> None:
-        self.loop.call_soon_threadsafe(_resolve, self.future, None, exc)
+        _post(self.loop, _resolve, self.future, None, exc)
 
 
 @dataclass
@@ -410,7 +410,7 @@ class HFEngine:
             if k:
                 row.out_top.append(tops[0])
             if row.req.on_tokens is not None:
-                row.req.loop.call_soon_threadsafe(row.req.on_tokens, TokenDelta([tok], [token_lp[i]], tops))
+                _post(row.req.loop, row.req.on_tokens, TokenDelta([tok], [token_lp[i]], tops))
             if tok in self.eos_token_ids or self._hit_stop(row.out_ids, row.req.params.stop):
                 row.finish = "stop"
             elif len(row.out_ids) >= row.budget:
@@ -445,7 +445,7 @@ class HFEngine:
         mixed = any(v != row.version for v in row.out_versions)      # an update landed while it decoded
         c = Completion(row.out_ids, row.out_lp, row.finish or "length", row.version,
                        row.out_top if row.req.params.top_logprobs else None, row.out_versions if mixed else None)
-        row.req.loop.call_soon_threadsafe(_resolve, row.req.future, c, None)
+        _post(row.req.loop, _resolve, row.req.future, c, None)
 
     def _hit_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
         if not stop or self.decode_fn is None:
@@ -463,6 +463,16 @@ def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = n
     return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run `callback(*args)` on the caller's event loop; nothing when that loop is closed (the caller is gone,
+    e.g. an evaluation's proxy stopped while a request it gave up on was still decoding): never an exception
+    in the worker, which serves everyone else's rows."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
 
 
 def _resolve(future: asyncio.Future, result, exc) -> None:
