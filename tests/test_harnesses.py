@@ -5,14 +5,13 @@ the harness's own edit tool, reruns the test, answers.
 Each harness is installed by the registry into its cache on first use (`$AJET_HARNESS_CACHE`, default
 `~/.cache/ajet/harnesses`; npm packages take seconds, mini-swe-agent's pip install about a minute); a test skips,
 saying why, only when node/npm (for an npm package) are absent or the install cannot reach its registry.
-Gemini CLI's test waits for the proxy's Gemini adapter (`ajet.proxy.api.gemini`). The task is `median` of
+The task is `median` of
 tutorial/example_swe_tasks (its mutation turned `/ 2` into `/ 3`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
@@ -28,7 +27,6 @@ from ajet.proxy.server import ProxyServer
 from ajet.tasks import read_jsonl_tasks
 from ajet.tools.sandbox import bwrap_status
 from ajet.tools.workdir_sandbox import SANDBOX_DIR
-from ajet.tracker import merge_calls
 from ajet.workflow import Tuner
 from tests.exact_sample import assert_one_exact_sample
 from tests.scripted_engine import ScriptedEngine
@@ -92,8 +90,6 @@ SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "mini-swe-agen
 
 def _installed(name: str) -> str:
     spec = builtin_harnesses()[name]
-    if spec.api == "gemini" and importlib.util.find_spec("ajet.proxy.api.gemini") is None:
-        pytest.skip(f"{name} needs {spec.needs}")
     if executable(name, spec):
         return executable(name, spec)
     if spec.package.startswith("npm:") and (shutil.which("npm") is None or shutil.which("node") is None):
@@ -139,11 +135,6 @@ def test_harness_fixes_a_shipped_task_in_the_sandbox_reward_1_one_sample(tokeniz
     if BWRAP or os.environ.get("AJET_REQUIRE_BWRAP") == "1":
         assert meta["isolation"] == "bwrap"
         assert "No such file" in seen and "AJET-SECRET-4711" not in seen  # the trainer's file is not there
-    if name == "claude-code":
-        samples = merge_calls(calls, "g")
-        if len(samples) > 1:   # issue 22: its Edit is replayed with `replace_all: false` added; fixed on branch merge
-            assert {s.flags.get("fork_reason") for s in samples[1:]} == {"prefix_mismatch"}
-            pytest.xfail(f"Claude Code's replayed Edit forks: {len(samples)} samples (issue 22, branch merge)")
     assert_one_exact_sample(calls, engine)
 
 
@@ -160,4 +151,4 @@ def test_registry_lists_every_harness_with_a_pinned_version():
     specs = builtin_harnesses()
     assert set(specs) >= {"codex", "claude-code", "gemini-cli", "opencode", "qwen-code", "aider", "mini-swe-agent"}
     assert all(s.version and s.package for s in specs.values())
-    assert specs["gemini-cli"].api == "gemini" and "Gemini" in specs["gemini-cli"].needs
+    assert specs["gemini-cli"].api == "gemini"
