@@ -1,7 +1,8 @@
-"""The verl backbone (`pip install 'ajet[verl]'`, CUDA GPUs): verl's FSDP actor and vLLM/SGLang servers.
+"""The verl backbone (`pip install 'ajet[verl]'`): verl's FSDP actor trains; vLLM/SGLang servers generate on CUDA
+GPUs, ajet's own engine on CPU (`cpu.py`: verl's CPU platform; `weights.py`: the actor -> engine weight sync).
 
-Importing this package imports no verl: `data` and `config` need only torch and ajet; `backbone` imports
-verl when the backbone is built."""
+Importing this package imports no verl: `data`, `config` and `backbone` need only torch and ajet at import;
+`backbone` imports verl when the backbone is built; `cpu` and `weights` import verl."""
 
 from ajet.backbones.verl.backbone import VerlBackbone
 

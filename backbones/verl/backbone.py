@@ -81,8 +81,9 @@ class VerlBackbone:
     """`Backbone` on verl (>= 0.9): see the module docstring.
 
     Raises:
-        BackboneUnavailable: verl's workers failed to start.
-        ConfigError: an ajet setting verl cannot honour, or an unknown key in the `verl:` block.
+        ConfigError: an ajet setting verl cannot honour, an unknown key in the `verl:` block, or vLLM/SGLang
+            asked for without CUDA.
+        ray.exceptions.RayTaskError: verl's workers failed (the message carries the worker's traceback).
     """
 
     def __init__(self, cfg: AjetConfig):
@@ -137,7 +138,9 @@ class VerlBackbone:
             self.config.trainer.nnodes), use_gpu=cuda, max_colocate_count=1)
         worker = RayClassWithInitArgs(cls=ray.remote(AjetActorWorker), config=self.config.actor_rollout_ref,
                                       role=role)
-        env = {} if cuda else __import__("ajet.backbones.verl.cpu", fromlist=["worker_env"]).worker_env()
+        from ajet.backbones.verl.cpu import worker_env
+
+        env = {} if cuda else worker_env()          # the CPU platform in every worker (cpu.py)
         self.actor_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, worker_env=env,
                                        device_name="cuda" if cuda else "cpu")
         self.actor_wg.init_model()
