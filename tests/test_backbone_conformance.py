@@ -351,8 +351,8 @@ def _rel_l2(a: dict, b: dict) -> float:
 
 def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp_path):
     """The real Trinity trainer (VERLTrainer -> TrinityActorRolloutRefWorker -> verl 0.8 FSDP2 on gloo, Trinity's PPO
-    loss) and the debug backbone train the same recorded batch from the same weights: the first update's gradients
-    agree to 1e-5 (relative L2) and the weights after 3 updates at the main job's lr to 1e-4, for every
+    loss) and the debug backbone train the same recorded batch from the same weights: the gradients the worker's
+    optimizer stepped with in the first update (copied inside the Ray worker) agree to 1e-5 (relative L2) and the weights after 3 updates at the main job's lr to 1e-4, for every
     `loss_agg_mode` the two share. Trinity's sequences are rows, so the debug side gets one episode per row (with
     forks, ajet counts episodes: a documented difference); Trinity's seq-mean-token-sum-norm divides by the horizon
     only, so its gradient is rows x the debug backbone's at the same horizon (pinned), and the debug run of the
@@ -400,7 +400,7 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
         bb.close()
         moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
         diff = max(float((trinity[mode]["weights"][k] - weights[k]).abs().max()) for k in weights)
-        assert moved > 10 * lr and diff < 1e-4, (mode, moved, diff)
+        assert moved > 2 * lr and diff < 1e-4, (mode, moved, diff)     # AdamW moves a weight <= lr per step
         deltas = {k: trinity[mode]["weights"][k] - initial[k] for k in weights}
         assert _rel_l2(deltas, {k: weights[k] - initial[k] for k in weights}) < 1e-3, mode
         assert [m["optimizer_steps"] for m in trinity[mode]["metrics"]] == [1.0, 1.0, 1.0]

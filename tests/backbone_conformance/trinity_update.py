@@ -1,7 +1,7 @@
 """Runs INSIDE the Trinity environment (.venvs/trinity): the real Trinity backbone (`TrinityBackbone`: Trinity-RFT's
 `VERLTrainer` with its FSDP2 worker in a Ray worker group on CPU) trains ajet's recorded samples, per
-`loss_agg_mode`, from the same initial weights: the worker's gradients after the first update (read from the
-FSDP module inside the Ray worker) and the weights ajet's engine holds after `steps` updates (synced back through
+`loss_agg_mode`, from the same initial weights: the gradients the worker's optimizer stepped with in the first
+update (copied inside the Ray worker) and the weights ajet's engine holds after `steps` updates (synced back through
 Trinity's Synchronizer).
 
     .venvs/trinity/bin/python tests/backbone_conformance/trinity_update.py IN.json OUT.pt
@@ -20,19 +20,36 @@ from pathlib import Path
 import torch
 
 
+def capture_grads(backbone) -> None:
+    """Make the FSDP actor inside its Ray worker keep a copy of every parameter's `.grad` (full tensors, HF names)
+    each time its optimizer steps (verl zeroes the gradients after the step); `worker_grads` reads the copy."""
+    import ray
+
+    def install(worker_dict):
+        worker, = worker_dict.worker_dict.values()    # the actor role ("actor_rollout", "_ref" with a reference)
+        engine, opt = worker.actor.engine, worker.actor.engine.optimizer
+        if not hasattr(opt, "_ajet_step"):
+            opt._ajet_step = opt.step
+
+            def step(*args, **kwargs):
+                worker._ajet_grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                                      .detach().cpu().clone()
+                                      for n, p in engine.module.named_parameters() if p.grad is not None}
+                return opt._ajet_step(*args, **kwargs)
+
+            opt.step = step
+        return True
+
+    ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(install))
+
+
 def worker_grads(backbone) -> dict[str, torch.Tensor]:
-    """The FSDP actor's `.grad` of every parameter (full tensors, HF names), read inside its Ray worker."""
+    """The gradients the actor's optimizer last stepped with (see `capture_grads`)."""
     import ray
 
     def read(worker_dict):
-        worker, = worker_dict.worker_dict.values()    # the actor role ("actor_rollout", "_ref" with a reference)
-        engine = worker.actor.engine
-        out = {}
-        for name, p in engine.module.named_parameters():
-            g = p.grad
-            if g is not None:
-                out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().cpu().clone()
-        return out
+        worker, = worker_dict.worker_dict.values()
+        return worker._ajet_grads
 
     return ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(read))
 
@@ -52,6 +69,7 @@ def main(inp: str, out: str) -> None:
     bb = TrinityBackbone(cfg)
     init = Path(d["exp_dir"]) / "init"
     bb.save_checkpoint(init)
+    capture_grads(bb)
     res = {}
     try:
         for mode in d["modes"]:
