@@ -61,14 +61,14 @@ def _claude_script(new: str, peek: str | None = None) -> list[str]:
                    _call("Bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
 
 
-def _gemini_family_script(read_key: str, edit_tool: str):
-    """Qwen Code is a fork of Gemini CLI: the same shell tool, read_file (`file_path` or `absolute_path`), and an
-    edit tool (`edit` or `replace`) taking file_path/old_string/new_string."""
+def _gemini_family_script(edit_tool: str, **edit_extra: str):
+    """Qwen Code is a fork of Gemini CLI: the same shell tool, read_file(file_path), and an edit tool (`edit`, or
+    Gemini CLI's `replace`, which also requires an `instruction`) taking file_path/old_string/new_string."""
     def script(new: str, peek: str | None = None) -> list[str]:
         path = f"{SANDBOX_DIR}/median.py"
         head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
-        return head + [_call("read_file", **{read_key: path}), _call("run_shell_command", command=TEST_CMD),
-                       _call(edit_tool, file_path=path, old_string=BUG, new_string=new),
+        return head + [_call("read_file", file_path=path), _call("run_shell_command", command=TEST_CMD),
+                       _call(edit_tool, file_path=path, old_string=BUG, new_string=new, **edit_extra),
                        _call("run_shell_command", command=TEST_CMD), "Fixed median."]
     return script
 
@@ -82,10 +82,9 @@ def _mini_script(new: str, peek: str | None = None) -> list[str]:
 
 
 # the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
-# (Gemini CLI's has not run yet: it waits for the proxy's Gemini route)
 SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "mini-swe-agent": _mini_script,
-           "qwen-code": _gemini_family_script("file_path", "edit"),
-           "gemini-cli": _gemini_family_script("absolute_path", "replace")}
+           "qwen-code": _gemini_family_script("edit"),
+           "gemini-cli": _gemini_family_script("replace", instruction="Divide the middle pair's sum by 2")}
 
 
 def _installed(name: str) -> str:
