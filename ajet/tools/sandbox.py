@@ -54,9 +54,8 @@ KILL_GRACE_S = 1.0                # after a kill, how long to wait for the pipes
 
 # Runs first inside the sandbox (python -I -S): drops root, sets hard limits, then execs the model's program,
 # so the limits are in place before any model-written byte runs and cannot be raised by it.
-_PRELUDE = r"""
-import os, resource, sys
-uid, nproc, fsize, mem, cpu = (int(v) for v in sys.argv[1:6])
+# (the part every launcher shares: given uid, nproc, fsize, mem, cpu, with os and resource imported)
+DROP_ROOT_AND_LIMIT = r"""
 if uid >= 0 and os.geteuid() == 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
 limits = [(resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu),
@@ -65,6 +64,11 @@ if nproc > 0:
     limits.append((resource.RLIMIT_NPROC, nproc))
 for kind, value in limits:
     resource.setrlimit(kind, (value, value))
+"""
+_PRELUDE = r"""
+import os, resource, sys
+uid, nproc, fsize, mem, cpu = (int(v) for v in sys.argv[1:6])
+""" + DROP_ROOT_AND_LIMIT + r"""
 os.execv(sys.executable, [sys.executable, "-I", "main.py"])
 """
 

@@ -28,8 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ajet.tools.sandbox import (NOBODY_UID, SANDBOX_DIR, SandboxResult, _bwrap_argv, _choose_isolation, _Limits, _run,
-                                _setenv)
+from ajet.tools.sandbox import (DROP_ROOT_AND_LIMIT, NOBODY_UID, SANDBOX_DIR, SandboxResult, _bwrap_argv,
+                                _choose_isolation, _Limits, _run, _setenv)
 
 HOME_DIR = "/home/agent"          # the program's HOME inside the sandbox
 BRIDGE_DIR = "/run/ajet"          # the bridge's socket folder inside the sandbox
@@ -42,14 +42,7 @@ _LAUNCHER = r"""
 import os, resource, socket, subprocess, sys, threading
 uid, nproc, fsize, mem, cpu = (int(v) for v in sys.argv[1:6])
 sock_path, port, argv = sys.argv[6], int(sys.argv[7]), sys.argv[8:]
-if uid >= 0 and os.geteuid() == 0:
-    os.setgroups([]); os.setgid(uid); os.setuid(uid)
-limits = [(resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu),
-          (resource.RLIMIT_CORE, 0)]
-if nproc > 0:
-    limits.append((resource.RLIMIT_NPROC, nproc))
-for kind, value in limits:
-    resource.setrlimit(kind, (value, value))
+""" + DROP_ROOT_AND_LIMIT + r"""
 
 def pump(src, dst):
     try:
