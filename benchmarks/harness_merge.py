@@ -1,4 +1,4 @@
-"""Merging on real harness traces: Codex CLI and Claude Code (Gemini CLI once the proxy's Gemini route is merged),
+"""Merging on real harness traces: Codex CLI, Claude Code and Gemini CLI,
 each unmodified, in the sandbox, through a scripted 13-call edit-and-test episode on a small Python project.
 
 The scripted engine plays a competent model (tests/scripted_engine.py): list the files, read the module and its
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import importlib.util
 import json
 import statistics
 import sys
@@ -88,7 +87,25 @@ def claude_script() -> list[str]:
             "Fixed median and added spread with its test."]
 
 
-SCRIPTS = {"codex": codex_script, "claude-code": claude_script}
+def gemini_script() -> list[str]:
+    mod, test = f"{SANDBOX_DIR}/median.py", f"{SANDBOX_DIR}/tests/test_median.py"
+
+    def sh(command: str) -> str:
+        return _call("run_shell_command", command=command)
+
+    return [sh("ls -R"), _call("read_file", file_path=mod), _call("read_file", file_path=test), sh(TEST),
+            _call("replace", file_path=mod, instruction="Divide the middle pair's sum by 2", old_string=BUG,
+                  new_string=FIX),
+            sh(TEST),
+            _call("replace", file_path=mod, instruction="Add spread after median", old_string=FIX,
+                  new_string=FIX + "\n\n\n" + SPREAD.rstrip("\n")),
+            _call("write_file", file_path=f"{SANDBOX_DIR}/tests/test_spread.py", content=SPREAD_TEST),
+            sh(TEST), _call("read_file", file_path=f"{SANDBOX_DIR}/tests/test_spread.py"),
+            sh("grep -n def median.py"), sh(TEST + " -k spread"),
+            "Fixed median and added spread with its test."]
+
+
+SCRIPTS = {"codex": codex_script, "claude-code": claude_script, "gemini-cli": gemini_script}
 
 
 def run_one(name: str, tokenizer) -> dict:
@@ -136,9 +153,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{'per call':>9} {'ratio':>6} {'prompt KB/call':>14} {'proxy ms/call med':>17} {'first':>7} {'reward':>6}")
     for name in args.harness:
         spec = builtin_harnesses()[name]
-        if spec.api == "gemini" and importlib.util.find_spec("ajet.proxy.api.gemini") is None:
-            print(f"{name:<12} {spec.api:<9} pending: {spec.needs}")
-            continue
         if name not in SCRIPTS:
             print(f"{name:<12} {spec.api:<9} pending: no scripted 13-call episode for it yet")
             continue
