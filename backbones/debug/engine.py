@@ -38,6 +38,7 @@ entries are tagged with the version that started them and are never reused after
 from __future__ import annotations
 
 import asyncio
+import inspect
 import queue
 import threading
 import time
@@ -193,6 +194,7 @@ class HFEngine:
         self._cache: DynamicCache | None = None
         self._attn: torch.Tensor | None = None
         self._was_training = False
+        self._cache_kw = _cache_kwarg(model)
         self._worker = threading.Thread(target=self._run, name="ajet-engine", daemon=True)
         self._worker.start()
 
@@ -330,12 +332,12 @@ class HFEngine:
                 new = torch.tensor([prompt[r:]], device=device)                         # [1, n_new]
                 out = self.model(input_ids=new, position_ids=torch.arange(r, len(prompt), device=device)[None],
                                  attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+                                 use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
             except Exception as exc:  # noqa: BLE001 - this prompt failed (e.g. an id outside the vocabulary)
                 req.fail(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
             self.prefilled_tokens += len(prompt) - r
-            kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]   # [1, H, len(prompt), D]
+            kv = [(layer.keys, layer.values) for layer in cache.layers]   # [1, H, len(prompt), D] (filled in place)
             self.prefix_cache.insert(prompt, kv, row.version)       # the group's other episodes open with it
             row.n_ctx = len(prompt)
             rows.append(row)
@@ -385,7 +387,7 @@ class HFEngine:
         position_ids = torch.tensor([[r.n_ctx] for r in self._rows], device=device)            # [B, 1]
         self._attn = torch.cat([self._attn, torch.ones((B, 1), dtype=torch.long, device=device)], dim=1)
         out = self.model(input_ids=input_ids, attention_mask=self._attn, position_ids=position_ids,
-                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: self._cache})
         for r in self._rows:
             r.n_ctx += 1
         self._record(self._rows, out.logits[:, -1])
@@ -482,3 +484,11 @@ def _resolve(future: asyncio.Future, result, exc) -> None:
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def _cache_kwarg(model) -> str:
+    """The name `model.forward` takes the KV cache under: `cache` from transformers 5.2x on (the old
+    `past_key_values` still works there but warns on every call), `past_key_values` before (verl's venv pins an
+    older transformers). A PEFT wrapper is looked through to its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
