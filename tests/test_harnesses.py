@@ -1,12 +1,12 @@
 """Registered coding-agent harnesses, unmodified, on a shipped repository task, in the sandbox, against the real
 proxy, with a scripted engine playing a competent model: it reads the file, runs the failing test, edits with
-the harness's own edit tool, reruns the test, answers.
+the harness's own edit tool, reruns the test, answers (aider, which has no tools, gets one reply holding the
+whole fixed file in its whole-file format).
 
 Each harness is installed by the registry into its cache on first use (`$AJET_HARNESS_CACHE`, default
-`~/.cache/ajet/harnesses`; npm packages take seconds, mini-swe-agent's pip install about a minute); a test skips,
-saying why, only when node/npm (for an npm package) are absent or the install cannot reach its registry.
-The task is `median` of
-tutorial/example_swe_tasks (its mutation turned `/ 2` into `/ 3`).
+`~/.cache/ajet/harnesses`; npm packages take seconds, pip packages seconds with `uv`, up to a minute with pip);
+a test skips, saying why, only when node/npm (for an npm package) are absent or the install cannot reach its
+registry. The task is `median` of tutorial/example_swe_tasks (its mutation turned `/ 2` into `/ 3`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,27 @@ def _mini_script(new: str, peek: str | None = None) -> list[str]:
                    _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
 
 
-# the harnesses whose tool-call script is written (the others: docs/harnesses.md says where they stand)
+def _opencode_script(new: str, peek: str | None = None) -> list[str]:
+    path = f"{SANDBOX_DIR}/median.py"
+    head = [_call("bash", command=f"cat {peek}", description="Look")] if peek else []
+    return head + [_call("read", filePath=path), _call("bash", command=TEST_CMD, description="Run the tests"),
+                   _call("edit", filePath=path, oldString=BUG, newString=new),
+                   _call("bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
+
+
+def _aider_script(new: str, peek: str | None = None) -> list[str]:
+    """Aider has no tools: for a model it does not know it asks for the "whole" edit format, a reply holding each
+    changed file whole under its path, fenced. `peek`: a second listing, aimed at a file of the trainer's outside
+    the workdir (aider reads a listed file to show its diff, then overwrites it)."""
+    fixed = (TASKS / "repos" / "median" / "median.py").read_text().replace(BUG, new)
+    assert new in fixed
+    tail = f"\n{peek}\n```\nhello from the model\n```\n" if peek else ""
+    return [f"Dividing by 2.\n\nmedian.py\n```python\n{fixed}```\n" + tail]
+
+
+# the harnesses that edit with tool calls (aider, which has none, has its own test below)
 SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "mini-swe-agent": _mini_script,
+           "opencode": _opencode_script,
            "qwen-code": _gemini_family_script("edit"),
            "gemini-cli": _gemini_family_script("replace", instruction="Divide the middle pair's sum by 2")}
 
@@ -102,7 +122,7 @@ def _installed(name: str) -> str:
 def _episode(tokenizer, name: str, replies: list[str]):
     """Run one harness episode on the `median` task: (output, calls, engine)."""
     engine = ScriptedEngine(tokenizer, replies)
-    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=256), max_model_len=10**6).start()
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=1024), max_model_len=10**6).start()
     task = next(t for t in read_jsonl_tasks(TASKS / "tasks.jsonl") if t.task_id == "median")
     workflow = HarnessWorkflow(HarnessWorkflowConfig(harness=name, timeout_s=300), None, TASKS)
     try:
@@ -137,10 +157,12 @@ def test_harness_fixes_a_shipped_task_in_the_sandbox_reward_1_one_sample(tokeniz
     assert_one_exact_sample(calls, engine)
 
 
-def test_a_wrong_edit_gets_reward_0(tokenizer):
-    """The judge is the same for every harness: one harness's wrong edit (Codex's apply_patch) scores 0."""
-    _installed("codex")
-    output, _, _ = _episode(tokenizer, "codex", SCRIPTS["codex"](WRONG))
+@pytest.mark.parametrize("name", ["codex", "opencode", "aider"])
+def test_a_wrong_edit_gets_reward_0(tokenizer, name):
+    """The judge is the same for every harness: a wrong edit made with the harness's own edit tool (Codex's
+    apply_patch, opencode's edit, aider's whole-file listing) scores 0."""
+    _installed(name)
+    output, _, _ = _episode(tokenizer, name, {**SCRIPTS, "aider": _aider_script}[name](WRONG))
     assert output.metadata["exit_status"] == 0, output.metadata["stderr"][-2000:]
     assert f"+    {WRONG}\n" in output.metadata["diff"]
     assert output.reward == 0.0 and output.metadata["tests"] == {"tests/test_median.py::test_even": "failed"}
@@ -151,3 +173,31 @@ def test_registry_lists_every_harness_with_a_pinned_version():
     assert set(specs) >= {"codex", "claude-code", "gemini-cli", "opencode", "qwen-code", "aider", "mini-swe-agent"}
     assert all(s.version and s.package for s in specs.values())
     assert specs["gemini-cli"].api == "gemini"
+
+
+def test_aider_whole_file_edit_reward_1_one_sample_and_the_sandbox_keeps_the_trainers_file(tokenizer):
+    """Aider, unmodified: one call, answered with the whole fixed `median.py` in its whole-file format, plus a
+    listing aimed at a file of the trainer's outside the workdir. Aider applies both without asking
+    (`--yes-always`); the sandbox must keep the trainer's file unread and unchanged."""
+    _installed("aider")
+    # readable and writable by the sandbox's unprivileged uid: only the sandbox's own /tmp keeps it out
+    with tempfile.TemporaryDirectory(prefix="ajet-trainer-") as folder:
+        os.chmod(folder, 0o755)
+        secret = Path(folder) / "trainer_secret.txt"
+        secret.write_text("AJET-SECRET-4711")
+        os.chmod(secret, 0o666)
+        replies = _aider_script(FIX, peek=str(secret))
+        output, calls, engine = _episode(tokenizer, "aider", replies)
+        kept = secret.read_text()
+    meta = output.metadata
+    assert meta["exit_status"] == 0, meta["stderr"][-2000:]
+    assert len(calls) == len(replies) == len(engine.sampled) == 1
+    assert output.reward == 1.0 and meta["tests"] == {"tests/test_median.py::test_even": "passed"}
+    assert f"-    {BUG}\n+    {FIX}\n" in meta["diff"]                      # aider's own whole-file edit did it
+    assert "Applied edit to median.py" in meta["stdout"]
+    if BWRAP or os.environ.get("AJET_REQUIRE_BWRAP") == "1":
+        assert meta["isolation"] == "bwrap"
+        assert f"Applied edit to {secret}" in meta["stdout"].replace("\n", "")  # aider wrote it, in the sandbox's /tmp:
+        assert kept == "AJET-SECRET-4711"                                  # the trainer's file is unchanged ...
+        assert "AJET-SECRET-4711" not in meta["stdout"] + meta["stderr"]   # ... and unread (aider diffs what it reads)
+    assert_one_exact_sample(calls, engine)
