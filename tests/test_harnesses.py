@@ -15,12 +15,14 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from ajet.config import HarnessWorkflowConfig
+from ajet.config import HarnessSpec, HarnessWorkflowConfig
+from ajet.harnesses import registry
 from ajet.harnesses.registry import HarnessInstallError, builtin_harnesses, executable, install
 from ajet.harnesses.workflow import HarnessWorkflow
 from ajet.llm_call import SamplingParams
@@ -201,3 +203,21 @@ def test_aider_whole_file_edit_reward_1_one_sample_and_the_sandbox_keeps_the_tra
         assert kept == "AJET-SECRET-4711"                                  # the trainer's file is unchanged ...
         assert "AJET-SECRET-4711" not in meta["stdout"] + meta["stderr"]   # ... and unread (aider diffs what it reads)
     assert_one_exact_sample(calls, engine)
+
+
+def test_a_pip_harness_installs_with_uv_and_falls_back_to_pip_when_uv_fails(tmp_path, monkeypatch):
+    """A `pip:` harness's venv is made by uv (seconds; aider's pip install took minutes here), and when uv fails
+    (here: an executable that always fails in its place) the same install goes through `python -m venv` + pip."""
+    monkeypatch.setenv("AJET_HARNESS_CACHE", str(tmp_path))
+    spec = HarnessSpec(package="pip:cowsay", version="6.1", executable="cowsay", api="chat")
+    assert registry._uv(), "uv is not installed (the `test` extra installs it)"
+    try:
+        exe = install("with-uv", spec)
+    except HarnessInstallError as exc:
+        pytest.skip(f"could not install from PyPI (no registry access?): {str(exc)[-300:]}")
+    monkeypatch.setattr(registry, "_uv", lambda: shutil.which("false"))
+    fallback = install("without-uv", spec)          # the registry was reachable just now: this must not fail
+    for path, made_by_uv in ((exe, True), (fallback, False)):
+        venv = Path(path).parent.parent
+        assert ("\nuv = " in (venv / "pyvenv.cfg").read_text()) is made_by_uv
+        assert "hello" in subprocess.run([path, "-t", "hello"], capture_output=True, text=True, check=True).stdout
