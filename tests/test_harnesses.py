@@ -56,23 +56,23 @@ def _codex_script(new: str, peek: str | None = None) -> list[str]:
                    "Fixed median."]
 
 
-def _claude_script(new: str, peek: str | None = None) -> list[str]:
-    path = f"{SANDBOX_DIR}/median.py"
-    head = [_call("Bash", command=f"cat {peek}", description="Look")] if peek else []
-    return head + [_call("Read", file_path=path), _call("Bash", command=TEST_CMD, description="Run the tests"),
-                   _call("Edit", file_path=path, old_string=BUG, new_string=new),
-                   _call("Bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
+def _tool_script(shell: str, read: str, edit: str, keys=("file_path", "old_string", "new_string"),
+                 described: bool = False, **edit_extra: str):
+    """Read, test, edit, retest with a harness's own tools, which harnesses name differently: Claude Code's
+    Bash/Read/Edit, opencode's bash/read/edit (camelCase keys), Qwen Code's run_shell_command/read_file/edit (a fork
+    of Gemini CLI, whose edit tool `replace` also requires an `instruction`). `described`: the shell tool takes a
+    `description`. keys: the edit tool's (path, old text, new text) argument names, the path's also the read's."""
+    path_key, old_key, new_key = keys
 
+    def run(command: str, why: str) -> str:
+        return _call(shell, command=command, **({"description": why} if described else {}))
 
-def _gemini_family_script(edit_tool: str, **edit_extra: str):
-    """Qwen Code is a fork of Gemini CLI: the same shell tool, read_file(file_path), and an edit tool (`edit`, or
-    Gemini CLI's `replace`, which also requires an `instruction`) taking file_path/old_string/new_string."""
     def script(new: str, peek: str | None = None) -> list[str]:
         path = f"{SANDBOX_DIR}/median.py"
-        head = [_call("run_shell_command", command=f"cat {peek}")] if peek else []
-        return head + [_call("read_file", file_path=path), _call("run_shell_command", command=TEST_CMD),
-                       _call(edit_tool, file_path=path, old_string=BUG, new_string=new, **edit_extra),
-                       _call("run_shell_command", command=TEST_CMD), "Fixed median."]
+        head = [run(f"cat {peek}", "Look")] if peek else []
+        return head + [_call(read, **{path_key: path}), run(TEST_CMD, "Run the tests"),
+                       _call(edit, **{path_key: path, old_key: BUG, new_key: new}, **edit_extra),
+                       run(TEST_CMD, "Rerun the tests"), "Fixed median."]
     return script
 
 
@@ -82,14 +82,6 @@ def _mini_script(new: str, peek: str | None = None) -> list[str]:
     head = [_call("bash", command=f"cat {peek}")] if peek else []
     return head + [_call("bash", command="cat median.py"), _call("bash", command=TEST_CMD), _call("bash", command=edit),
                    _call("bash", command=TEST_CMD), _call("bash", command="echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")]
-
-
-def _opencode_script(new: str, peek: str | None = None) -> list[str]:
-    path = f"{SANDBOX_DIR}/median.py"
-    head = [_call("bash", command=f"cat {peek}", description="Look")] if peek else []
-    return head + [_call("read", filePath=path), _call("bash", command=TEST_CMD, description="Run the tests"),
-                   _call("edit", filePath=path, oldString=BUG, newString=new),
-                   _call("bash", command=TEST_CMD, description="Rerun the tests"), "Fixed median."]
 
 
 def _aider_script(new: str, peek: str | None = None) -> list[str]:
@@ -103,10 +95,12 @@ def _aider_script(new: str, peek: str | None = None) -> list[str]:
 
 
 # the harnesses that edit with tool calls (aider, which has none, has its own test below)
-SCRIPTS = {"codex": _codex_script, "claude-code": _claude_script, "mini-swe-agent": _mini_script,
-           "opencode": _opencode_script,
-           "qwen-code": _gemini_family_script("edit"),
-           "gemini-cli": _gemini_family_script("replace", instruction="Divide the middle pair's sum by 2")}
+SCRIPTS = {"codex": _codex_script, "mini-swe-agent": _mini_script,
+           "claude-code": _tool_script("Bash", "Read", "Edit", described=True),
+           "opencode": _tool_script("bash", "read", "edit", ("filePath", "oldString", "newString"), described=True),
+           "qwen-code": _tool_script("run_shell_command", "read_file", "edit"),
+           "gemini-cli": _tool_script("run_shell_command", "read_file", "replace",
+                                      instruction="Divide the middle pair's sum by 2")}
 
 
 def _installed(name: str) -> str:
