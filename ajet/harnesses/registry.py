@@ -10,7 +10,7 @@ Installs go to `$AJET_HARNESS_CACHE` (default `~/.cache/ajet/harnesses`), one fo
 with PACKAGE==VERSION for `pip:` packages (executable in `bin`). Nothing is written into the repo.
 
 A pip package's venv is made by `uv` (https://github.com/astral-sh/uv) when it is installed (`pip install uv`;
-the `test` extra has it): aider-chat and its ~230 packages installed in 4 s with uv and 45 s with pip on a 2-core
+the `test` extra has it): aider-chat and its ~230 packages installed in 5 s with uv and 45 s with pip on a 2-core
 machine (where pip had once taken ~10 min under load). uv reads PyPI (or `UV_INDEX_URL`), not pip.conf: when uv
 fails, the install is tried again with `python -m venv` and pip.
 """
