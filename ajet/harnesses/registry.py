@@ -7,7 +7,12 @@ overrides one under its `harnesses:` section with the same keys.
 
 Installs go to `$AJET_HARNESS_CACHE` (default `~/.cache/ajet/harnesses`), one folder per name and version:
 `npm install --prefix <folder> PACKAGE@VERSION` for `npm:` packages (executable in `node_modules/.bin`), a venv
-with `pip install PACKAGE==VERSION` for `pip:` packages (executable in `bin`). Nothing is written into the repo.
+with PACKAGE==VERSION for `pip:` packages (executable in `bin`). Nothing is written into the repo.
+
+A pip package's venv is made by `uv` (https://github.com/astral-sh/uv) when it is installed (`pip install uv`;
+the `test` extra has it): aider-chat and its ~230 packages installed in 5 s with uv and 45 s with pip on a 2-core
+machine (where pip had once taken ~10 min under load). uv reads PyPI (or `UV_INDEX_URL`), not pip.conf: when uv
+fails, the install is tried again with `python -m venv` and pip.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ def executable(name: str, spec: HarnessSpec) -> str | None:
 
 
 def install(name: str, spec: HarnessSpec) -> str:
-    """Install the harness into the cache if it is not there yet; returns its executable's path.
+    """Install the harness into the cache if it is not there yet (a pip package with uv when there is one, see
+    the module docstring); returns its executable's path.
 
     Raises:
         HarnessInstallError: npm (or node) is missing for an `npm:` package, the install command failed (no
@@ -105,17 +111,23 @@ def install(name: str, spec: HarnessSpec) -> str:
             raise HarnessInstallError(f"harness {name!r} needs node and npm (for {package}); install Node.js")
         spec_str = f"{package}@{spec.version}" if spec.version else package
         commands = [["npm", "install", "--no-audit", "--no-fund", "--prefix", str(tmp), spec_str]]
+        _run_all(name, commands, tmp)
     else:
         spec_str = f"{package}=={spec.version}" if spec.version else package
-        commands = [[sys.executable, "-m", "venv", str(tmp)],
-                    [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", spec_str]]
-    for argv in commands:
-        try:
-            subprocess.run(argv, check=True, capture_output=True, timeout=INSTALL_TIMEOUT_S)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-            tail = (getattr(exc, "stderr", b"") or b"")[-600:].decode(errors="replace")
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise HarnessInstallError(f"harness {name!r}: `{' '.join(argv)}` failed: {exc}\n{tail}") from exc
+        python = str(tmp / "bin" / "python")
+        pip = [[sys.executable, "-m", "venv", str(tmp)], [python, "-m", "pip", "install", "-q", spec_str]]
+        uv = _uv()
+        if uv is None:
+            _run_all(name, pip, tmp)
+        else:
+            try:
+                _run_all(name, [[uv, "venv", "--quiet", "--seed", "--python", sys.executable, str(tmp)],
+                                [uv, "pip", "install", "--quiet", "--python", python, spec_str]], tmp)
+            except HarnessInstallError as uv_failed:
+                try:
+                    _run_all(name, pip, tmp)
+                except HarnessInstallError as exc:
+                    raise HarnessInstallError(f"{uv_failed}\nand then without uv: {exc}") from exc
     if tmp != folder:
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
@@ -124,6 +136,28 @@ def install(name: str, spec: HarnessSpec) -> str:
         raise HarnessInstallError(f"harness {name!r}: installing {spec_str} made no `{spec.executable}` executable "
                                   f"in {folder}")
     return found
+
+
+def _uv() -> str | None:
+    """The `uv` executable: the `uv` package's own binary, else one on PATH; None when there is none."""
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        return shutil.which("uv")
+
+
+def _run_all(name: str, commands: list[list[str]], folder: Path) -> None:
+    """Run the install commands in order; on the first failure remove `folder` and raise HarnessInstallError
+    (the message names the command and its stderr's tail)."""
+    for argv in commands:
+        try:
+            subprocess.run(argv, check=True, capture_output=True, timeout=INSTALL_TIMEOUT_S)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+            tail = (getattr(exc, "stderr", b"") or b"")[-600:].decode(errors="replace")
+            shutil.rmtree(folder, ignore_errors=True)
+            raise HarnessInstallError(f"harness {name!r}: `{' '.join(argv)}` failed: {exc}\n{tail}") from exc
 
 
 def render(text: str, values: dict[str, str]) -> str:
