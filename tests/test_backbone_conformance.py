@@ -357,7 +357,9 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
     forks, ajet counts episodes: a documented difference); Trinity's seq-mean-token-sum-norm divides by the horizon
     only, so its gradient is rows x the debug backbone's at the same horizon (pinned), and the debug run of the
     weights uses the horizon / rows. No gradient clipping on either side (max_grad_norm 1e6): clipping is torch's
-    `clip_grad_norm_` on both."""
+    `clip_grad_norm_` on both. The shared modes run again with the batch split into >= 3 micro-batches: verl sums
+    their losses, so each must be scaled to its share of the step (`backbones/trinity/loss.py`), else the
+    gradient is ~3x the debug backbone's."""
     py = venv_python("trinity")
     from ajet.backbones.debug.backbone import DebugBackbone
     from ajet.config import AjetConfig
@@ -367,8 +369,11 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
     rows = [Sample(**{**s, "episode_id": f"{s['episode_id']}#{i}"}) for i, s in enumerate(d["samples"])]
     width = max(len(s.response_ids) for s in rows)          # Trinity's horizon: the padded response width
     inp, out = tmp_path / "in.json", tmp_path / "out.pt"
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in rows]
+    micro = max(max(lengths), sum(lengths) // 3)            # >= 3 micro-batches of whole rows (verl's packing)
+    runs = [[m, None] for m in TRINITY_MODES] + [[m, micro] for m in TRINITY_MODES[:3]]
     inp.write_text(json.dumps({"model_dir": tiny_model_dir, "exp_dir": str(tmp_path / "exp"), "samples": d["samples"],
-                               "modes": TRINITY_MODES, "lr": lr, "steps": 3, **CLIP, "max_grad_norm": 1e6}))
+                               "runs": runs, "lr": lr, "steps": 3, **CLIP, "max_grad_norm": 1e6}))
     proc = subprocess.run([py, str(CHECKS / "trinity_update.py"), str(inp), str(out)], capture_output=True, text=True,
                           timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -382,7 +387,7 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
                        "clip_ratio_low": CLIP["clip_ratio_low"], "clip_ratio_high": CLIP["clip_ratio_high"],
                        "clip_ratio_c": CLIP["clip_ratio_c"]}))
 
-    for mode in TRINITY_MODES:
+    def reference(mode):                                   # the debug backbone's gradients and 3-update weights
         norm = mode == "seq-mean-token-sum-norm"
         bb = debug(mode, None)
         bb.optimizer.zero_grad(set_to_none=True)
@@ -390,22 +395,31 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
         ratio = len(rows) if norm else 1.0                  # Trinity = rows x ajet (horizon only, no 1/sequences)
         grads = {k: p.grad * ratio for k, p in bb.model.named_parameters() if p.grad is not None}
         bb.close()
-        assert set(trinity[mode]["grads"]) == set(grads), mode
-        assert _rel_l2(trinity[mode]["grads"], grads) < 1e-5, (mode, _rel_l2(trinity[mode]["grads"], grads))
         bb = debug(mode, width / len(rows) if norm else None)
         initial = {k: v.clone() for k, v in bb.model.state_dict().items()}
         for _ in range(3):
             bb.update(rows)
         weights = bb.model.state_dict()
         bb.close()
+        return grads, initial, weights
+
+    refs = {mode: reference(mode) for mode in TRINITY_MODES}
+    for mode, tokens in runs:
+        key = f"{mode}@{tokens}"
+        grads, initial, weights = refs[mode]
+        assert set(trinity[key]["grads"]) == set(grads), key
+        assert _rel_l2(trinity[key]["grads"], grads) < 1e-5, (key, _rel_l2(trinity[key]["grads"], grads))
         moved = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
-        diff = max(float((trinity[mode]["weights"][k] - weights[k]).abs().max()) for k in weights)
-        assert moved > 2 * lr and diff < 1e-4, (mode, moved, diff)     # AdamW moves a weight <= lr per step
-        deltas = {k: trinity[mode]["weights"][k] - initial[k] for k in weights}
-        assert _rel_l2(deltas, {k: weights[k] - initial[k] for k in weights}) < 1e-3, mode
-        assert [m["optimizer_steps"] for m in trinity[mode]["metrics"]] == [1.0, 1.0, 1.0]
+        diff = max(float((trinity[key]["weights"][k] - weights[k]).abs().max()) for k in weights)
+        assert moved > 2 * lr and diff < 1e-4, (key, moved, diff)     # AdamW moves a weight <= lr per step
+        deltas = {k: trinity[key]["weights"][k] - initial[k] for k in weights}
+        assert _rel_l2(deltas, {k: weights[k] - initial[k] for k in weights}) < 1e-3, key
+        assert [m["optimizer_steps"] for m in trinity[key]["metrics"]] == [1.0, 1.0, 1.0]
+        if tokens is not None:     # the step really ran as several micro-batches, each scaled to its share
+            share = trinity[key]["metrics"][0]["actor/micro_batch_share"]
+            assert 0 < share < 0.6, (key, share)
     # the modes really differ on this batch (else the test could not tell them apart)
-    g = [torch.cat([v.flatten() for v in trinity[m]["grads"].values()]) for m in TRINITY_MODES[:3]]
+    g = [torch.cat([v.flatten() for v in trinity[f"{m}@None"]["grads"].values()]) for m in TRINITY_MODES[:3]]
     assert float((g[0] - g[1]).norm()) > 1e-3 * float(g[0].norm()) and float((g[0] - g[2]).norm()) > 1e-3 * float(
         g[0].norm())
 
@@ -434,6 +448,9 @@ print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_ar
      "composed grpo gspo ['clip_range_high', 'clip_range_low', 'loss_agg_mode'] seq-mean-token-mean low_var_kl 1e-06 5"),
     ("trinity: {algorithm: {polciy_loss_fn: gspo}}\n", "ConfigError: `trinity.algorithm.polciy_loss_fn`"),
     ("algorithm: {mini_batches: 2}\n", "ConfigError: algorithm.mini_batches=2"),
+    ("algorithm: {loss_agg_mode: seq-mean-token-sum-norm, micro_batch_tokens: 4096}\n",
+     "ConfigError: algorithm.micro_batch_tokens with loss_agg_mode seq-mean-token-sum-norm"),
+    ("algorithm: {micro_batch_tokens: 1024}\n", "ConfigError: algorithm.micro_batch_tokens=1024 < model.max_model_len"),
 ])
 def test_the_trinity_block_reaches_trinitys_config(tmp_path, extra, expected):
     """ajet's keys and the `trinity:` block compose into Trinity's own typed Config (its validators run, in the

@@ -49,7 +49,7 @@ class TrinityBackbone:
         from trinity.manager.synchronizer import Synchronizer
 
         from ajet.backbones.trinity.config import trinity_config
-        from ajet.backbones.trinity.cpu import patch_verl_for_cpu, ray_init_kwargs
+        from ajet.backbones.trinity.cpu import WORKER_SETUP_HOOK, patch_verl_for_cpu, ray_init_kwargs
         from ajet.errors import BackboneUnavailable
         from ajet.model import resolve_model_path
 
@@ -65,7 +65,9 @@ class TrinityBackbone:
         if not ray.is_initialized():
             try:
                 ray.init(namespace=self.config.ray_namespace,
-                         **(ray_init_kwargs(self.world_size) if self.on_cpu else {"address": cfg.rollout.ray_address}))
+                         **(ray_init_kwargs(self.world_size) if self.on_cpu else {
+                             "address": cfg.rollout.ray_address,
+                             "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK}}))
             except Exception as exc:   # noqa: BLE001  (Ray raises many kinds)
                 raise BackboneUnavailable(f"the trinity backbone could not start Ray: {exc}") from exc
         self._loop = asyncio.new_event_loop()           # Trinity's trainer API is async; one loop, one thread

@@ -40,10 +40,19 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
     if a.loss_scale_factor is not None:
         raise ConfigError("algorithm.loss_scale_factor: Trinity's seq-mean-token-sum-norm divides by the padded "
                           "response width and takes no constant; remove it (or use --backbone debug / verl)")
-    # one micro-batch per step unless the YAML sets micro_batch_tokens: Trinity aggregates the loss per
-    # micro-batch and verl 0.8 sums micro-batch gradients, so several micro-batches change the loss's scale
-    tokens = a.micro_batch_tokens if "micro_batch_tokens" in a.model_fields_set \
-        else m.max_model_len * t.tasks_per_step * r.num_repeat
+    # micro-batches of micro_batch_tokens, each loss scaled to its share of the step (backbones/trinity/loss.py);
+    # seq-mean-token-sum-norm divides by each micro-batch's padded width, which no share undoes: one per step
+    tokens = a.micro_batch_tokens
+    if a.loss_agg_mode == "seq-mean-token-sum-norm":
+        if "micro_batch_tokens" in a.model_fields_set:
+            raise ConfigError("algorithm.micro_batch_tokens with loss_agg_mode seq-mean-token-sum-norm: Trinity "
+                              "divides each micro-batch by its own padded width, so the trinity backbone trains "
+                              "this mode in one micro-batch per step; remove micro_batch_tokens or pick another "
+                              "loss_agg_mode")
+        tokens = m.max_model_len * t.tasks_per_step * r.num_repeat
+    if tokens < m.max_model_len:
+        raise ConfigError(f"algorithm.micro_batch_tokens={tokens} < model.max_model_len={m.max_model_len}: verl "
+                          f"needs a whole sample in one micro-batch; raise micro_batch_tokens")
     policy_loss = {"clip_range_low": a.clip_ratio_low, "clip_range_high": a.clip_ratio_high,
                    "clip_ratio_c": a.clip_ratio_c if a.clip_ratio_c is not None else 1e9,
                    "loss_agg_mode": a.loss_agg_mode}

@@ -119,16 +119,20 @@ def _pure_torch_padding():
     return index_first_axis, pad_input, rearrange, unpad_input
 
 
+WORKER_SETUP_HOOK = "ajet.backbones.trinity.loss.setup_worker"
+
+
 def ray_init_kwargs(world_size: int) -> dict:
     """`ray.init` arguments for a local CPU cluster that can hold `world_size` FSDP ranks (change 7), with
-    `patch_verl_for_cpu` run in every Ray worker process before it imports the actor class."""
+    `patch_verl_for_cpu` (and the micro-batch loss of `backbones/trinity/loss.py`) run in every Ray worker process
+    before it imports the actor class."""
     return {
         # logical counts, not cores: verl's placement group asks 3 CPUs per rank (max_colocate_count), and
         # Trinity's Synchronizer / CheckpointMonitor and ajet's explorer handle are actors too
         "num_cpus": 3 * world_size + 4,
         "num_gpus": world_size,                    # logical slots for verl's placement groups, no CUDA behind
         "include_dashboard": False,
-        "runtime_env": {"worker_process_setup_hook": "ajet.backbones.trinity.cpu.patch_verl_for_cpu",
+        "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK,
                         "env_vars": {"TOKENIZERS_PARALLELISM": "false",   # Ray's default is 1 thread per worker
                                      "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}},
     }

@@ -6,8 +6,9 @@ Trinity's Synchronizer).
 
     .venvs/trinity/bin/python tests/backbone_conformance/trinity_update.py IN.json OUT.pt
 
-IN.json: {"model_dir", "exp_dir", "samples", "modes", "lr", "steps", "clip_ratio_low", "clip_ratio_high",
-"clip_ratio_c"}. OUT.pt: {mode: {"grads": {name: tensor}, "weights": {name: tensor}, "metrics": [dict per step]}}.
+IN.json: {"model_dir", "exp_dir", "samples", "runs", "lr", "steps", "clip_ratio_low", "clip_ratio_high",
+"clip_ratio_c"}; "runs": [[loss_agg_mode, micro_batch_tokens or null (the whole batch in one micro-batch)], ...].
+OUT.pt: {"MODE@TOKENS": {"grads": {name: tensor}, "weights": {name: tensor}, "metrics": [dict per step]}}.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def worker_grads(backbone) -> dict[str, torch.Tensor]:
     return ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(read))
 
 
+def set_micro_batch_tokens(backbone, tokens: int) -> None:
+    """verl's `max_token_len_per_gpu` of the actor's engine (what `algorithm.micro_batch_tokens` sets at start)."""
+    import ray
+
+    def put(worker_dict):
+        worker, = worker_dict.worker_dict.values()
+        object.__setattr__(worker.actor.engine_config, "max_token_len_per_gpu", tokens)   # a frozen verl dataclass
+        return True
+
+    ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(put))
+
+
 def main(inp: str, out: str) -> None:
     from ajet.backbones.trinity import TrinityBackbone
     from ajet.config import AjetConfig
@@ -63,7 +76,7 @@ def main(inp: str, out: str) -> None:
     samples = [Sample(**s) for s in d["samples"]]
     cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, trainer={"exp_dir": d["exp_dir"]},
                      model={"path": d["model_dir"], "device": "cpu", "max_model_len": 1024},
-                     algorithm={"lr": d["lr"], "loss_agg_mode": d["modes"][0], "max_grad_norm": d["max_grad_norm"],
+                     algorithm={"lr": d["lr"], "loss_agg_mode": d["runs"][0][0], "max_grad_norm": d["max_grad_norm"],
                                 "clip_ratio_low": d["clip_ratio_low"],
                                 "clip_ratio_high": d["clip_ratio_high"], "clip_ratio_c": d["clip_ratio_c"]})
     bb = TrinityBackbone(cfg)
@@ -72,8 +85,10 @@ def main(inp: str, out: str) -> None:
     capture_grads(bb)
     res = {}
     try:
-        for mode in d["modes"]:
+        whole = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        for mode, tokens in d["runs"]:
             bb.load_checkpoint(init)
+            set_micro_batch_tokens(bb, tokens or whole)
             algo = copy.deepcopy(bb.config.algorithm)        # Trinity's own way to set the loss on its workers
             algo.loss_agg_mode = mode
             algo.policy_loss_fn_args = {**algo.policy_loss_fn_args, "loss_agg_mode": mode}
@@ -84,7 +99,7 @@ def main(inp: str, out: str) -> None:
                 metrics.append(bb.update(samples))
                 if step == 0:
                     grads = worker_grads(bb)
-            res[mode] = {"grads": grads, "metrics": metrics,
+            res[f"{mode}@{tokens}"] = {"grads": grads, "metrics": metrics,
                          "weights": {k: v.detach().clone() for k, v in bb.model.state_dict().items()}}
     finally:
         bb.close()
