@@ -17,7 +17,7 @@ weight sync the way Trinity's explorer does with `sync_method: memory`.
 
 On a machine without CUDA the worker group runs on a local Ray cluster with logical GPU slots and the
 verl changes of `backbones/trinity/cpu.py` (gloo, a CPU engine registration, pure-torch padding helpers,
-fp32, eager attention, FSDP2). On CUDA the same code trains on GPUs; generation stays ajet's engine (Trinity's
+fp32, sdpa attention, FSDP2). On CUDA the same code trains on GPUs; generation stays ajet's engine (Trinity's
 vLLM explorer is not used).
 """
 
