@@ -66,6 +66,7 @@ def test_calculator_tool():
     assert calc('{"expression": "-(2 ** 3)"}') == "-8"
     assert calc('{"expression": "1/0"}').startswith("error:")
     assert calc("not json").startswith("error:")
-    for bad in ("__import__('os').system('echo hi')", "open('x')", "2 ** 1000", "a + 1"):
+    assert calc('{"expression": "8"}').startswith("error: a lone number")     # the guessed answer is no calculation
+    for bad in ("__import__('os').system('echo hi')", "open('x')", "2 ** 1000", "a + 1", "-8", "(3.5)"):
         with pytest.raises(ValueError):
             safe_eval(bad)

@@ -24,7 +24,8 @@ def safe_eval(expression: str) -> float:
     """Evaluate arithmetic only (numbers, + - * / // % **, unary minus, parentheses) via `ast`.
 
     Raises:
-        ValueError: anything else (names, calls, attributes), or an exponent above 100.
+        ValueError: anything else (names, calls, attributes), a lone number (no operator: nothing to
+            calculate), or an exponent above 100.
         ZeroDivisionError: division by zero.
     """
     def ev(node: ast.AST) -> float:
@@ -42,7 +43,12 @@ def safe_eval(expression: str) -> float:
             return _OPS[type(node.op)](left, right)
         raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
 
-    return ev(ast.parse(expression.strip(), mode="eval"))
+    tree = ast.parse(expression.strip(), mode="eval")
+    if not any(isinstance(node, ast.BinOp) for node in ast.walk(tree)):
+        # a lone number computes nothing: without this rule GRPO learns to "call" the tool with the guessed answer
+        # (a valid call, +0.2) instead of the arithmetic (seen in the main job's seed 1)
+        raise ValueError("a lone number is not a calculation; write the arithmetic that gives the answer, e.g. 4 * 2")
+    return ev(tree)
 
 
 if __name__ == "__main__":
