@@ -92,7 +92,10 @@ def test_httpx_variant_trains_one_step_with_the_cli(tiny_model_dir, tmp_path):
     conf["trainer"]["val_freq"] = 0                    # one training step; the held-out evaluation has its own tests
     _, exp = train_one_step(conf, tmp_path)
     (metrics,) = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
-    n_episodes = conf["trainer"]["tasks_per_step"] * conf["rollout"]["num_repeat"]
+    # the shipped config's dynamic sampling may roll out extra tasks to replace zero-signal groups
+    extra = metrics.get("rollout/oversampled_tasks", 0)
+    assert 0 <= extra <= conf["algorithm"]["dynamic_sampling"]["max_oversample"]
+    n_episodes = (conf["trainer"]["tasks_per_step"] + extra) * conf["rollout"]["num_repeat"]
     assert metrics["step"] == 1 and metrics["rollout/episodes"] == n_episodes and metrics["rollout/failed"] == 0
     episodes = [json.loads(line) for line in (exp / "trajectories.jsonl").read_text().splitlines()]
     assert len(episodes) == n_episodes
