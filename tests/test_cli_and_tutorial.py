@@ -67,13 +67,6 @@ def test_calculator_tool():
     assert calc('{"expression": "1/0"}').startswith("error:")
     assert calc("not json").startswith("error:")
     assert calc('{"expression": "8"}').startswith("error: a lone number")     # the guessed answer is no calculation
-    # with the question (and earlier results) as `known`: only their numbers; the description's example is refused
-    q = "Tom has 4 bags with 2 pencils in each bag. How many pencils does Tom have?"
-    assert asyncio.run(calculate_tool('{"expression": "4 * 2"}', q)) == "8"
-    assert asyncio.run(calculate_tool('{"expression": "3 + 4 * 2"}', q)) == \
-        "error: not in the question: 3; calculate with the question's numbers"
-    assert asyncio.run(calculate_tool('{"expression": "8 - 1"}', q + " 8")).startswith("error: not in the question: 1")
-    assert asyncio.run(calculate_tool('{"expression": "8 - 2"}', q + " 8")) == "6"
     for bad in ("__import__('os').system('echo hi')", "open('x')", "2 ** 1000", "a + 1", "-8", "(3.5)"):
         with pytest.raises(ValueError):
             safe_eval(bad)

@@ -9,7 +9,6 @@ the last answer against the reference (`math_agent_reward`).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
@@ -35,7 +34,7 @@ CALCULATE_TOOL = {
 class MathAgentWorkflow(Workflow):
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
-        answer, tool_calls, valid_calls, known = "", 0, 0, task.query
+        answer, tool_calls, valid_calls = "", 0, 0
         for turn in range(1, MAX_TURNS + 1):
             response = await tuner.client.chat.completions.create(
                 model=tuner.model, messages=messages, tools=[CALCULATE_TOOL],
@@ -46,9 +45,8 @@ class MathAgentWorkflow(Workflow):
                 break
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
-                result = await calculate_tool(call.function.arguments, known) if call.function.name == "calculate" \
+                result = await calculate_tool(call.function.arguments) if call.function.name == "calculate" \
                     else f"error: unknown tool {call.function.name!r}"
-                known += "" if result.startswith("error:") else " " + result
                 tool_calls += 1
                 valid_calls += not result.startswith("error:")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -62,21 +60,8 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
     return answer_with_tool_use_judge(task, output)
 
 
-NUMBER = re.compile(r"\d+(?:\.\d+)?")
-
-
-def foreign_numbers(expression: str, known: str) -> list[str]:
-    """The numbers of `expression` that `known` (the question and the tool results so far) does not contain."""
-    return sorted(set(NUMBER.findall(expression)) - set(NUMBER.findall(known)))
-
-
-async def calculate_tool(arguments: str, known: str | None = None) -> str:
+async def calculate_tool(arguments: str) -> str:
     """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises).
-
-    `known`: the question and the earlier tool results; an expression with a number from neither is refused
-    (every number of these word problems is written in the question). Without that rule a 135M policy learns to
-    collect the valid-call bonus with the tool description's example `3 + 4 * 2` or `1 + 1` in every call
-    instead of the problem's arithmetic (the main job's seed 0, measured).
 
     The expression is evaluated by `calculator.safe_eval` in the tool sandbox (`ajet.tools.sandbox`: no network,
     no environment, 2 s, 256 MiB), so nothing the model writes can hang, exhaust or read the training process.
@@ -87,8 +72,6 @@ async def calculate_tool(arguments: str, known: str | None = None) -> str:
         expression = str(json.loads(arguments)["expression"])
     except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
         return f"error: {exc}"
-    if known is not None and (foreign := foreign_numbers(expression, known)):
-        return f"error: not in the question: {', '.join(foreign)}; calculate with the question's numbers"
     result = await run_python_async(CALCULATOR_SOURCE, timeout_s=2.0, memory_mb=256, stdin=expression)
     if result.timed_out:
         return "error: the calculation took too long"

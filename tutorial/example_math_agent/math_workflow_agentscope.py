@@ -43,11 +43,9 @@ class MathAgentAgentScopeWorkflow(Workflow):
 
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         counts = {"tool_calls": 0, "valid_tool_calls": 0}
-        known = [task.query]                         # the question and the tool results so far
 
         async def calculate(expression: str) -> str:
-            result = await calculate_tool(json.dumps({"expression": expression}), " ".join(known))
-            known.append("" if result.startswith("error:") else result)
+            result = await calculate_tool(json.dumps({"expression": expression}))
             counts["tool_calls"] += 1
             counts["valid_tool_calls"] += not result.startswith("error:")
             return result

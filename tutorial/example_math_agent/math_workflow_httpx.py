@@ -21,7 +21,7 @@ class MathAgentHttpxWorkflow(Workflow):
 
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
-        answer, tool_calls, valid_calls, known = "", 0, 0, task.query
+        answer, tool_calls, valid_calls = "", 0, 0
         headers = {"Authorization": f"Bearer {tuner.api_key}"}
         async with httpx.AsyncClient(base_url=tuner.base_url, headers=headers, timeout=600) as http:
             for turn in range(1, MAX_TURNS + 1):
@@ -36,9 +36,8 @@ class MathAgentHttpxWorkflow(Workflow):
                 messages.append({k: v for k, v in message.items() if v is not None})
                 for call in message["tool_calls"]:
                     fn = call["function"]
-                    result = await calculate_tool(fn["arguments"], known) if fn["name"] == "calculate" \
+                    result = await calculate_tool(fn["arguments"]) if fn["name"] == "calculate" \
                         else f"error: unknown tool {fn['name']!r}"
-                    known += "" if result.startswith("error:") else " " + result
                     tool_calls += 1
                     valid_calls += not result.startswith("error:")
                     messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})

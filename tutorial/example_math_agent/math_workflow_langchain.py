@@ -27,7 +27,7 @@ class MathAgentLangChainWorkflow(Workflow):
         forced = llm.bind_tools([CALCULATE_TOOL], tool_choice="calculate")
         free = llm.bind_tools([CALCULATE_TOOL], tool_choice="auto")
         messages = [SystemMessage(SYSTEM_PROMPT), HumanMessage(task.query)]
-        answer, tool_calls, valid_calls, known = "", 0, 0, task.query
+        answer, tool_calls, valid_calls = "", 0, 0
         for turn in range(1, MAX_TURNS + 1):
             ai = await (forced if turn == 1 else free).ainvoke(messages)
             answer = ai.text   # the content as text (str content or the text parts of a list)
@@ -39,9 +39,7 @@ class MathAgentLangChainWorkflow(Workflow):
                 break
             messages.append(ai)
             for call_id, name, arguments in pending:
-                result = await calculate_tool(arguments, known) if name == "calculate" \
-                    else f"error: unknown tool {name!r}"
-                known += "" if result.startswith("error:") else " " + result
+                result = await calculate_tool(arguments) if name == "calculate" else f"error: unknown tool {name!r}"
                 tool_calls += 1
                 valid_calls += not result.startswith("error:")
                 messages.append(ToolMessage(result, tool_call_id=call_id))
