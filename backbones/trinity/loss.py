@@ -46,7 +46,7 @@ def micro_batch_share(data, loss_agg_mode: str) -> float:
         if total <= 0:
             raise ValueError("the step has no loss token (batch_num_tokens is 0)")
         return float(data["loss_mask"].sum()) * dp_size / total
-    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    if loss_agg_mode in SHARED_MODES:
         return data.batch_size[0] * dp_size / int(data["global_batch_size"])
     raise ValueError(f"loss_agg_mode {loss_agg_mode!r} has no micro-batch share; train it in one micro-batch")
 
@@ -65,7 +65,7 @@ class MicroBatchShareLoss:
 
     def __call__(self, model_output: dict, data, dp_group=None):
         loss, metrics = self.inner(model_output, data, dp_group)
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":       # one micro-batch per step (see the docstring)
+        if self.loss_agg_mode not in SHARED_MODES:     # seq-mean-token-sum-norm: one micro-batch per step
             return loss, metrics
         share = micro_batch_share(data, self.loss_agg_mode)
         metrics["micro_batch_share"] = share
