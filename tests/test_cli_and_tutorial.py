@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from ajet import Task, WorkflowOutput
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tutorial" / "example_math_agent"))
 import make_tasks  # noqa: E402
-from math_workflow import calculate_tool, safe_eval  # noqa: E402
+from math_workflow import CalculatorTool, calculate_tool, math_agent_reward, safe_eval  # noqa: E402
 
 
 def test_help_imports_no_torch():
@@ -70,3 +72,34 @@ def test_calculator_tool():
     for bad in ("__import__('os').system('echo hi')", "open('x')", "2 ** 1000", "a + 1", "-8", "(3.5)"):
         with pytest.raises(ValueError):
             safe_eval(bad)
+    with pytest.raises(ValueError, match="not arithmetic"):
+        safe_eval("x")                                   # a name is reported as such, not as a lone number
+
+
+def test_calculator_counts_grounded_calls_and_the_reward_prefers_them():
+    """The main job's reward: 1 for the right number + 0.1 for a valid call + 0.1 when a valid call computes
+    with the question's own numbers (or an earlier result). The tool description's example `3 + 4 * 2` is valid
+    but not grounded: a group whose calls are all valid still has a GRPO signal towards the problem's numbers."""
+    tool = CalculatorTool("Omar has 7 cookies, buys 11 more and then gives away 4. How many cookies does Omar have?")
+    steps = [("calculate", "3 + 4 * 2", "11", (1, 1, 0)),      # valid, numbers not in the question
+             ("calculate", "7 + 11", "18", (2, 2, 1)),         # the question's numbers
+             ("calculate", "18 - 4", "14", (3, 3, 2)),         # an earlier result and a question number
+             ("calculate", "7 + 7", "14", (4, 4, 3)),          # a number may repeat
+             ("calculate", "7 + 5", "12", (5, 5, 3)),          # 5 is in neither
+             ("calculate", "11", None, (6, 5, 3)),             # a lone number: refused
+             ("search", "7 + 11", None, (7, 5, 3))]            # another tool: counted, not run
+    for name, expression, want, counts in steps:
+        result = asyncio.run(tool.call(name, json.dumps({"expression": expression})))
+        assert (result == want) if want else result.startswith("error:")
+        assert tuple(tool.counts.values()) == counts, expression
+    assert list(tool.counts) == ["tool_calls", "valid_tool_calls", "grounded_tool_calls"]
+
+    task = Task(task_id="t", query="q", answer="14")
+    def reward(answer, valid, grounded):
+        return math_agent_reward(task, WorkflowOutput(final_answer=answer, metrics={
+            "valid_tool_calls": valid, "grounded_tool_calls": grounded}))
+    assert reward("The answer is 14.", 1, 1) == pytest.approx(1.2)
+    assert reward("The answer is 14.", 0, 0) == pytest.approx(1.0)
+    assert reward("The answer is 11.", 1, 0) == pytest.approx(0.1)
+    assert reward("The answer is 18.", 2, 1) == pytest.approx(0.2)
+    assert math_agent_reward(task, WorkflowOutput(final_answer="14", metrics={})) == pytest.approx(1.0)

@@ -64,7 +64,8 @@ def test_variant_runs_one_task_through_the_proxy(variant, tokenizer):
 
     assert isinstance(output, WorkflowOutput) and output.reward is None       # the judge scores it
     assert output.final_answer == "The answer is 17."
-    assert output.metrics == {"turns": 2, "tool_calls": 1, "valid_tool_calls": 1}
+    # `9 + 8`: a valid call with the question's own numbers (grounded)
+    assert output.metrics == {"turns": 2, "tool_calls": 1, "valid_tool_calls": 1, "grounded_tool_calls": 1}
     assert judge(task, output) == pytest.approx(1.2)
     json.dumps(output.metadata)
 

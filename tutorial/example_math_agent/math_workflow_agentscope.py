@@ -21,7 +21,7 @@ from agentscope.permission import PermissionBehavior, PermissionDecision
 from agentscope.tool import FunctionTool, ToolChoice, Toolkit
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
-from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, calculate_tool
+from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, CalculatorTool
 
 
 class _ForceFirstToolCall(MiddlewareBase):
@@ -39,16 +39,14 @@ class _ForceFirstToolCall(MiddlewareBase):
 
 class MathAgentAgentScopeWorkflow(Workflow):
     """One episode: a ReAct agent solves `task.query` with the calculate tool; the YAML's judge (`math_agent_reward`)
-    scores it (1 for the right number + 0.2 for a valid tool call). Metrics: turns, tool_calls, valid_tool_calls."""
+    scores it (1 for the right number + 0.1 for a valid tool call + 0.1 for a grounded one). Metrics: turns and
+    `CalculatorTool`'s counts."""
 
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
-        counts = {"tool_calls": 0, "valid_tool_calls": 0}
+        calculator = CalculatorTool(task.query)
 
         async def calculate(expression: str) -> str:
-            result = await calculate_tool(json.dumps({"expression": expression}))
-            counts["tool_calls"] += 1
-            counts["valid_tool_calls"] += not result.startswith("error:")
-            return result
+            return await calculator.call("calculate", json.dumps({"expression": expression}))
 
         tool = FunctionTool(calculate, description=CALCULATE_TOOL["function"]["description"],
                             input_schema=CALCULATE_TOOL["function"]["parameters"],
@@ -65,4 +63,4 @@ class MathAgentAgentScopeWorkflow(Workflow):
         finally:
             await model.client.close()
         return WorkflowOutput(final_answer=reply.get_text_content() or "",
-                              metrics={"turns": middleware.model_calls, **counts})
+                              metrics={"turns": middleware.model_calls, **calculator.counts})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
-from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, calculate_tool
+from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, CalculatorTool
 
 FORCE_CALCULATE = {"type": "function", "function": {"name": "calculate"}}
 
@@ -21,7 +21,7 @@ class MathAgentHttpxWorkflow(Workflow):
 
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
-        answer, tool_calls, valid_calls = "", 0, 0
+        calculator, answer = CalculatorTool(task.query), ""
         headers = {"Authorization": f"Bearer {tuner.api_key}"}
         async with httpx.AsyncClient(base_url=tuner.base_url, headers=headers, timeout=600) as http:
             for turn in range(1, MAX_TURNS + 1):
@@ -35,11 +35,6 @@ class MathAgentHttpxWorkflow(Workflow):
                     break
                 messages.append({k: v for k, v in message.items() if v is not None})
                 for call in message["tool_calls"]:
-                    fn = call["function"]
-                    result = await calculate_tool(fn["arguments"]) if fn["name"] == "calculate" \
-                        else f"error: unknown tool {fn['name']!r}"
-                    tool_calls += 1
-                    valid_calls += not result.startswith("error:")
+                    result = await calculator.call(call["function"]["name"], call["function"]["arguments"])
                     messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-        return WorkflowOutput(final_answer=answer,
-                              metrics={"turns": turn, "tool_calls": tool_calls, "valid_tool_calls": valid_calls})
+        return WorkflowOutput(final_answer=answer, metrics={"turns": turn, **calculator.counts})

@@ -13,7 +13,7 @@ from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
-from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, calculate_tool
+from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, CalculatorTool
 
 
 class MathAgentLangChainWorkflow(Workflow):
@@ -27,7 +27,7 @@ class MathAgentLangChainWorkflow(Workflow):
         forced = llm.bind_tools([CALCULATE_TOOL], tool_choice="calculate")
         free = llm.bind_tools([CALCULATE_TOOL], tool_choice="auto")
         messages = [SystemMessage(SYSTEM_PROMPT), HumanMessage(task.query)]
-        answer, tool_calls, valid_calls = "", 0, 0
+        calculator, answer = CalculatorTool(task.query), ""
         for turn in range(1, MAX_TURNS + 1):
             ai = await (forced if turn == 1 else free).ainvoke(messages)
             answer = ai.text   # the content as text (str content or the text parts of a list)
@@ -39,9 +39,6 @@ class MathAgentLangChainWorkflow(Workflow):
                 break
             messages.append(ai)
             for call_id, name, arguments in pending:
-                result = await calculate_tool(arguments) if name == "calculate" else f"error: unknown tool {name!r}"
-                tool_calls += 1
-                valid_calls += not result.startswith("error:")
+                result = await calculator.call(name, arguments)
                 messages.append(ToolMessage(result, tool_call_id=call_id))
-        return WorkflowOutput(final_answer=answer,
-                              metrics={"turns": turn, "tool_calls": tool_calls, "valid_tool_calls": valid_calls})
+        return WorkflowOutput(final_answer=answer, metrics={"turns": turn, **calculator.counts})
