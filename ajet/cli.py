@@ -1,7 +1,7 @@
 """`ajet` command line: a small dispatch of subcommands, one module each. Only argparse is imported until a
 command runs, so `ajet --help` is instant.
 
-    ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--with-ray [N]] [--resume]
+    ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--seed N] [--with-ray [N]] [--resume]
                                                                                       train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet doctor --model MODEL                                                         chat-template check
@@ -26,6 +26,7 @@ def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="RL backend: debug (one process, CPU or one GPU), verl (Ray+FSDP+vLLM), trinity")
     p.add_argument("--exp-dir", metavar="DIR", help="where metrics, trajectories and checkpoints go")
     p.add_argument("--steps", type=int, metavar="N", help="override trainer.total_steps")
+    p.add_argument("--seed", type=int, metavar="N", help="override trainer.seed (task order and sampling)")
     p.add_argument("--with-ray", nargs="?", const=2, type=int, metavar="N",
                    help="run episodes on N Ray actors (default 2; rollout.ray_workers); needs pip install 'ajet[ray]'")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
@@ -96,7 +97,8 @@ def _load(args: argparse.Namespace, **extra):
     from ajet.config import load_config
 
     overrides = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
-                 "rollout.ray_workers": args.with_ray, "trainer.resume": args.resume or None, **extra}
+                 "trainer.seed": args.seed, "rollout.ray_workers": args.with_ray,
+                 "trainer.resume": args.resume or None, **extra}
     return load_config(args.conf, {k: v for k, v in overrides.items() if v is not None})
 
 

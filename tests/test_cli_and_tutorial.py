@@ -103,3 +103,25 @@ def test_calculator_counts_grounded_calls_and_the_reward_prefers_them():
     assert reward("The answer is 11.", 1, 0) == pytest.approx(0.1)
     assert reward("The answer is 18.", 2, 1) == pytest.approx(0.2)
     assert math_agent_reward(task, WorkflowOutput(final_answer="14", metrics={})) == pytest.approx(1.0)
+
+
+def test_run_flags_override_the_config():
+    from ajet.cli import _load, build_parser
+    conf = str(ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml")
+    cfg = _load(build_parser().parse_args(["--conf", conf, "--seed", "2", "--steps", "3", "--exp-dir", "x"]))
+    assert (cfg.trainer.seed, cfg.trainer.total_steps, cfg.trainer.exp_dir) == (2, 3, "x")
+    cfg = _load(build_parser().parse_args(["--conf", conf]))
+    assert (cfg.trainer.seed, cfg.trainer.total_steps) == (0, 16)     # the YAML's own values
+
+
+def test_distill_yaml_is_the_main_job_plus_a_teacher():
+    """The README's distillation demo compares against the main job: the only differences are the name and the
+    teacher (the main job's seed-1 checkpoint, at the path the README's teacher command writes)."""
+    import yaml
+    folder = ROOT / "tutorial" / "example_math_agent"
+    main, distill = (yaml.safe_load((folder / name).read_text()) for name in ("math_agent.yaml", "math_agent_distill.yaml"))
+    teacher = distill["algorithm"].pop("distill")
+    assert teacher == {"teacher": "experiments/math_agent_seed1/checkpoints/step_16", "coef": 1.0, "mode": "add"}
+    assert distill.pop("experiment_name") == "math_agent_distill" and main.pop("experiment_name") == "math_agent"
+    assert distill == main
+    assert f"--seed 1 --exp-dir {teacher['teacher'].split('/checkpoints')[0]}" in (folder / "math_agent_distill.yaml").read_text()
