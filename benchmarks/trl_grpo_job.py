@@ -44,6 +44,17 @@ async def calculate(expression: str) -> str:
     return await calculate_tool(json.dumps({"expression": expression}))
 
 
+def _expression(tool_call: dict) -> str:
+    """The `expression` argument of one of TRL's assistant tool calls (arguments as a dict or a JSON string)."""
+    arguments = (tool_call.get("function") or {}).get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return ""
+    return str(arguments.get("expression", "")) if isinstance(arguments, dict) else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -63,7 +74,7 @@ def main() -> None:
     from ajet.model import load_tokenizer
     from ajet.task import Task
     from ajet.workflow import WorkflowOutput
-    from math_workflow import SYSTEM_PROMPT, math_agent_reward
+    from math_workflow import SYSTEM_PROMPT, is_grounded, math_agent_reward, numbers_in
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model, None)
@@ -75,15 +86,19 @@ def main() -> None:
     tasks = tasks[:4 * args.steps]
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": t["query"]}],
-                               "answer": t["answer"], "task_id": t["task_id"]} for t in tasks])
+                               "answer": t["answer"], "task_id": t["task_id"], "query": t["query"]} for t in tasks])
 
-    def reward(completions, answer, task_id, **_):
+    def reward(completions, answer, task_id, query, **_):
+        # the main job's metrics from TRL's messages: a tool message without "error" is a valid call; a call is
+        # grounded when its expression uses the question's numbers (math_workflow.CalculatorTool's rule)
         out = []
-        for messages, ans, tid in zip(completions, answer, task_id):
+        for messages, ans, tid, q in zip(completions, answer, task_id, query):
             final = messages[-1].get("content") or "" if messages else ""
             valid = sum(1 for m in messages if m.get("role") == "tool" and not str(m.get("content", "")).startswith("error"))
-            out.append(math_agent_reward(Task(task_id=tid, query="", answer=ans),
-                                         WorkflowOutput(final_answer=final, metrics={"valid_tool_calls": valid})))
+            expressions = [_expression(tc) for m in messages if m.get("role") == "assistant" for tc in m.get("tool_calls") or []]
+            grounded = sum(is_grounded(e, numbers_in(q)) for e in expressions) if valid else 0
+            out.append(math_agent_reward(Task(task_id=tid, query=q, answer=ans), WorkflowOutput(
+                final_answer=final, metrics={"valid_tool_calls": valid, "grounded_tool_calls": grounded})))
         return out
 
     config = GRPOConfig(

@@ -69,6 +69,17 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
+def numbers_in(text: str) -> set[str]:
+    """The numbers written in `text`, without sign: "Omar has 7 cookies, buys 11" -> {"7", "11"}."""
+    return set(_NUMBER.findall(text))
+
+
+def is_grounded(expression: str, known_numbers: set[str]) -> bool:
+    """True when `expression` has at least two numbers and each is one of `known_numbers` (as written, e.g. "17")."""
+    numbers = _NUMBER.findall(expression)
+    return len(numbers) >= 2 and set(numbers) <= known_numbers
+
+
 class CalculatorTool:
     """One episode's `calculate` tool and its counts; the four client variants (OpenAI SDK, AgentScope, LangChain,
     httpx) all call it, so they report the same metrics.
@@ -79,7 +90,7 @@ class CalculatorTool:
     """
 
     def __init__(self, query: str) -> None:
-        self.known_numbers = set(_NUMBER.findall(query))
+        self.known_numbers = numbers_in(query)
         self.counts = {"tool_calls": 0, "valid_tool_calls": 0, "grounded_tool_calls": 0}
 
     async def call(self, name: str, arguments: str) -> str:
@@ -92,9 +103,9 @@ class CalculatorTool:
         if result.startswith("error:"):
             return result
         self.counts["valid_tool_calls"] += 1
-        numbers = _NUMBER.findall(json.loads(arguments)["expression"])   # valid: the arguments parsed
-        self.counts["grounded_tool_calls"] += len(numbers) >= 2 and set(numbers) <= self.known_numbers
-        self.known_numbers.update(_NUMBER.findall(result))
+        expression = str(json.loads(arguments)["expression"])             # valid: the arguments parsed
+        self.counts["grounded_tool_calls"] += is_grounded(expression, self.known_numbers)
+        self.known_numbers |= numbers_in(result)
         return result
 
 
