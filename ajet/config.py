@@ -168,10 +168,14 @@ class DistillConfig(_Section):
     the teacher scores the student's tokens, and the per-token reverse KL log pi_student - log pi_teacher
     joins the loss (`add`) or is the whole loss (`replace`). See `ajet.algorithm.loss.distill_loss`.
 
-    teacher: a local Hugging Face model folder with the student's vocabulary (debug backbone only; an
-    OpenAI-compatible endpoint is not supported yet)."""
+    teacher: a local Hugging Face model folder with the student's vocabulary (scored under the rollout's
+    temperature and top_p), or the base URL of an OpenAI-compatible server that returns prompt logprobs, e.g.
+    `http://10.0.0.2:8000/v1` for `vllm serve TEACHER` (`ajet.remote_teacher.RemoteTeacher`: temperature 1).
+    Debug backbone only."""
 
     teacher: str
+    teacher_model: str | None = Field(None, description="the served model name of a URL teacher (default: the "
+                                                        "first of its /models)")
     coef: float = Field(1.0, gt=0)
     mode: Literal["add", "replace"] = "add"
 

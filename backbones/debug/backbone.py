@@ -22,6 +22,7 @@ from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.model import load_model, load_tokenizer, resolve_model_path
+from ajet.remote_teacher import RemoteTeacher
 from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample
 
@@ -148,9 +149,12 @@ class DebugBackbone:
         if self.is_cap is not None:
             stats.update(is_weight_mean=0.0, is_capped_frac=0.0)
         items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
+        per_token = {"prox_logprobs": self._prox} if self._prox is not None else {}
+        if isinstance(self.teacher, RemoteTeacher):   # scored once per sample, before the forward passes
+            per_token["teacher_logprobs"] = _remote_teacher_logprobs(self.teacher, [s for s, _ in items])
         for micro in _micro_batches(items, alg.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device,
-                             self._prox)
+                             per_token)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                batch["temperatures"], batch["top_ps"], with_entropy=True,
                                                score_mask=batch["loss_mask"])
@@ -165,9 +169,12 @@ class DebugBackbone:
             loss, s = ppo_clip_loss(logprobs, old, batch["advantages"], weights,
                                     alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
             if self.teacher is not None:   # on-policy distillation: the teacher scores the student's tokens
-                with torch.no_grad():
-                    teacher, _ = token_logprobs(self.teacher, batch["input_ids"], batch["attention_mask"],
-                                                batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+                teacher = batch.get("teacher_logprobs")
+                if teacher is None:
+                    with torch.no_grad():
+                        teacher, _ = token_logprobs(self.teacher, batch["input_ids"], batch["attention_mask"],
+                                                    batch["temperatures"], batch["top_ps"],
+                                                    score_mask=batch["loss_mask"])
                 d_loss, s["distill/kl"] = distill_loss(logprobs, batch["old_logprobs"], teacher, batch["weights"])
                 d = alg.distill
                 loss = d.coef * d_loss if d.mode == "replace" else loss + d.coef * d_loss
@@ -272,19 +279,22 @@ class DebugBackbone:
 
     def close(self) -> None:
         self.engine.close()
+        if isinstance(self.teacher, RemoteTeacher):
+            self.teacher.close()
 
 
 def _load_teacher(cfg: AjetConfig, student):
-    """The frozen teacher of `algorithm.distill` (a local model folder), on the student's device.
+    """The frozen teacher of `algorithm.distill`: a local model folder (on the student's device), or a
+    `RemoteTeacher` for a URL.
 
     Raises:
-        ConfigError: the teacher is a URL, or its vocabulary differs from the student's (the teacher must
-            score the student's token ids).
+        ConfigError: a local teacher's vocabulary differs from the student's (the teacher must score the
+            student's token ids).
+        RuntimeError: a URL teacher without `teacher_model` whose /models cannot be read.
     """
     path = cfg.algorithm.distill.teacher
-    if "://" in path:
-        raise ConfigError(f"algorithm.distill.teacher {path!r}: only a local model folder is supported by the debug "
-                          f"backbone (an OpenAI-compatible endpoint is not yet)")
+    if path.startswith(("http://", "https://")):
+        return RemoteTeacher(path, cfg.algorithm.distill.teacher_model)
     teacher = load_model(resolve_model_path(path), cfg.model.dtype, cfg.model.device).eval().requires_grad_(False)
     sv, tv = student.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
     if sv != tv:
@@ -413,10 +423,17 @@ def _first_pass_sums(logprobs: torch.Tensor, ent: torch.Tensor, batch: dict) -> 
             "_tokens": float(m.sum())}
 
 
+def _remote_teacher_logprobs(teacher: RemoteTeacher, samples: list[Sample]) -> dict[int, list[float]]:
+    """id(sample) -> log pi_teacher of each of its response tokens `[response_len]`, from the teacher's server."""
+    scored = teacher.score_many([(s.input_ids, len(s.prompt_ids)) for s in samples])
+    return {id(s): lp for s, lp in zip(samples, scored)}
+
+
 def _collate(samples: list[Sample], weights: list[float], pad_id: int, device,
-             prox: dict[int, list[float]] | None = None) -> dict[str, torch.Tensor]:
+             per_token: dict[str, dict[int, list[float]]] | None = None) -> dict[str, torch.Tensor]:
     """Right-pad samples into `[batch, seq]` tensors aligned to full sequences (prompt part zero-weighted);
-    with `prox` (id(sample) -> `[response_len]` logprobs), also `prox_logprobs`."""
+    each `per_token` entry (name -> id(sample) -> `[response_len]` values, e.g. `prox_logprobs`) becomes one more
+    `[batch, seq]` tensor of that name (0 outside the responses)."""
     S = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     B = len(samples)
     out = {k: torch.zeros((B, S), dtype=torch.float32) for k in ("old_logprobs", "advantages", "weights", "loss_mask")}
@@ -434,9 +451,9 @@ def _collate(samples: list[Sample], weights: list[float], pad_id: int, device,
         out["weights"][i, P:P + R] = w * mask
         out["temperatures"][i, P:P + R] = torch.tensor(s.temperatures, dtype=torch.float32)
         out["top_ps"][i, P:P + R] = torch.tensor(s.top_ps, dtype=torch.float32)
-        if prox is not None:
-            out.setdefault("prox_logprobs", torch.zeros((B, S), dtype=torch.float32))[i, P:P + R] = \
-                torch.tensor(prox[id(s)], dtype=torch.float32)
+        for name, values in (per_token or {}).items():
+            out.setdefault(name, torch.zeros((B, S), dtype=torch.float32))[i, P:P + R] = \
+                torch.tensor(values[id(s)], dtype=torch.float32)
     out.update(input_ids=input_ids, attention_mask=attn)
     return {k: v.to(device) for k, v in out.items()}
 
