@@ -84,15 +84,19 @@ def test_calculator_counts_grounded_calls_and_the_reward_prefers_them():
     steps = [("calculate", "3 + 4 * 2", "11", (1, 1, 0)),      # valid, numbers not in the question
              ("calculate", "7 + 11", "18", (2, 2, 1)),         # the question's numbers
              ("calculate", "18 - 4", "14", (3, 3, 2)),         # an earlier result and a question number
-             ("calculate", "7 + 7", "14", (4, 4, 3)),          # a number may repeat
-             ("calculate", "7 + 5", "12", (5, 5, 3)),          # 5 is in neither
-             ("calculate", "11", None, (6, 5, 3)),             # a lone number: refused
-             ("search", "7 + 11", None, (7, 5, 3))]            # another tool: counted, not run
+             ("calculate", "7 + 7", "14", (4, 4, 2)),          # 7 is given once: "1 + 1" for "gets 1 more" is no grounding
+             ("calculate", "14 + 14", "28", (5, 5, 3)),        # 14 was computed twice (18 - 4 and 7 + 7)
+             ("calculate", "7 + 5", "12", (6, 6, 3)),          # 5 is in neither
+             ("calculate", "11", None, (7, 6, 3)),             # a lone number: refused
+             ("search", "7 + 11", None, (8, 6, 3))]            # another tool: counted, not run
     for name, expression, want, counts in steps:
         result = asyncio.run(tool.call(name, json.dumps({"expression": expression})))
         assert (result == want) if want else result.startswith("error:")
         assert tuple(tool.counts.values()) == counts, expression
     assert list(tool.counts) == ["tool_calls", "valid_tool_calls", "grounded_tool_calls"]
+    grounded = CalculatorTool("Ali has 8 pencils and gets 8 more.")
+    asyncio.run(grounded.call("calculate", json.dumps({"expression": "8 + 8"})))
+    assert grounded.counts["grounded_tool_calls"] == 1                 # the question gives 8 twice
 
     task = Task(task_id="t", query="q", answer="14")
     def reward(answer, valid, grounded):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
@@ -60,6 +61,7 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
     (seeds 0 and 2 of the main job wrote the tool description's example `3 + 4 * 2` in nearly every call from step
     8, a +0.2 that no group could beat, and lost held-out accuracy). With the grounded term, a group whose calls are
     all valid still prefers the call that computes with this problem's numbers, the step before the right answer.
+    A number counts as often as the question gives it (seed 2 otherwise settled on `1 + 1` for "... gets 1 more").
     """
     metrics = output.metrics
     return (math_answer_judge(task, output) + (0.1 if metrics.get("valid_tool_calls", 0) > 0 else 0.0)
@@ -69,15 +71,16 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
-def numbers_in(text: str) -> set[str]:
-    """The numbers written in `text`, without sign: "Omar has 7 cookies, buys 11" -> {"7", "11"}."""
-    return set(_NUMBER.findall(text))
+def numbers_in(text: str) -> Counter[str]:
+    """The numbers written in `text`, without sign, with how often each occurs: "8 pens and 8 more" -> {"8": 2}."""
+    return Counter(_NUMBER.findall(text))
 
 
-def is_grounded(expression: str, known_numbers: set[str]) -> bool:
-    """True when `expression` has at least two numbers and each is one of `known_numbers` (as written, e.g. "17")."""
-    numbers = _NUMBER.findall(expression)
-    return len(numbers) >= 2 and set(numbers) <= known_numbers
+def is_grounded(expression: str, known_numbers: Counter[str]) -> bool:
+    """True when `expression` has at least two numbers, each taken from `known_numbers` at most as often as it
+    occurs there: "8 + 8" is grounded in "8 pens and 8 more", "1 + 1" is not in "9 apples and 1 more"."""
+    numbers = numbers_in(expression)
+    return numbers.total() >= 2 and numbers <= known_numbers
 
 
 class CalculatorTool:
@@ -86,7 +89,7 @@ class CalculatorTool:
 
     `counts` (the workflow's metrics): `tool_calls` (every call, any tool name), `valid_tool_calls` (the
     calculator returned a value), `grounded_tool_calls` (valid, with at least two numbers in the expression, each
-    one of the question's numbers or an earlier call's result).
+    one of the question's numbers or an earlier call's result, used at most as often as it was given: `is_grounded`).
     """
 
     def __init__(self, query: str) -> None:
@@ -105,7 +108,7 @@ class CalculatorTool:
         self.counts["valid_tool_calls"] += 1
         expression = str(json.loads(arguments)["expression"])             # valid: the arguments parsed
         self.counts["grounded_tool_calls"] += is_grounded(expression, self.known_numbers)
-        self.known_numbers |= numbers_in(result)
+        self.known_numbers += numbers_in(result)
         return result
 
 
