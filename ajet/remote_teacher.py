@@ -7,7 +7,7 @@ x, ...}}` with the prompt's own id among the keys) gives log pi_teacher(ids[t] |
 serves this for any model it serves (`vllm serve TEACHER`), and the teacher must share the student's tokenizer.
 
 What the logprobs are: vLLM computes prompt logprobs from the raw model (temperature 1, no top_p), whatever the
-request's sampling parameters (vLLM issues #37082 and #47680 about adding a prompt temperature). A local teacher
+request's sampling parameters (vLLM pull requests #37082 and #47680 are about changing that). A local teacher
 (`algorithm.distill.teacher: FOLDER`) is scored under the rollout's temperature and top_p instead; with
 `rollout.temperature: 1` and `top_p: 1` the two are the same distribution (tests/test_remote_teacher.py).
 """
@@ -52,6 +52,7 @@ class RemoteTeacher:
         Returns:
             `[seq - start]` logprobs.
         Raises:
+            ValueError: `start` outside [1, seq].
             RuntimeError: the server answered an error, or no `prompt_logprobs` (it does not speak vLLM's extension),
                 or a position without the sequence's own token.
         """

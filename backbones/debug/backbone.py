@@ -150,7 +150,7 @@ class DebugBackbone:
             stats.update(is_weight_mean=0.0, is_capped_frac=0.0)
         items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
         per_token = {"prox_logprobs": self._prox} if self._prox is not None else {}
-        if isinstance(self.teacher, RemoteTeacher):   # scored once per sample, before the forward passes
+        if isinstance(self.teacher, RemoteTeacher):   # scored once per sample, before the micro-batches
             per_token["teacher_logprobs"] = _remote_teacher_logprobs(self.teacher, [s for s, _ in items])
         for micro in _micro_batches(items, alg.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device,
