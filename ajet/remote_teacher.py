@@ -39,10 +39,11 @@ class RemoteTeacher:
 
     def _first_model(self) -> str:
         r = self._http.get(f"{self.base_url}/models")
-        if r.status_code != 200 or not r.json().get("data"):
+        served = r.json().get("data") if r.status_code == 200 else None
+        if not served:
             raise RuntimeError(f"distillation teacher {self.base_url}: GET /models answered {r.status_code} "
                                f"{r.text[:200]!r}; set algorithm.distill.teacher_model to the served model name")
-        return r.json()["data"][0]["id"]
+        return served[0]["id"]
 
     def score(self, input_ids: list[int], start: int) -> list[float]:
         """log pi_teacher(input_ids[t] | input_ids[:t]) for t in [start, len(input_ids)), natural log, temperature 1.

@@ -20,16 +20,18 @@ from ajet.remote_teacher import RemoteTeacher
 from tests.test_learning_signal import _backbone, _episodes, _on_policy
 
 
-def _prompt_logprobs_app(model) -> Starlette:
+def _prompt_logprobs_app(model, served: list) -> Starlette:
     """vLLM's answer shape: `choices[0].prompt_logprobs` = [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]
     for `prompt_logprobs: 0` (the prompt's own token only), from the raw model (temperature 1). The served name is
-    "teacher"; the name "no-prompt-logprobs" answers like a server without the extension."""
+    "teacher"; the name "no-prompt-logprobs" answers like a server without the extension. Each completions body is
+    appended to `served`."""
 
     async def models(_: Request):
         return JSONResponse({"object": "list", "data": [{"id": "teacher", "object": "model"}]})
 
     async def completions(request: Request):
         body = await request.json()
+        served.append(body)
         if body["model"] not in ("teacher", "no-prompt-logprobs"):
             return JSONResponse({"error": {"message": f"model {body['model']!r} does not exist"}}, status_code=404)
         choice = {"index": 0, "text": "", "finish_reason": "length"}
@@ -47,7 +49,7 @@ def _prompt_logprobs_app(model) -> Starlette:
 
 @pytest.fixture(scope="module")
 def teacher(tiny_model_dir, tmp_path_factory):
-    """(the teacher's folder, its model, the URL of a server that serves it)."""
+    """(the teacher's folder, its model, the URL of a server that serves it, the completions bodies it served)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     torch.manual_seed(0)
     with torch.no_grad():
@@ -57,20 +59,21 @@ def teacher(tiny_model_dir, tmp_path_factory):
     model.save_pretrained(folder)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_prompt_logprobs_app(model), log_level="warning"))
+    served: list[dict] = []
+    server = uvicorn.Server(uvicorn.Config(_prompt_logprobs_app(model, served), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.started
-    yield str(folder), model, f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    yield str(folder), model, f"http://127.0.0.1:{sock.getsockname()[1]}/v1", served
     server.should_exit = True
     thread.join(10)
 
 
 def test_remote_teacher_returns_the_models_logprob_of_each_token_from_start(teacher):
-    _, model, url = teacher
+    _, model, url, _ = teacher
     ids = [5, 17, 3, 99, 42, 7, 120]
     with torch.no_grad():
         want = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)   # [seq, vocab]
@@ -87,7 +90,7 @@ def test_remote_teacher_returns_the_models_logprob_of_each_token_from_start(teac
 
 
 def test_a_server_without_prompt_logprobs_or_the_model_is_a_clear_error(teacher):
-    _, _, url = teacher
+    _, _, url, _ = teacher
     for model, message in (("no-prompt-logprobs", "must support vLLM's `prompt_logprobs`"), ("nope", "404")):
         remote = RemoteTeacher(url, model)
         try:
@@ -100,7 +103,7 @@ def test_a_server_without_prompt_logprobs_or_the_model_is_a_clear_error(teacher)
 def test_url_teacher_trains_the_student_as_the_same_teacher_loaded_from_its_folder(tiny_model_dir, teacher):
     """At temperature 1 and top_p 1 (what a vLLM server's prompt logprobs are), the URL teacher and the folder
     teacher give the same distillation KL and the same gradient."""
-    folder, _, url = teacher
+    folder, _, url, _ = teacher
     results = []
     for source in (folder, url):
         bb = _backbone(tiny_model_dir, distill={"teacher": source, "mode": "replace"})
@@ -118,3 +121,18 @@ def test_url_teacher_trains_the_student_as_the_same_teacher_loaded_from_its_fold
     assert kl_folder > 0.05 and g_folder.norm() > 0           # the perturbed teacher disagrees
     assert kl_url == pytest.approx(kl_folder, rel=1e-4)
     assert ((g_url - g_folder).norm() / g_folder.norm()).item() < 1e-4
+
+
+def test_an_update_fetches_each_samples_teacher_logprobs_once(tiny_model_dir, teacher):
+    """Two PPO epochs x two mini-batches make four passes over the samples; the teacher's logprobs do not change
+    in between, so the server is asked once per sample."""
+    _, _, url, served = teacher
+    bb = _backbone(tiny_model_dir, distill={"teacher": url}, ppo_epochs=2, mini_batches=2)
+    try:
+        samples = _on_policy(bb, _episodes(4, seed=6))
+        before = len(served)
+        stats = bb.update(samples)
+    finally:
+        bb.close()
+    assert stats["optimizer_steps"] == 4.0 and stats["distill/kl"] != 0.0
+    assert sorted(tuple(b["prompt"]) for b in served[before:]) == sorted(tuple(s.input_ids) for s in samples)

@@ -56,6 +56,7 @@ class DebugBackbone:
         # asynchronous training: the loss corrects off-policy tokens by truncated importance sampling
         self.is_cap = cfg.trainer.async_.is_cap if cfg.trainer.async_.max_staleness else None
         self._prox: dict[int, list[float]] | None = None   # id(sample) -> log pi_prox of its response tokens
+        self._teacher_lp: dict[int, list[float]] | None = None   # id(sample) -> a URL teacher's logprobs
 
     # ---- the RL step ------------------------------------------------------------------------------
     def update(self, samples: list[Sample]) -> dict[str, float]:
@@ -83,6 +84,10 @@ class DebugBackbone:
         one_step = alg.ppo_epochs == 1 and _split(episodes, alg.mini_batches) == [episodes]
         totals: dict[str, float] = {}
         steps = 0
+        # a URL teacher's logprobs do not depend on the student's weights: fetched once, before the engine is paused,
+        # not per mini-batch and epoch
+        self._teacher_lp = (_remote_teacher_logprobs(self.teacher, [s for s in trainable if self._forwarded(s)])
+                            if isinstance(self.teacher, RemoteTeacher) else None)
         with self.engine.weights_lock:
             # with one optimizer step the first forward sees the rollout weights; else measure them first
             before = None if one_step else self.measure(trainable)
@@ -99,7 +104,7 @@ class DebugBackbone:
             self.model.eval()
             self.engine.policy_version += 1
         mass = totals.pop("weight_sum", 0.0)
-        self._prox = None
+        self._prox = self._teacher_lp = None
         ratios = ("clip_frac", "dual_clip_frac", "ratio_mean") + (("is_weight_mean", "is_capped_frac") if self.is_cap else ())
         out = {k: totals.pop(k) / mass if mass > 0 else 0.0 for k in ratios}
         before = before or {k: totals.pop(f"_{k}") / totals["_tokens"] if totals["_tokens"] else 0.0
@@ -150,8 +155,9 @@ class DebugBackbone:
             stats.update(is_weight_mean=0.0, is_capped_frac=0.0)
         items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
         per_token = {"prox_logprobs": self._prox} if self._prox is not None else {}
-        if isinstance(self.teacher, RemoteTeacher):   # scored once per sample, before the micro-batches
-            per_token["teacher_logprobs"] = _remote_teacher_logprobs(self.teacher, [s for s, _ in items])
+        if isinstance(self.teacher, RemoteTeacher):   # fetched by `update` once; a direct call fetches its own
+            per_token["teacher_logprobs"] = (self._teacher_lp
+                                             or _remote_teacher_logprobs(self.teacher, [s for s, _ in items]))
         for micro in _micro_batches(items, alg.micro_batch_tokens):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device,
                              per_token)
