@@ -44,15 +44,10 @@ async def calculate(expression: str) -> str:
     return await calculate_tool(json.dumps({"expression": expression}))
 
 
-def _expression(tool_call: dict) -> str:
-    """The `expression` argument of one of TRL's assistant tool calls (arguments as a dict or a JSON string)."""
+def _arguments(tool_call: dict) -> str:
+    """The JSON arguments of one of TRL's assistant tool calls (TRL may hold them as a dict)."""
     arguments = (tool_call.get("function") or {}).get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return ""
-    return str(arguments.get("expression", "")) if isinstance(arguments, dict) else ""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def main() -> None:
@@ -74,7 +69,7 @@ def main() -> None:
     from ajet.model import load_tokenizer
     from ajet.task import Task
     from ajet.workflow import WorkflowOutput
-    from math_workflow import SYSTEM_PROMPT, is_grounded, math_agent_reward, numbers_in
+    from math_workflow import SYSTEM_PROMPT, CalculatorTool, math_agent_reward
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model, None)
@@ -89,16 +84,20 @@ def main() -> None:
                                "answer": t["answer"], "task_id": t["task_id"], "query": t["query"]} for t in tasks])
 
     def reward(completions, answer, task_id, query, **_):
-        # the main job's metrics from TRL's messages: a tool message without "error" is a valid call; a call is
-        # grounded when its expression uses the question's numbers (math_workflow.CalculatorTool's rule)
+        # the main job's metrics from TRL's messages: each assistant tool call with the tool message that answered
+        # it, counted by the main job's own CalculatorTool (valid, grounded)
         out = []
         for messages, ans, tid, q in zip(completions, answer, task_id, query):
             final = messages[-1].get("content") or "" if messages else ""
-            valid = sum(1 for m in messages if m.get("role") == "tool" and not str(m.get("content", "")).startswith("error"))
-            expressions = [_expression(tc) for m in messages if m.get("role") == "assistant" for tc in m.get("tool_calls") or []]
-            grounded = sum(is_grounded(e, numbers_in(q)) for e in expressions) if valid else 0
-            out.append(math_agent_reward(Task(task_id=tid, query=q, answer=ans), WorkflowOutput(
-                final_answer=final, metrics={"valid_tool_calls": valid, "grounded_tool_calls": grounded})))
+            calls = [tc for m in messages if m.get("role") == "assistant" for tc in m.get("tool_calls") or []]
+            results = [str(m.get("content", "")) for m in messages if m.get("role") == "tool"]
+            calculator = CalculatorTool(q)
+            for call, result in zip(calls, results):
+                # TRL writes a call it could not make as str({"error": ...}): an error to the main job too
+                result = f"error: {result}" if result.startswith("{'error'") else result
+                calculator.count((call.get("function") or {}).get("name", ""), _arguments(call), result)
+            out.append(math_agent_reward(Task(task_id=tid, query=q, answer=ans),
+                                         WorkflowOutput(final_answer=final, metrics=calculator.counts)))
         return out
 
     config = GRPOConfig(

@@ -97,19 +97,22 @@ class CalculatorTool:
         self.counts = {"tool_calls": 0, "valid_tool_calls": 0, "grounded_tool_calls": 0}
 
     async def call(self, name: str, arguments: str) -> str:
-        """Run one tool call (`name`, JSON `arguments`); returns the tool message's text, "error: ..." on failure
-        (never raises)."""
+        """Run one tool call (`name`, JSON `arguments`) and `count` it; returns the tool message's text,
+        "error: ..." on failure (never raises)."""
+        result = await calculate_tool(arguments) if name == "calculate" else f"error: unknown tool {name!r}"
+        self.count(name, arguments, result)
+        return result
+
+    def count(self, name: str, arguments: str, result: str) -> None:
+        """Count one tool call whose `result` is known (from `call`, or from a tool loop that ran the calculator
+        itself, as TRL's does in benchmarks/trl_grpo_job.py)."""
         self.counts["tool_calls"] += 1
-        if name != "calculate":
-            return f"error: unknown tool {name!r}"
-        result = await calculate_tool(arguments)
-        if result.startswith("error:"):
-            return result
+        if name != "calculate" or result.startswith("error:"):
+            return
         self.counts["valid_tool_calls"] += 1
         expression = str(json.loads(arguments)["expression"])             # valid: the arguments parsed
         self.counts["grounded_tool_calls"] += is_grounded(expression, self.known_numbers)
         self.known_numbers += numbers_in(result)
-        return result
 
 
 async def calculate_tool(arguments: str) -> str:
