@@ -112,8 +112,8 @@ def test_own_groups_and_bad_finishes():
 
 def test_a_restarted_queue_reopens_groups_and_adopts_finished_episodes():
     q, stored = _queue()
-    first = [q.begin("c") for _ in range(3)]
-    q.finish(first[0]["episode_id"], reward=0.5)
+    first = [q.begin("c") for _ in range(3)]  # g0-r0, g0-r1, g1-r0
+    q.finish(first[1]["episode_id"], reward=0.5)
     q.finish(first[2]["episode_id"], reward=0.25)
     state = q.state_dict(0)
     records = [{**ep.to_dict(), "attempt": 0} for _, ep in stored]
@@ -122,12 +122,12 @@ def test_a_restarted_queue_reopens_groups_and_adopts_finished_episodes():
     q2.load_state_dict(state)
     q2.adopt(records)
     b = [q2.begin("c") for _ in range(2)]
-    assert [x["episode_id"] for x in b] == ["a1-g0-r1", "a1-g1-r1"]   # only the places nobody finished
+    assert [x["episode_id"] for x in b] == ["a1-g0-r0", "a1-g1-r1"]   # only the places nobody finished
     for x in b:
         q2.finish(x["episode_id"], reward=1.0)
     episodes = q2.collect(1)
-    assert [(e.episode_id, e.attempt, e.reward) for e in episodes] == [
-        ("a0-g0-r0", 0, 0.5), ("a1-g0-r1", 1, 1.0), ("a0-g1-r0", 0, 0.25), ("a1-g1-r1", 1, 1.0)]
+    assert [(e.episode_id, e.attempt, e.reward, e.repeat_index) for e in episodes] == [   # adopted: their own places
+        ("a1-g0-r0", 1, 1.0, 0), ("a0-g0-r1", 0, 0.5, 1), ("a0-g1-r0", 0, 0.25, 0), ("a1-g1-r1", 1, 1.0, 1)]
     assert q2.counts["adopted"] == 2 and len(stored2) == 2    # adopted episodes are not stored twice
 
 

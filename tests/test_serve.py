@@ -50,9 +50,11 @@ def _setup(tmp_path, tiny_model_dir, idle_s=8, steps=2):
 class Server:
     """`ajet serve` in a subprocess; `url` once its 'proxy on' line is printed."""
 
-    def __init__(self, conf: Path, exp: Path, *extra: str, port: int = 0):
+    def __init__(self, conf: Path, exp: Path, *extra: str, port: int = 0, kill_at: str | None = None):
         env = {**os.environ, "AJET_SECRET": SECRET}
         env.pop("AJET_TEST_KILL_AT", None)
+        if kill_at:
+            env["AJET_TEST_KILL_AT"] = kill_at                  # ajet/faults.py: SIGKILL itself at that point
         self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--conf", str(conf), "--exp-dir", str(exp),
                                       "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, cwd=conf.parent, text=True)
@@ -84,12 +86,12 @@ def _client(server: Server, script: list[str], retry_s: float = 30, max_episodes
     return subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
 
-def _finished_by_clients(procs) -> list[dict[str, float]]:
+def _finished_by_clients(procs, server: Server) -> list[dict[str, float]]:
     """Per client process: {episode_id: reward} of the episodes it finished."""
     out = []
     for p in procs:
         stdout, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == 0, err[-3000:] + "\nthe server's output:\n" + server.output()[-3000:]
         out.append({row["episode_id"]: row["reward"] for row in map(json.loads, stdout.splitlines())})
     return out
 
@@ -149,24 +151,27 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
                    for _ in range(2)]
         if node:
             clients.append(_client(server, [node, str(AGENTS / "node_agent.mjs")], max_episodes=2))
-        # double finish: one episode of our own, finished twice
+        # one episode of our own, held open (heartbeats) until the stuck one is abandoned: the run cannot end
+        # before the late finish below; then finished twice
         ep = http.post("/ajet/v1/episodes", json={"client_id": "test"}).json()
         chat = httpx.post(ep["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {ep['api_key']}"},
                           json={"model": ep["model"], "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert chat.status_code == 200
         auth = {"X-Ajet-Episode-Token": ep["episode_token"]}
-        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}, headers=auth).status_code == 200
-        r = http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}, headers=auth)
-        assert r.status_code == 409 and r.json()["error"]["code"] == "episode_already_finished"
 
         deadline = time.monotonic() + 120
         while http.get("/ajet/v1/status").json()["episodes"]["abandoned"] < 1:
             assert time.monotonic() < deadline and server.proc.poll() is None, server.output()
+            assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/heartbeat", headers=auth).status_code == 200
             time.sleep(0.5)
         r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", json={"reward": 1.0}, headers=stuck_auth)   # after abandon
         assert r.status_code == 410 and r.json()["error"]["code"] == "episode_abandoned", r.text
 
-        per_client = _finished_by_clients(clients)
+        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}, headers=auth).status_code == 200
+        r = http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.5}, headers=auth)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "episode_already_finished"
+
+        per_client = _finished_by_clients(clients, server)
         assert all(per_client), per_client                 # every client ran episodes (Node too, when present)
         rewards = {k: v for c in per_client for k, v in c.items()}
         rewards[ep["episode_id"]] = 0.5
@@ -201,22 +206,17 @@ def test_server_sigkill_then_resume_trains_every_finished_episode_once(tiny_mode
     with socket.socket() as s:                              # one port for both servers: the clients keep their URL
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = Server(conf, exp, port=port)
+    server = Server(conf, exp, port=port, kill_at="rollout@2")   # step 2's first finished episode stored: SIGKILL
     clients = [_client(server, [sys.executable, str(AGENTS / "python_agent.py")], retry_s=240) for _ in range(2)]
     try:
-        http, deadline = server.http(), time.monotonic() + 120
-        while http.get("/ajet/v1/status").json()["episodes"]["finished"] < 3:
-            assert time.monotonic() < deadline, server.output()
-            time.sleep(0.2)
-        os.kill(server.proc.pid, signal.SIGKILL)
-        assert server.proc.wait(timeout=30) == -signal.SIGKILL
+        assert server.proc.wait(timeout=180) == -signal.SIGKILL, server.output()
         store = TrajectoryStore(exp / "trajectories.sqlite")
         before = {e["episode_id"] for e in store.ledger() if e["ok"]}
         store.close()
         assert len(before) >= 3
 
         server = Server(conf, exp, "--resume", port=port)
-        per_client = _finished_by_clients(clients)           # they retried through the restart and went on
+        per_client = _finished_by_clients(clients, server)           # they retried through the restart and went on
         assert server.proc.wait(timeout=120) == 0, server.output()
     finally:
         for p in [server.proc, *clients]:
@@ -229,3 +229,27 @@ def test_server_sigkill_then_resume_trains_every_finished_episode_once(tiny_mode
     assert {r["attempt"] for r in ledger} == {0, 1}
     finished_after = {k for c in per_client for k in c}
     assert finished_after and all(records[k]["reward"] == c[k] for c in per_client for k in c)
+
+
+def test_clients_waiting_for_a_server_resumed_after_its_last_step_hear_run_finished(tiny_model_dir, tmp_path):
+    """The server was stopped after its last checkpoint (here: it finished) while clients went on retrying
+    its port; `--resume` has nothing left to train and still answers them 410 `run_finished` before it
+    stops: they exit cleanly instead of retrying a refused connection until `AJET_RETRY_S`, then failing."""
+    conf, exp = _setup(tmp_path, tiny_model_dir), tmp_path / "exp"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = Server(conf, exp, port=port)
+    _finished_by_clients([_client(server, [sys.executable, str(AGENTS / "python_agent.py")])], server)
+    assert server.proc.wait(timeout=120) == 0, server.output()
+    late = [_client(server, [sys.executable, str(AGENTS / "python_agent.py")], retry_s=60) for _ in range(2)]
+    try:
+        time.sleep(3.0)                                        # they retry the refused connections
+        server = Server(conf, exp, "--resume", port=port)
+        assert _finished_by_clients(late, server) == [{}, {}]  # RunFinished at their first answer
+        assert server.proc.wait(timeout=60) == 0, server.output()
+    finally:
+        for p in [server.proc, *late]:
+            if p.poll() is None:
+                p.kill()
+    assert "next step 3" in server.output()

@@ -204,6 +204,53 @@ def test_a_run_that_trained_every_step_still_says_run_finished(tokenizer):
             AjetClient(str(http.base_url), secret=SECRET, retry_for_s=5).begin()
 
 
+def test_the_finished_server_answers_until_a_busy_client_is_told(tokenizer):
+    """The last step is trained while a client is still in an episode: the server answers on (its proxy calls,
+    its finish) until that client's next `begin` hears 410 `run_finished`; a client silent for longer than
+    `active_s` is not waited for. (A server that stopped at once left such a client retrying a refused
+    connection for its whole `retry_for_s`, then failing with "unreachable".)"""
+    with served(tokenizer, total_steps=1) as (queue, http, _):
+        http.post("/ajet/v1/episodes", json={"client_id": "gone"})            # then never heard from again
+        time.sleep(3.5)
+        ep = http.post("/ajet/v1/episodes", json={"client_id": "busy"}).json()
+        queue.step_done(1)
+        queue.close()
+        result: list[list[str]] = []
+        waiter = threading.Thread(target=lambda: result.append(queue.wait_until_clients_told(timeout_s=30, active_s=3.0)))
+        t0 = time.monotonic()
+        waiter.start()
+        for _ in range(8):                                     # 4 s of proxy calls, longer than active_s
+            chat = httpx.post(ep["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {ep['api_key']}"},
+                              json={"model": ep["model"], "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            assert chat.status_code == 200, chat.text
+            time.sleep(0.5)
+        assert waiter.is_alive() and not result                # still answering the busy client
+        auth = {"X-Ajet-Episode-Token": ep["episode_token"]}
+        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0},
+                         headers=auth).status_code == 200
+        assert waiter.is_alive() and not result                # finished, but not yet told
+        _refused(http.post("/ajet/v1/episodes", json={"client_id": "busy"}), 410, "run_finished", "1 steps")
+        waiter.join(1.0)                                       # told: done at once (not when it falls silent)
+        assert result == [[]] and time.monotonic() - t0 < 10   # ... and "gone" was not waited for
+
+
+def test_a_resumed_server_with_nothing_left_to_train_answers_the_waiting_clients(tokenizer):
+    """Killed after its last checkpoint and resumed: the server has no step left, knows none of the clients
+    retrying its port, and still answers for `listen_s` after it began serving, so each hears 410."""
+    with served(tokenizer, attempt=1, total_steps=1) as (queue, http, _):
+        queue.step_done(1)
+        queue.close()
+        t0 = time.monotonic()
+        result: list[list[str]] = []
+        waiter = threading.Thread(target=lambda: result.append(queue.wait_until_clients_told(30, 3.0, listen_s=2.5)))
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive()                               # no client known, but still listening
+        _refused(http.post("/ajet/v1/episodes", json={"client_id": "retrying"}), 410, "run_finished", "1 steps")
+        waiter.join(10)
+        assert result == [[]] and 1.5 < time.monotonic() - t0 < 5
+
+
 def test_nan_and_infinite_metrics_never_reach_metrics_jsonl(tmp_path):
     log = MetricsLogger(tmp_path, tensorboard=False)
     log.log(1, {"loss": float("nan"), "kl": float("inf"), "reward": 0.5, "per_task": [1.0, float("-inf")]})

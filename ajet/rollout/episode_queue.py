@@ -20,7 +20,9 @@ finished episode that no live update used is put back into its group (matched by
 Every begun episode gets its own unguessable `episode_token`; `finish` / `abort` / `heartbeat` refuse
 (403) a call that does not present it, so one client cannot end another's episode. When the trainer stops
 before its last step, `close()` makes every call answer 503 `server_restarting` (not 410 `run_finished`),
-so clients wait for the server restarted with `--resume`.
+so clients wait for the server restarted with `--resume`. Either way the server answers on until every client
+heard from lately has been told (`wait_until_clients_told`): a client in the middle of an episode, or between
+retries, must not find the server gone and retry into the void.
 
 Thread model: the HTTP handlers call `begin` / `finish` / `abort` / `heartbeat` from worker threads, the
 trainer calls `collect` from its own; one lock guards the state, a condition wakes `collect`. A state
@@ -95,7 +97,8 @@ class _Client:
     begun: int = 0
     finished: int = 0
     abandoned: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)   # any episode-API or proxy call of the client
+    told: bool = False               # answered 410 `run_finished` / 503 `server_restarting` after `close()`
 
 
 class EpisodeQueue:
@@ -134,6 +137,7 @@ class EpisodeQueue:
         self._tokens: dict[str, str] = {}                # episode id -> its token (running and ended episodes)
         self._adoptable: dict[str, list[Episode]] = {}   # finished, untrained episodes of an earlier attempt
         self._clients: dict[str, _Client] = {}
+        self._serving_since = time.monotonic()           # (reset by `bind`)
         self.counts = {"begun": 0, "finished": 0, "failed": 0, "abandoned": 0, "aborted": 0, "adopted": 0}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -145,6 +149,7 @@ class EpisodeQueue:
     def bind(self, proxy) -> None:
         """Use `proxy` (a `ProxyServer`) to open and close episode endpoints."""
         self.proxy = proxy
+        self._serving_since = time.monotonic()
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after `step` needs to hand out the same groups again: the sampler position, the
@@ -192,8 +197,9 @@ class EpisodeQueue:
                 reaped = [] if self.finished_run else self._reap_idle()
                 client = self._clients.setdefault(client_id, _Client())
                 client.last_seen = time.monotonic()
-                self._refuse_if_stopping()
+                self._refuse_if_stopping(client_id)
                 if self.finished_run:
+                    self._tell(client_id)
                     raise EpisodeApiError(410, "run_finished", f"the run finished its {self.total_steps} steps")
                 group, repeat = self._place(task, group_id, dataset)
                 group.handouts += 1
@@ -233,9 +239,10 @@ class EpisodeQueue:
             raise EpisodeApiError(400, "missing_reward", "send `reward` (this server has no judge to score a "
                                                          "final_answer); the episode is still running")
         with self._lock:
-            self._refuse_if_stopping()
+            self._refuse_if_stopping(self._client_of(episode_id))
             self._check_token(episode_id, token)
             run = self._take(episode_id)
+            self._clients[run.client_id].last_seen = time.monotonic()
         calls = self.proxy.close_episode(run.endpoint)
         ep = Episode(episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls, attempt=self.attempt,
                      duration_s=time.monotonic() - run.began)
@@ -267,7 +274,7 @@ class EpisodeQueue:
         Raises EpisodeApiError as `finish` does."""
         reason = f"aborted: {reason}"
         with self._changed:
-            self._refuse_if_stopping()
+            self._refuse_if_stopping(self._client_of(episode_id))
             self._check_token(episode_id, token)
             run = self._take(episode_id)
             self._end_dropped(run, reason)
@@ -277,12 +284,12 @@ class EpisodeQueue:
     def heartbeat(self, episode_id: str, token: str | None = None) -> dict[str, Any]:
         """Keep a running episode alive. Raises EpisodeApiError as `finish` does."""
         with self._lock:
-            self._refuse_if_stopping()
+            self._refuse_if_stopping(self._client_of(episode_id))
             self._check_token(episode_id, token)
             run = self._running.get(episode_id)
             if run is None:
                 self._raise_ended(episode_id)
-            run.last_seen = time.monotonic()
+            run.last_seen = self._clients[run.client_id].last_seen = time.monotonic()
             return {"episode_id": episode_id, "status": "running"}
 
     def activity(self, token: str, delta: int) -> None:
@@ -291,7 +298,7 @@ class EpisodeQueue:
             run = self._by_token.get(token)
             if run is not None:
                 run.in_flight += delta
-                run.last_seen = time.monotonic()
+                run.last_seen = self._clients[run.client_id].last_seen = time.monotonic()
 
     def status(self) -> dict[str, Any]:
         """The run's state for dashboards and waiting clients."""
@@ -356,6 +363,24 @@ class EpisodeQueue:
             self.finished_run = True                     # (and no more reaping)
         self._storer.shutdown(wait=True)                 # every reaped episode stored before the store closes
 
+    def wait_until_clients_told(self, timeout_s: float, active_s: float, listen_s: float = 0.0) -> list[str]:
+        """After `close()`: wait until every client heard from in the last `active_s` seconds has been answered
+        410 `run_finished` or 503 `server_restarting`, at most `timeout_s` seconds. A client finishing its last
+        episode, or sleeping between retries (up to 5 s), then learns that the run is over instead of finding
+        the server gone (a refused connection, which a client retries for its whole `retry_for_s`). Clients
+        silent for longer than `active_s` are taken for gone. `listen_s`: answer at least until this many
+        seconds after `bind` (a resumed server that had nothing left to train: the killed attempt's clients
+        are retrying, unknown to it). Returns the ids of the clients still untold."""
+        deadline = time.monotonic() + timeout_s
+        listen_until = min(self._serving_since + listen_s, deadline)
+        with self._changed:
+            while True:
+                now = time.monotonic()
+                untold = [cid for cid, c in self._clients.items() if not c.told and now - c.last_seen <= active_s]
+                if (not untold and now >= listen_until) or now >= deadline:
+                    return untold
+                self._changed.wait(timeout=min(0.2, deadline - now))
+
     # ---- internals (called with the lock held) -----------------------------------------------------
     def _place(self, task: dict[str, Any] | None, group_id: str | None, dataset: str | None) -> tuple[_Group, int]:
         if task is not None or group_id is not None:
@@ -399,7 +424,9 @@ class EpisodeQueue:
 
     def _fill_from_adoptable(self, g: _Group) -> None:
         for ep in self._adoptable.pop(g.group_id, []):
-            free = self._free(g)
+            own = ep.repeat_index       # its own place when free: the store's record and the group agree
+            taken = own >= self.num_repeat or own in g.finished or own in g.running
+            free = self._free(g) if taken else own
             if free is None:
                 break
             ep.repeat_index = free
@@ -414,8 +441,19 @@ class EpisodeQueue:
         del self._by_token[run.endpoint.api_key]
         return run                    # its place stays taken until the caller finishes or drops it
 
-    def _refuse_if_stopping(self) -> None:
+    def _client_of(self, episode_id: str) -> str | None:
+        run = self._running.get(episode_id)
+        return run.client_id if run is not None else None
+
+    def _tell(self, client_id: str | None) -> None:
+        """`client_id` is being answered that the run is over (or restarting): `wait_until_clients_told` may stop."""
+        if client_id in self._clients:
+            self._clients[client_id].told = True
+            self._changed.notify_all()
+
+    def _refuse_if_stopping(self, client_id: str | None) -> None:
         if self.stopping:
+            self._tell(client_id)
             raise EpisodeApiError(503, "server_restarting", f"the trainer stopped after step {self.trained_step} of "
                                   f"{self.total_steps} (see the server's log); the server is restarted with --resume: "
                                   "retry after Retry-After (running episodes are forgotten, begin new ones)",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
-import time
 from pathlib import Path
 
 from ajet.config import AjetConfig
@@ -22,7 +21,8 @@ from ajet.rollout import RolloutContext
 from ajet.rollout.episode_queue import EpisodeQueue
 
 
-GRACE_S = 2.0   # seconds the finished server keeps answering before it stops
+LINGER_S = 30.0        # at most this long the finished server keeps answering clients not yet told, seconds
+CLIENT_ACTIVE_S = 10.0  # ... that were heard from this recently (twice a client's longest retry backoff), seconds
 
 
 class ServeSource(EpisodeQueue):
@@ -62,12 +62,16 @@ class ServeSource(EpisodeQueue):
         return super().collect(step)
 
     def close(self) -> None:
-        """Answer for a moment before the server stops, so that clients learn what happened instead of finding
-        the server gone: 410 `run_finished` after the last step, 503 `server_restarting` when the trainer
-        stopped before it (the clients wait for the server restarted with `--resume`)."""
+        """Answer on before the server stops until every client heard from lately knows what happened, instead
+        of finding the server gone: 410 `run_finished` after the last step, 503 `server_restarting` when the
+        trainer stopped before it (the clients wait for the server restarted with `--resume`)."""
         super().close()
-        if self.status()["clients"]:
-            time.sleep(GRACE_S)
+        # resumed: the killed attempt's clients retry (every <= 5 s) unknown to this server; let each hear it once
+        listen_s = CLIENT_ACTIVE_S if self.ctx.cfg.trainer.resume else 0.0
+        untold = self.wait_until_clients_told(LINGER_S, CLIENT_ACTIVE_S, listen_s)
+        if untold:
+            self.ctx.console.print(f"stopping without telling {len(untold)} client(s) still busy after {LINGER_S:g}s: "
+                                   + ", ".join(untold[:5]))
 
 
 def serve(cfg: AjetConfig) -> Path:
