@@ -86,6 +86,18 @@ def _client(server: Server, script: list[str], retry_s: float = 30, max_episodes
     return subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_running(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 def _finished_by_clients(procs, server: Server) -> list[dict[str, float]]:
     """Per client process: {episode_id: reward} of the episodes it finished."""
     out = []
@@ -203,9 +215,7 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
 
 def test_server_sigkill_then_resume_trains_every_finished_episode_once(tiny_model_dir, tmp_path):
     conf, exp = _setup(tmp_path, tiny_model_dir, idle_s=60), tmp_path / "exp"
-    with socket.socket() as s:                              # one port for both servers: the clients keep their URL
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()                                     # one port for both servers: the clients keep their URL
     server = Server(conf, exp, port=port, kill_at="rollout@2")   # step 2's first finished episode stored: SIGKILL
     clients = [_client(server, [sys.executable, str(AGENTS / "python_agent.py")], retry_s=240) for _ in range(2)]
     try:
@@ -219,9 +229,7 @@ def test_server_sigkill_then_resume_trains_every_finished_episode_once(tiny_mode
         per_client = _finished_by_clients(clients, server)           # they retried through the restart and went on
         assert server.proc.wait(timeout=120) == 0, server.output()
     finally:
-        for p in [server.proc, *clients]:
-            if p.poll() is None:
-                p.kill()
+        _kill_running(server.proc, *clients)
     assert "step 2/2" in server.output()
     ledger, records = _check_ledger(exp, steps=2)
     trained = {e["episode_id"] for e in ledger if e["trained_in"]}
@@ -236,9 +244,7 @@ def test_clients_waiting_for_a_server_resumed_after_its_last_step_hear_run_finis
     its port; `--resume` has nothing left to train and still answers them 410 `run_finished` before it
     stops: they exit cleanly instead of retrying a refused connection until `AJET_RETRY_S`, then failing."""
     conf, exp = _setup(tmp_path, tiny_model_dir), tmp_path / "exp"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     server = Server(conf, exp, port=port)
     _finished_by_clients([_client(server, [sys.executable, str(AGENTS / "python_agent.py")])], server)
     assert server.proc.wait(timeout=120) == 0, server.output()
@@ -249,7 +255,5 @@ def test_clients_waiting_for_a_server_resumed_after_its_last_step_hear_run_finis
         assert _finished_by_clients(late, server) == [{}, {}]  # RunFinished at their first answer
         assert server.proc.wait(timeout=60) == 0, server.output()
     finally:
-        for p in [server.proc, *late]:
-            if p.poll() is None:
-                p.kill()
+        _kill_running(server.proc, *late)
     assert "next step 3" in server.output()
