@@ -25,6 +25,7 @@ from ajet.tool_agent import ToolAgent
 from ajet.tools.episode_tools import tool_metrics
 from ajet.tools.mcp_hub import McpHub, ToolServerError
 from ajet.tracker import merge_calls
+from tests.local_servers import free_port
 from tests.scripted_engine import ScriptedEngine
 
 SERVER = str(Path(__file__).resolve().parent / "mcp_test_server.py")
@@ -116,9 +117,7 @@ def test_per_episode_call_limit_and_step_metrics():
 
 @pytest.fixture(scope="module")
 def http_server_url():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, SERVER, "--http", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -2,7 +2,6 @@
 its own process), with both HTTP clients; and the proxy over a RemoteEngine, driven by the real OpenAI SDK."""
 
 import asyncio
-import socket
 
 import openai
 import pytest
@@ -13,6 +12,7 @@ from ajet.proxy.server import ProxyServer
 from ajet.remote_engine import RemoteEngine
 from ajet.sampling_dist import processed_logprobs
 from benchmarks.instant_engine_server import InstantServer, raw_distribution, token_logprob
+from tests.local_servers import free_port
 
 CLIENTS = ["aiohttp", "httpx"]
 MAX_MODEL_LEN = 512
@@ -113,9 +113,7 @@ def test_server_errors_and_refused_connections_are_runtime_errors(server, client
     broken = RemoteEngine(server.url + "/v1", "error-stream", client=client)
     with pytest.raises(RuntimeError, match="scripted failure mid-stream"):
         run(generate(broken, [1, 2], SamplingParams(max_tokens=8), stream=True))
-    with socket.socket() as s:                    # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()                            # a port nobody listens on
     refused = RemoteEngine(f"http://127.0.0.1:{port}/v1", "policy", client=client)
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}"):
         run(generate(refused, [1, 2], SamplingParams(max_tokens=8), stream=False))

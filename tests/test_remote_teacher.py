@@ -3,13 +3,8 @@ vLLM-format server on 127.0.0.1 (uvicorn, in a thread) serves a perturbed tiny m
 OpenAI server does (`prompt_logprobs`); `RemoteTeacher` and the debug backbone's update are checked against the
 model itself and against the same teacher loaded from its folder."""
 
-import socket
-import threading
-import time
-
 import pytest
 import torch
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,6 +12,7 @@ from starlette.routing import Route
 from transformers import AutoModelForCausalLM
 
 from ajet.remote_teacher import RemoteTeacher
+from tests.local_servers import serving
 from tests.test_learning_signal import _backbone, _episodes, _on_policy
 
 
@@ -57,19 +53,9 @@ def teacher(tiny_model_dir, tmp_path_factory):
             p.add_(0.05 * torch.randn_like(p))     # a teacher that disagrees with the student
     folder = tmp_path_factory.mktemp("teacher")
     model.save_pretrained(folder)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     served: list[dict] = []
-    server = uvicorn.Server(uvicorn.Config(_prompt_logprobs_app(model, served), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield str(folder), model, f"http://127.0.0.1:{sock.getsockname()[1]}/v1", served
-    server.should_exit = True
-    thread.join(10)
+    with serving(_prompt_logprobs_app(model, served)) as url:
+        yield str(folder), model, f"{url}/v1", served
 
 
 def test_remote_teacher_returns_the_models_logprob_of_each_token_from_start(teacher):

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from ajet.trajectory_store import TrajectoryStore
+from tests.local_servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENTS = ROOT / "tutorial" / "serve_agents"
@@ -84,12 +84,6 @@ def _client(server: Server, script: list[str], retry_s: float = 30, max_episodes
     env = {**os.environ, "AJET_URL": server.url, "AJET_SECRET": SECRET, "AJET_RETRY_S": str(retry_s),
            "AJET_MAX_EPISODES": str(max_episodes)}
     return subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_running(*procs: subprocess.Popen) -> None:
@@ -215,7 +209,7 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
 
 def test_server_sigkill_then_resume_trains_every_finished_episode_once(tiny_model_dir, tmp_path):
     conf, exp = _setup(tmp_path, tiny_model_dir, idle_s=60), tmp_path / "exp"
-    port = _free_port()                                     # one port for both servers: the clients keep their URL
+    port = free_port()                                     # one port for both servers: the clients keep their URL
     server = Server(conf, exp, port=port, kill_at="rollout@2")   # step 2's first finished episode stored: SIGKILL
     clients = [_client(server, [sys.executable, str(AGENTS / "python_agent.py")], retry_s=240) for _ in range(2)]
     try:
@@ -244,7 +238,7 @@ def test_clients_waiting_for_a_server_resumed_after_its_last_step_hear_run_finis
     its port; `--resume` has nothing left to train and still answers them 410 `run_finished` before it
     stops: they exit cleanly instead of retrying a refused connection until `AJET_RETRY_S`, then failing."""
     conf, exp = _setup(tmp_path, tiny_model_dir), tmp_path / "exp"
-    port = _free_port()
+    port = free_port()
     server = Server(conf, exp, port=port)
     _finished_by_clients([_client(server, [sys.executable, str(AGENTS / "python_agent.py")])], server)
     assert server.proc.wait(timeout=120) == 0, server.output()

@@ -23,6 +23,7 @@ from ajet.rollout.episode_queue import EpisodeQueue
 from ajet.serve.api import MAX_DEPTH, build_api, compose
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
+from tests.local_servers import free_port
 from tests.scripted_engine import ScriptedEngine
 
 SECRET = "test-secret-0123456789abcdef"
@@ -176,9 +177,7 @@ def test_a_stalled_upload_does_not_keep_its_episode_alive(tokenizer):
 def test_clients_wait_for_a_restarted_server_when_the_trainer_stopped(tokenizer):
     """The trainer raised (the server answers 503 `server_restarting`, then goes away): `AjetClient.begin`
     waits and gets its episode from the server restarted on the same port, instead of `RunFinished`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with served(tokenizer, port=port) as (queue, http, _):
         queue.close()                                    # what trainer.run's `finally` does when a step raised
         r = http.post("/ajet/v1/episodes", json={})

@@ -2,10 +2,7 @@
 
 import asyncio
 import json
-import socket
 import textwrap
-import threading
-import time
 
 import pytest
 
@@ -14,6 +11,7 @@ from ajet.errors import ConfigError
 from ajet.tasks import load_tasks
 from ajet.tasks.env_service import EnvServiceClient, EnvServiceError
 from ajet.workflow import WorkflowOutput
+from tests.local_servers import free_port, serving
 
 ROWS = [{"id": f"p{i}", "problem": f"What is {i} + {i}?", "solution": str(2 * i), "level": i % 3} for i in range(6)]
 
@@ -141,19 +139,8 @@ def _guess_service():
 
 @pytest.fixture()
 def env_url():
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_guess_service(), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=5)
+    with serving(_guess_service()) as url:
+        yield url
 
 
 def test_env_service_tasks_and_episode(tmp_path, env_url):
@@ -181,10 +168,7 @@ def test_env_service_tasks_and_episode(tmp_path, env_url):
 
 
 def test_env_service_unreachable_is_a_clear_error(tmp_path):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()   # nothing listens there
+    port = free_port()   # nothing listens there
     cfg = _cfg(tmp_path, f"{{env_service: {{url: 'http://127.0.0.1:{port}', env_type: guess}}}}")
     with pytest.raises(EnvServiceError, match="get_env_profile.*ConnectError"):
         load_tasks(cfg, "train")
