@@ -33,15 +33,38 @@ def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def _installed_version() -> str:
+    """The installed `ajet` distribution's version (importlib.metadata), for `ajet --version`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ajet")
+    except PackageNotFoundError:   # imported from a source folder that was never installed
+        return "unknown (not installed: pip install .)"
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: prints `ajet X.Y.Z` and exits 0; reads the metadata only when the flag is given."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"ajet {_installed_version()}")   # to stdout, as argparse's own version action does
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    return _run_flags(argparse.ArgumentParser(
+    p = argparse.ArgumentParser(
         prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
                "Also: ajet serve --conf X.yaml (train agents that run anywhere; docs/serve.md)\n"
                "      ajet doctor --model MODEL (checks the chat template)\n"
                "      ajet eval --conf YAML [--checkpoint DIR] (held-out evaluation)\n"
                "      ajet view EXP_DIR (trajectories in the browser), ajet show EXP_DIR (in the terminal)",
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
+    return _run_flags(p)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
