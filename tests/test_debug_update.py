@@ -117,3 +117,48 @@ def test_per_token_logprobs_of_merged_and_per_call_samples_agree(backbone):
     torch.testing.assert_close(merged[n1:n1 + 6], call1[n1:], rtol=0, atol=1e-5)
     torch.testing.assert_close(merged[n2:], call2[n2:], rtol=0, atol=1e-5)
     assert (call1[n1:] - lp(prompt + c1, [t2] * (n1 + 6))[n1:]).abs().max() > 1e-2   # temperature matters here
+
+
+# ---- asynchronous training: the importance-sampling metrics and the pre-update pass --------------------------
+# Per-token pi_prox / pi_behaviour of two equal-length episodes (so the loss-weighted mean is the token mean).
+# Episode a: 1, 0.5, 1.5, 1.5 (nothing capped); episode b: 3, 2.5, 1.5, 2.5, capped at 2 -> 2, 2, 1.5, 2.
+# Mean IS weight (4.5 + 7.5) / 8 = 1.5; capped tokens 3 of 8 = 0.375 (both by hand).
+IS_RATIOS = {"a": [1.0, 0.5, 1.5, 1.5], "b": [3.0, 2.5, 1.5, 2.5]}
+
+
+def _async_backbone(tiny_model_dir, **algorithm):
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": tiny_model_dir, "device": "cpu"},
+                     algorithm={"micro_batch_tokens": 64, **algorithm},
+                     trainer={"async": {"max_staleness": 2, "is_cap": 2.0}})
+    return DebugBackbone(cfg)
+
+
+def _stale_by(bb, ratios):
+    """One sample per episode whose behaviour logprobs are today's policy's minus log(ratio) per token, so
+    that pi_prox / pi_behaviour of token t is exactly ratios[episode][t] when the update starts."""
+    import math
+
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 200, (6,)).tolist()
+    samples = [_sample(ep, prompt, torch.randint(3, 200, (len(r),)).tolist(), [1] * len(r), adv)
+               for (ep, r), adv in zip(ratios.items(), (1.0, -1.0))]
+    _on_policy(bb, samples)
+    for s in samples:
+        s.old_logprobs = [lp - math.log(r) for lp, r in zip(s.old_logprobs, ratios[s.episode_id])]
+    return samples
+
+
+@pytest.mark.parametrize("steps", [{}, {"ppo_epochs": 2}, {"mini_batches": 2}], ids=["one-step", "2-epochs", "2-mini-batches"])
+def test_is_weight_mean_and_capped_frac_are_means_over_the_trained_tokens(tiny_model_dir, steps):
+    """The figures of the update's IS weights are their (loss-weighted) mean and the capped share: 1.5 and
+    0.375 by hand. With several optimizer steps per update (a large learning rate moves the weights between
+    them), pi_prox is the pass before the first step, so every step uses the same weights and the figures
+    do not move; a pi_prox taken from the weights of the current step would change them."""
+    bb = _async_backbone(tiny_model_dir, lr=5e-2, **steps)
+    try:
+        out = bb.update(_stale_by(bb, IS_RATIOS))
+    finally:
+        bb.close()
+    assert out["optimizer_steps"] == (1.0 if not steps else 2.0)
+    assert out["is_weight_mean"] == pytest.approx(1.5, abs=1e-4)
+    assert out["is_capped_frac"] == pytest.approx(0.375, abs=1e-6)

@@ -69,8 +69,10 @@ class DebugBackbone:
         first) and each token's loss is weighted by `truncated_is_weights` (pi_prox / pi_behaviour, capped).
 
         Returns: loss, pg_loss, kl, grad_norm (means over optimizer steps); clip_frac, dual_clip_frac,
-        ratio_mean, and with is_cap is_weight_mean and is_capped_frac (loss-weighted means over every
-        trained token of every optimizer step); entropy (nats)
+        ratio_mean (means over every trained token of every optimizer step under the weights the loss gives
+        them: the aggregation weight, times the IS weight with is_cap); with is_cap is_weight_mean and
+        is_capped_frac (the mean IS weight and the share of tokens at the cap, under the aggregation weights
+        alone, e.g. the token mean in token-mean mode); entropy (nats)
         and logprob_diff (mean |trainer - engine| logprob), token means over the forwarded loss tokens
         measured BEFORE any weight moves in this step (0 up to numerics when rollout and training
         agree); optimizer_steps, update_s.
@@ -103,10 +105,15 @@ class DebugBackbone:
                     steps += 1
             self.model.eval()
             self.engine.policy_version += 1
-        mass = totals.pop("weight_sum", 0.0)
         self._prox = self._teacher_lp = None
-        ratios = ("clip_frac", "dual_clip_frac", "ratio_mean") + (("is_weight_mean", "is_capped_frac") if self.is_cap else ())
-        out = {k: totals.pop(k) / mass if mass > 0 else 0.0 for k in ratios}
+        # the PPO figures are means under the loss's own token weights (times the IS weight when is_cap is set);
+        # the IS figures are means of the IS weight itself, under the aggregation weights alone
+        means = {"weight_sum": ("clip_frac", "dual_clip_frac", "ratio_mean"),
+                 "_is_weight_sum": ("is_weight_mean", "is_capped_frac") if self.is_cap is not None else ()}
+        out = {}
+        for denominator, keys in means.items():
+            mass = totals.pop(denominator, 0.0)
+            out.update({k: totals.pop(k) / mass if mass > 0 else 0.0 for k in keys})
         before = before or {k: totals.pop(f"_{k}") / totals["_tokens"] if totals["_tokens"] else 0.0
                             for k in ("entropy", "logprob_diff")}
         out.update({k: v / steps for k, v in totals.items() if not k.startswith("_")}, **before)
@@ -140,8 +147,9 @@ class DebugBackbone:
 
         Returns:
             loss, pg_loss, kl (aggregates); clip_frac, dual_clip_frac, ratio_mean, weight_sum (weighted
-            sums, see `ppo_clip_loss`); _entropy, _logprob_diff (sums over loss tokens of this forward,
-            under the weights before this backward) and _tokens (how many).
+            sums, see `ppo_clip_loss`); with is_cap is_weight_mean, is_capped_frac and _is_weight_sum (sums
+            of w_t is_t, w_t [is_t at the cap] and w_t, w_t the aggregation weight); _entropy, _logprob_diff
+            (sums over loss tokens of this forward, under the weights before this backward) and _tokens (how many).
         """
         alg = self.cfg.algorithm
         # a "sequence" of the seq-mean-* modes: the episode (however many samples it forked into), or each sample
@@ -152,7 +160,7 @@ class DebugBackbone:
         stats = dict.fromkeys(("loss", "pg_loss", "kl", "clip_frac", "dual_clip_frac", "ratio_mean", "weight_sum",
                                "_entropy", "_logprob_diff", "_tokens") + (("distill/kl",) if self.teacher is not None else ()), 0.0)
         if self.is_cap is not None:
-            stats.update(is_weight_mean=0.0, is_capped_frac=0.0)
+            stats.update(is_weight_mean=0.0, is_capped_frac=0.0, _is_weight_sum=0.0)
         items = [(s, w) for s, w in zip(samples, weights) if self._forwarded(s)]
         per_token = {"prox_logprobs": self._prox} if self._prox is not None else {}
         if isinstance(self.teacher, RemoteTeacher):   # fetched by `update` once; a direct call fetches its own
@@ -172,6 +180,7 @@ class DebugBackbone:
                 old, weights = prox, weights * is_w
                 stats["is_weight_mean"] += float((batch["weights"] * is_w).sum())
                 stats["is_capped_frac"] += float((batch["weights"] * (is_w >= self.is_cap)).sum())
+                stats["_is_weight_sum"] += float(batch["weights"].sum())   # the means' denominator: not IS-weighted
             loss, s = ppo_clip_loss(logprobs, old, batch["advantages"], weights,
                                     alg.clip_ratio_low, alg.clip_ratio_high, ref, alg.kl_coef, alg.clip_ratio_c)
             if self.teacher is not None:   # on-policy distillation: the teacher scores the student's tokens
