@@ -10,7 +10,12 @@ The page (`static/`: plain HTML/CSS/JS, no CDN, no build step) calls this JSON A
     GET /plots/{name}.png                          EXP_DIR/plots/*.png
 
 Every view reads `trajectories.sqlite` read-only (`RunReader`), so it can stay open while the run writes.
-Bad parameters answer 400 and unknown episodes 404, each with {"error": "..."}.
+Bad parameters answer 400 and unknown episodes 404, each with {"error": "..."}; an integer parameter
+outside its range (`INT_RANGES`, e.g. `step=99999999999999999999`) is a 400 naming it and the range.
+A request whose `Host` header names another host than localhost, 127.0.0.1, [::1] or the host the viewer
+was started on answers 403 (`HostGuard`): a web page that rebinds its own name to 127.0.0.1 (DNS
+rebinding) cannot read the run's trajectories. Any port is accepted, so an SSH tunnel
+(`ssh -L 9000:localhost:8420`) still works.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from starlette._utils import parse_host_header
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -36,15 +44,59 @@ OVERVIEW_KEYS = ["reward/mean", "reward/std", "rollout/episodes", "rollout/faile
                  "time/step_s", "time/rollout_s", "train/update_s", "rollout/tokens_per_s", "policy_version"]
 
 
+SQLITE_INT_MAX = 2**63 - 1   # SQLite's INTEGER is a signed 64-bit int: a larger Python int raises OverflowError
+# the allowed range (inclusive) of every integer query parameter of the API
+INT_RANGES: dict[str, tuple[int, int]] = {"step": (0, SQLITE_INT_MAX), "attempt": (0, SQLITE_INT_MAX),
+                                          "offset": (0, SQLITE_INT_MAX), "limit": (1, 500)}
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
 def _int(request: Request, name: str, default: int | None = None) -> int | None:
-    """Query parameter `name` as an int (`default` when absent). Raises ValueError naming it."""
+    """Query parameter `name` as an int in `INT_RANGES[name]` (`default` when absent).
+
+    Raises:
+        ValueError: not an integer, or outside the range (the message names the parameter and the range).
+    """
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"query parameter `{name}` must be an integer, got {raw!r}") from None
+    return _in_range(raw, f"query parameter `{name}`", *INT_RANGES[name])
+
+
+def _in_range(raw: str, what: str, lo: int, hi: int) -> int:
+    """`raw` (decimal digits, optional sign) as an int in lo..hi. Raises ValueError naming `what` and the range."""
+    shown = raw if len(raw) <= 40 else raw[:40] + "..."
+    if not re.fullmatch(r"\s*[+-]?[0-9]{1,4300}\s*", raw):   # int()'s digit limit: no ValueError from its size
+        raise ValueError(f"{what} must be an integer in {lo}..{hi}, got {shown!r}")
+    value = int(raw)
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be in {lo}..{hi}, got {shown}")
+    return value
+
+
+class HostGuard:
+    """ASGI middleware: answers 403 {"error": ...} to an HTTP request whose `Host` header (port ignored) is not
+    one of `allowed` (compared lower-case; IPv6 literals in brackets, e.g. "[::1]"). Guards against DNS
+    rebinding: a page on attacker.example whose name is made to resolve to 127.0.0.1 still sends
+    `Host: attacker.example`. Built on Starlette's Host parsing (`TrustedHostMiddleware` answers a plain-text
+    400 that does not say what to open instead).
+    """
+
+    def __init__(self, app: Any, allowed: list[str]):
+        self.app, self.allowed = app, {h.lower() for h in allowed}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        header = Headers(scope=scope).get("host")
+        parsed = parse_host_header(header)
+        if parsed is not None and parsed.host.lower().rstrip(".") in self.allowed:
+            return await self.app(scope, receive, send)
+        shown = "(none)" if header is None else repr(header[:100])
+        response = JSONResponse({"error": f"this viewer answers only requests for {', '.join(sorted(self.allowed))} "
+                                          f"(any port); the Host header was {shown}: open the address "
+                                          f"`ajet view` printed"}, status_code=403)
+        await response(scope, receive, send)
 
 
 def _json(fn: Callable[[Request], Any]) -> Callable[[Request], Response]:
@@ -59,8 +111,9 @@ def _json(fn: Callable[[Request], Any]) -> Callable[[Request], Response]:
     return view
 
 
-def create_app(exp_dir: str | Path) -> Starlette:
-    """The viewer app for one experiment folder.
+def create_app(exp_dir: str | Path, host: str = "127.0.0.1") -> Starlette:
+    """The viewer app for one experiment folder, answering requests for localhost, 127.0.0.1, [::1] and `host`
+    (the address it is served on; 0.0.0.0 and :: add nothing: browse it by a name given here).
 
     Raises:
         AjetError: the folder holds no trajectories.sqlite.
@@ -103,7 +156,8 @@ def create_app(exp_dir: str | Path) -> Starlette:
         return run.episode(request.path_params["episode_id"], _int(request, "attempt"))
 
     def sample(request: Request) -> dict[str, Any]:
-        return run.sample_tokens(request.path_params["episode_id"], request.path_params["index"], _int(request, "attempt"))
+        index = _in_range(request.path_params["index"], "the sample index", 0, SQLITE_INT_MAX)
+        return run.sample_tokens(request.path_params["episode_id"], index, _int(request, "attempt"))
 
     def plot(request: Request) -> Response:
         name = request.path_params["name"]
@@ -115,13 +169,16 @@ def create_app(exp_dir: str | Path) -> Starlette:
     def index(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
-    return Starlette(routes=[
+    allowed = list(LOCAL_HOSTS)
+    if host not in ("0.0.0.0", "::", ""):
+        allowed.append(f"[{host}]" if ":" in host and not host.startswith("[") else host)
+    return Starlette(middleware=[Middleware(HostGuard, allowed=allowed)], routes=[
         Route("/", index),
         Route("/api/run", _json(overview)),
         Route("/api/groups", _json(groups)),
         Route("/api/episodes", _json(episodes)),
         Route("/api/episode/{episode_id}", _json(episode)),
-        Route("/api/episode/{episode_id}/sample/{index:int}", _json(sample)),
+        Route("/api/episode/{episode_id}/sample/{index}", _json(sample)),
         Route("/plots/{name}.png", plot),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ])
@@ -136,6 +193,6 @@ def serve(exp_dir: str | Path, port: int = 8420, host: str = "127.0.0.1") -> Non
     """
     import uvicorn
 
-    app = create_app(exp_dir)
+    app = create_app(exp_dir, host=host)
     print(f"ajet view: http://{host}:{port}/  ({Path(exp_dir).resolve()}; Ctrl-C stops)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
