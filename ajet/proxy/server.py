@@ -38,7 +38,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.routing import BaseRoute, Route
 
@@ -57,7 +57,7 @@ from ajet.proxy.strict import StrictTools
 from ajet.proxy.turn import (Choice, Episode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
                              reject_unsupported)
 from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ProxyError, bearer, cut, json_response, load_json,
-                             printable, read_body)
+                             log_client_gone, printable, read_body)
 
 log = logging.getLogger(__name__)
 
@@ -487,7 +487,8 @@ class _CatchAll:
     """ASGI middleware: an unexpected exception in a handler (a bug; bad input never gets here) becomes a 500
     OpenAI-style body and is logged. Unlike an `exception_handler(Exception)`, which Starlette answers and then
     re-raises (uvicorn then drops the keep-alive connection under the client's next request), the exception
-    stops here. One raised after the response started is re-raised: the client sees a cut-off response."""
+    stops here. One raised after the response started is re-raised: the client sees a cut-off response. A
+    client that closed its connection mid-upload (ClientDisconnect) gets one warning line and no answer."""
 
     def __init__(self, app, proxy: ProxyServer):
         self.app, self.proxy = app, proxy
@@ -504,6 +505,8 @@ class _CatchAll:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect as exc:   # the client went away mid-upload: nobody to answer, not a bug
+            log_client_gone(log, "proxy", scope, exc)
         except Exception as exc:  # noqa: BLE001 - the catch-all
             if started:
                 raise

@@ -11,12 +11,13 @@ work one request costs the prepare pool is bounded before it starts).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ajet.proxy.schema import short_repr
@@ -85,9 +86,27 @@ def bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
+class ClientGone(ClientDisconnect):
+    """The client closed its connection before its request body arrived in full (an agent killed or timed out
+    mid-upload): there is nobody to answer. Not a server error: `log_client_gone` writes one warning line,
+    and no response is sent. The message says how much of the body arrived."""
+
+
+def log_client_gone(log: logging.Logger, server: str, scope: dict[str, Any], exc: BaseException) -> None:
+    """One warning line (no traceback) for a request whose client went away mid-upload.
+
+    Args:
+        log: the server's logger; server: its name in the line ("proxy", "episode API").
+        scope: the ASGI scope (method, path); exc: the ClientDisconnect (or ClientGone) raised.
+    """
+    log.warning("%s: %s %s: %s; nothing was answered", server, scope.get("method"), str(scope.get("path"))[:200],
+                str(exc) or "the client closed the connection before sending its whole body")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most `limit` bytes. Raises ProxyError 413 when the Content-Length or the bytes
-    actually sent (a chunked body has no Content-Length) exceed it, 400 for a malformed Content-Length."""
+    actually sent (a chunked body has no Content-Length) exceed it, 400 for a malformed Content-Length,
+    ClientGone when the client closes the connection before the body is complete."""
     too_large = ProxyError(413, f"the request body is larger than this proxy's limit of {limit} bytes: "
                                 "shorten the conversation or raise max_body_bytes", code="request_too_large")
     declared = request.headers.get("content-length")
@@ -97,11 +116,15 @@ async def read_body(request: Request, limit: int) -> bytes:
         if int(declared) > limit:
             raise too_large
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_large
+            parts.append(part)
+    except ClientDisconnect:
+        of = f"the {int(declared)}" if declared is not None else "a chunked body's"
+        raise ClientGone(f"the client closed the connection after {size} of {of} body bytes") from None
     return b"".join(parts)
 
 

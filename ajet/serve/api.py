@@ -28,10 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ajet.proxy.wire import ClientGone, log_client_gone
 from ajet.rollout.episode_queue import TOKEN_HEADER, EpisodeApiError, EpisodeQueue
 
 API = "/ajet/v1"
@@ -112,7 +113,12 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
     """The Starlette app of the episode API, bound to `queue`, guarded by `secret`."""
 
     async def body(request: Request, model: type[BaseModel]) -> BaseModel:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            declared = request.headers.get("content-length")
+            raise ClientGone("the client closed the connection before its body arrived"
+                             + (f" in full ({declared[:20]} bytes declared)" if declared else "")) from None
         if len(raw) > MAX_BODY_BYTES:
             raise EpisodeApiError(413, "body_too_large", f"the body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
         try:
@@ -136,6 +142,9 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
                 return JSONResponse(await handler(request))
             except EpisodeApiError as exc:
                 return _error(exc.status, exc.code, exc.message, exc.retry_after_s)
+            except ClientDisconnect as exc:   # the client went away mid-upload: one line; the answer reaches nobody
+                log_client_gone(log, "episode API", request.scope, exc)
+                return Response(status_code=499)   # nginx's "client closed request"; uvicorn drops it unsent
             except Exception:   # a bug of ours: a JSON answer and a log line, never a dropped connection
                 log.exception("episode API: %s %s", request.method, request.url.path[:200])
                 return _error(500, "internal_error", "the server failed on this request (its log has the "
