@@ -11,6 +11,7 @@ model with the adapter disabled (no second copy of the weights).
 from __future__ import annotations
 
 import copy
+import logging
 import random
 import time
 from pathlib import Path
@@ -302,6 +303,9 @@ def _load_teacher(cfg: AjetConfig, student):
     """The frozen teacher of `algorithm.distill`: a local model folder (on the student's device), or a
     `RemoteTeacher` for a URL.
 
+    A URL teacher with `rollout.temperature` or `top_p` other than 1 logs a warning naming both temperatures:
+    the server's prompt logprobs are at temperature 1, so the KL is to the teacher at temperature 1.
+
     Raises:
         ConfigError: a local teacher's vocabulary differs from the student's (the teacher must score the
             student's token ids).
@@ -309,6 +313,14 @@ def _load_teacher(cfg: AjetConfig, student):
     """
     path = cfg.algorithm.distill.teacher
     if path.startswith(("http://", "https://")):
+        r = cfg.rollout
+        if r.temperature != 1.0 or r.top_p != 1.0:
+            logging.getLogger(__name__).warning(
+                "algorithm.distill.teacher %s is a URL: its server scores tokens at temperature 1 without top_p "
+                "(vLLM's prompt logprobs), while the rollout samples at rollout.temperature %s (top_p %s). "
+                "distill/kl and its gradient are then the KL from the student at temperature %s to the teacher at "
+                "temperature 1, not to the teacher at %s; a teacher folder is scored at the rollout's temperature "
+                "and top_p", path, r.temperature, r.top_p, r.temperature, r.temperature)
         return RemoteTeacher(path, cfg.algorithm.distill.teacher_model)
     teacher = load_model(resolve_model_path(path), cfg.model.dtype, cfg.model.device).eval().requires_grad_(False)
     sv, tv = student.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
