@@ -81,3 +81,26 @@ def test_assign_advantages_counts_each_episode_with_its_loss_tokens():
     # tokens [1, 1, 0, 0]: mean 1/2, var (4 * 1/4) / 3 = 1/3
     a = 0.5 * 3 ** 0.5
     assert [s.advantage for s in samples] == pytest.approx([a, a, -a, -a], abs=1e-6)
+
+
+def test_whitening_over_one_token_gives_zero_not_nan():
+    """REINFORCE++ whitens over the step's loss tokens with the unbiased variance (N - 1 in the denominator): one
+    token has no batch statistic (0/0, where verl raises). The advantage is then 0, finite, whatever the reward;
+    an episode without loss tokens does not count as a second token."""
+    for estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        adv = compute_advantages(estimator, torch.tensor([3.0]), ["a"], torch.tensor([1.0]))
+        assert adv.tolist() == [0.0]
+        adv = compute_advantages(estimator, torch.tensor([3.0, -2.0]), ["a", "b"], torch.tensor([1.0, 0.0]))
+        assert adv.tolist() == [0.0, 0.0]
+    # two tokens are enough: rewards 1, 0 -> mean 1/2, unbiased var 1/2, A = +-(1/2) / sqrt(1/2) = +-0.7071
+    adv = compute_advantages("reinforce_plus_plus", torch.tensor([1.0, 0.0]), ["a", "b"], torch.tensor([1.0, 1.0]))
+    assert adv.tolist() == pytest.approx([0.5 ** 0.5, -(0.5 ** 0.5)], abs=1e-6)
+
+
+def test_a_step_with_one_trained_token_gets_advantage_zero_under_reinforce_plus_plus():
+    from ajet.tracker.sample import Sample
+
+    (s,) = [Sample(episode_id="e", group_id="e", agent_tag="default", call_ids=["c"], prompt_ids=[1],
+                   response_ids=[2, 3], loss_mask=[0, 1], old_logprobs=[0.0, -1.0], policy_versions=[-1, 0])]
+    assign_advantages([s], {"e": 1.0}, adv_estimator="reinforce_plus_plus")
+    assert s.reward == 1.0 and s.advantage == 0.0
