@@ -36,11 +36,13 @@ def _upload_and_vanish(url: str, extra_headers: str = "", chunked: bool = False)
 
 
 def _wait_for_lines(caplog, n: int, timeout_s: float = 120.0) -> list[logging.LogRecord]:
-    """The records that mention a client gone, once there are `n` of them (or the deadline passed)."""
+    """The records that mention a client gone, once there are `n` of them or `n` records about the requests
+    that went (errors included), or the deadline passed."""
     deadline = time.monotonic() + timeout_s
     while True:
         gone = [r for r in caplog.records if GONE in r.getMessage()]
-        if len(gone) >= n or time.monotonic() > deadline:
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        if len(gone) >= n or len(gone) + len(errors) >= n or time.monotonic() > deadline:
             return gone
         time.sleep(0.05)
 
