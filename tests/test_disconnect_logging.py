@@ -111,3 +111,45 @@ def test_a_client_gone_mid_upload_is_one_warning_line_at_the_episode_api(tokeniz
         assert len(_wait_for_lines(caplog, 21, timeout_s=0)) == 21
     finally:
         proxy.stop()
+
+
+def test_closing_the_proxy_bridge_under_open_connections_prints_no_traceback(caplog):
+    """`ProxyBridge` (the sandbox's unix socket -> the proxy's TCP port) closed while a coding agent's
+    connections are still open: each is closed, and no CancelledError reaches asyncio's exception handler."""
+    import asyncio
+    import os
+
+    from ajet.tools.workdir_sandbox import SOCKET_NAME, ProxyBridge
+
+    caplog.set_level(logging.DEBUG)
+    reported: list[dict] = []
+
+    async def echo(reader, writer):
+        while data := await reader.read(1024):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context: reported.append(context))
+        upstream = await asyncio.start_server(echo, "127.0.0.1", 0)
+        port = upstream.sockets[0].getsockname()[1]
+        clients = []
+        async with ProxyBridge("127.0.0.1", port) as folder:
+            for i in range(5):
+                reader, writer = await asyncio.open_unix_connection(os.path.join(folder, SOCKET_NAME))
+                writer.write(b"ping %d" % i)
+                assert await asyncio.wait_for(reader.readexactly(6), 30) == b"ping %d" % i   # forwarded both ways
+                clients.append((reader, writer))
+        # the bridge closed every connection it held
+        for reader, writer in clients:
+            assert await asyncio.wait_for(reader.read(), 30) == b""
+            writer.close()
+        upstream.close()
+        await upstream.wait_closed()
+        for _ in range(20):   # let any done-callback of the bridge's tasks run
+            await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert not reported, [c.get("message") for c in reported]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]

@@ -100,8 +100,10 @@ class ProxyBridge:
 
     async def __aexit__(self, *exc) -> None:
         self._server.close()
-        for t in list(self._tasks):
+        tasks = list(self._tasks)
+        for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)   # each closes its two ends as it stops
         with contextlib.suppress(Exception):
             await self._server.wait_closed()
         with contextlib.suppress(OSError):
@@ -109,18 +111,22 @@ class ProxyBridge:
             os.rmdir(self.folder)
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._tasks.add(asyncio.current_task())
+        """Forward one sandbox connection to the proxy until either side closes, or until the bridge closes
+        (`__aexit__` cancels it). Cancellation ends it normally, both ends closed: asyncio (3.11) calls
+        `task.exception()` on a cancelled connection task, which would print a CancelledError traceback."""
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        up_writer: asyncio.StreamWriter | None = None
         try:
             up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
-        except OSError:
-            writer.close()
-            return
-        try:
             await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+        except (OSError, asyncio.CancelledError):   # the proxy is unreachable, or the bridge is closing
+            pass
         finally:
             for w in (writer, up_writer):
-                w.close()
-            self._tasks.discard(asyncio.current_task())
+                if w is not None:
+                    w.close()
+            self._tasks.discard(task)
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
