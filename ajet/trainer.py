@@ -386,11 +386,19 @@ def _live_status(m: dict[str, Any], ep: Episode) -> str:
             f"| clients {m['serve/clients']} | last reward {ep.reward if ep.reward is not None else 'failed'}")
 
 
+def _sig3(x: float) -> str:
+    """`x` to 3 significant figures: 0.4321 -> "0.432", 12.345 -> "12.3", 0 -> "0"; a number >= 1000 whole
+    (1234.5 -> "1234", not "1.23e+03"); below 1e-4 with an exponent (0.0000123 -> "1.23e-05")."""
+    text = f"{x:.3g}"
+    return f"{x:.0f}" if "e+" in text else text
+
+
 def _console_line(step: int, total: int, m: dict[str, Any]) -> str:
+    """The one console line a finished step prints (counts, reward, merge, generation speed, timings)."""
     return (f"step {step}/{total} | episodes {m['rollout/episodes']} ({m['rollout/failed']} failed) | "
             f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f} | calls {m['rollout/calls']} -> samples "
             f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x, {m['tracker/forks']} forks, tokens "
-            f"{m['tracker/token_ratio']:.2f}x fewer) | gen {m['rollout/tokens_per_s']:.0f} tok/s | "
+            f"{m['tracker/token_ratio']:.2f}x fewer) | gen {_sig3(m['rollout/tokens_per_s'])} tok/s | "
             f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s"
             + (f" | clients {m['serve/clients']}, running {m['serve/running']}, abandoned {m['serve/abandoned']}"
                if "serve/clients" in m else ""))
