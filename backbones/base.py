@@ -9,6 +9,11 @@ same way, so the proxy, the context tracker and the GRPO accounting never depend
     metrics  = backbone.update(samples)     # one RL step; policy_version += 1
     backbone.wake_rollout()                 # rollout servers serve the new weights again
     backbone.save_checkpoint(dir)           # every trainer.save_freq steps
+
+What each backbone honours of the config is declared beside this protocol, in `capabilities.py`
+(`DECLARATIONS[name]`: every config field honoured, translated to the backbone's own key, or refused);
+`check_supported(cfg)` refuses a config that sets what the chosen backbone does not honour, before any
+backbone package is imported.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ajet.engine import Engine
 from ajet.errors import BackboneUnavailable
 from ajet.tracker.sample import Sample
+
+if TYPE_CHECKING:
+    from ajet.config import AjetConfig
 
 
 @runtime_checkable
@@ -80,7 +88,8 @@ def missing_members(backbone: object) -> list[str]:
     return [n for n in names if not hasattr(backbone, n)]
 
 
-# name -> (module with the adapter, the package it needs, the pip extra that installs it)
+# name -> (module with the adapter, the package it needs, the pip extra that installs it); what each honours of
+# the config: capabilities.DECLARATIONS[name]
 _BACKBONES = {
     "debug": ("ajet.backbones.debug", None, None),
     "verl": ("ajet.backbones.verl", "verl", "verl"),
@@ -88,14 +97,22 @@ _BACKBONES = {
 }
 
 
-def load_backbone(name: str) -> type:
+def load_backbone(name: str, cfg: AjetConfig | None = None) -> type:
     """The backbone class for `name`, importing its heavy dependencies only now.
 
+    Args:
+        cfg: when given, first refuse what backbone `name` does not honour of it (`capabilities.check_supported`),
+            before any of the backbone's packages is imported.
     Raises:
         BackboneUnavailable: unknown name, or the backbone's package is not installed (names the extra).
+        ConfigError: `cfg` sets what backbone `name` does not honour (naming the key and the backbones that do).
     """
     if name not in _BACKBONES:
         raise BackboneUnavailable(f"unknown backbone {name!r}: choose one of {', '.join(_BACKBONES)}")
+    if cfg is not None:
+        from ajet.backbones.capabilities import check_supported   # here: `python -m` runs that module unimported
+
+        check_supported(cfg, name)
     module, needs, extra = _BACKBONES[name]
     if needs is not None and importlib.util.find_spec(needs) is None:
         raise BackboneUnavailable(
