@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ajet.backbones.capabilities import check_supported
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 
@@ -26,20 +27,13 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
         world_size: FSDP ranks (Trinity's "GPUs" of the one node).
         on_cpu: add the CPU settings of `backbones.trinity.cpu.cpu_trainer_config`.
     Raises:
-        ConfigError: an ajet setting this backbone cannot honour (the message says what to change).
+        ConfigError: an ajet setting this backbone does not honour (its declaration in
+            `ajet.backbones.capabilities`), or a micro-batch setting it cannot train (the message says what to change).
     """
     from ajet.backbones.trinity.cpu import cpu_trainer_config
 
     m, r, a, t = cfg.model, cfg.rollout, cfg.algorithm, cfg.trainer
-    if m.lora is not None:
-        raise ConfigError("model.lora: the trinity backbone does not train LoRA adapters yet; remove model.lora "
-                          "(or use --backbone debug)")
-    if a.mini_batches != 1:
-        raise ConfigError(f"algorithm.mini_batches={a.mini_batches}: the trinity backbone makes one optimizer step "
-                          f"per step (verl 0.8 needs the row count to divide by the mini-batch); set it to 1")
-    if a.loss_scale_factor is not None:
-        raise ConfigError("algorithm.loss_scale_factor: Trinity's seq-mean-token-sum-norm divides by the padded "
-                          "response width and takes no constant; remove it (or use --backbone debug / verl)")
+    check_supported(cfg, "trinity")     # the trinity declaration: model.lora, mini_batches, max_staleness, ...
     # micro-batches of micro_batch_tokens, each loss scaled to its share of the step (backbones/trinity/loss.py);
     # seq-mean-token-sum-norm divides by each micro-batch's padded width, which no share undoes: one per step
     tokens = a.micro_batch_tokens

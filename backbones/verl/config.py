@@ -2,60 +2,24 @@
 
 `verl_overrides(cfg)` returns verl config keys (dotted, as on verl's command line) for an `AjetConfig`;
 the verl backbone applies them onto verl's own defaults (`verl/trainer/config/ppo_trainer.yaml`) and then
-the YAML's `verl:` block, which passes any verl option through unchanged. Every ajet key is either
-translated below, used by ajet itself (proxy, rollout, context tracker, GRPO advantages: ajet computes the
-advantages and verl's actor trains on them), or refused with an error that names it.
+the YAML's `verl:` block, which passes any verl option through unchanged. Whether verl honours an ajet key
+(translated below, used by ajet itself, or refused with an error that names it) is the verl declaration in
+`ajet.backbones.capabilities`; the checks left here depend on the machine or on two keys together.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ajet.backbones.capabilities import check_supported, refusals
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.model import resolve_model_path
 
-# ajet keys that ajet itself honours, whichever backbone runs (no verl counterpart needed)
-AJET_SIDE = (
-    "experiment_name", "workflow", "judge", "data.*", "proxy.*", "trainer.total_steps", "trainer.tasks_per_step",
-    "trainer.save_freq", "trainer.exp_dir", "trainer.tensorboard", "trainer.save_trajectories", "trainer.resume",
-    "trainer.max_failed_steps", "model.chat_template", "rollout.num_repeat", "rollout.sampling_policy",
-    "rollout.max_concurrency", "rollout.episode_timeout_s", "rollout.failed_episode_policy",
-    "rollout.ray_workers", "rollout.ray_address", "algorithm.name", "algorithm.adv_eps",
-    "algorithm.group_by_agent_tag", "algorithm.trainable_targets", "algorithm.train_greedy_calls",
-    "trainer.loggers", "trainer.val_freq", "trainer.async_", "serve.*", "tools.*", "eval.*", "llm_judge.*",
-    "harnesses.*", "trinity.*", "algorithm.adv_estimator", "algorithm.dynamic_sampling", "algorithm.guards",
-)
-
-# ajet keys the verl backbone refuses by name when the YAML sets them (verl's loss cannot honour them yet):
-# `unsupported_keys` leaves them out of the known keys
-REFUSED = ("algorithm.episode_weight", "algorithm.distill")
-
-
-# ajet keys translated by `verl_overrides` (the source of each line of its table)
-TRANSLATED = (
-    "backbone", "verl", "model.path", "model.dtype", "model.device", "model.max_model_len", "model.lora",
-    "rollout.temperature", "rollout.top_p", "rollout.max_tokens", "rollout.max_batch_size",
-    "algorithm.lr", "algorithm.weight_decay", "algorithm.clip_ratio_low", "algorithm.clip_ratio_high",
-    "algorithm.clip_ratio_c", "algorithm.loss_agg_mode", "algorithm.loss_scale_factor", "algorithm.ppo_epochs",
-    "algorithm.mini_batches", "algorithm.micro_batch_tokens", "algorithm.max_grad_norm", "algorithm.kl_coef",
-    "algorithm.norm_adv_by_std", "trainer.seed",
-)
-
-
 def unsupported_keys(cfg: AjetConfig) -> list[str]:
-    """The keys the YAML sets that neither ajet itself nor this translation honours (e.g. a key added to
-    `AjetConfig` after this table was written): `verl_overrides` refuses them rather than ignore them."""
-    def known(key: str) -> bool:
-        return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in TRANSLATED + AJET_SIDE)
-
-    out = []
-    for name in cfg.model_fields_set - {"config_dir"}:     # config_dir: where the YAML was, not a setting
-        value = getattr(cfg, name)
-        children = value.model_fields_set if hasattr(value, "model_fields_set") and name != "verl" else ()
-        keys = [f"{name}.{c}" for c in children] if children and not known(name) else [name]
-        out += [k for k in keys if not known(k)]
-    return sorted(out)
+    """The keys of `cfg` the verl backbone does not honour, by its declaration in `ajet.backbones.capabilities`
+    (a refused key set to a value verl cannot honour, or a field nobody declared set to a non-default value)."""
+    return [r.path for r in refusals(cfg, "verl")]
 
 
 def rollout_choice(cfg: AjetConfig, cuda: bool) -> str:
@@ -87,9 +51,7 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
             `verl:` block that is not a mapping.
     """
     m, r, a, t = cfg.model, cfg.rollout, cfg.algorithm, cfg.trainer
-    if unsupported := unsupported_keys(cfg):
-        raise ConfigError(f"the verl backbone does not support {', '.join(f'`{k}`' for k in unsupported)}: remove "
-                          f"it, or set the verl option you mean in the `verl:` block")
+    check_supported(cfg, "verl")        # what verl cannot honour whatever the machine (the declaration)
     rollout_name = rollout_choice(cfg, cuda)
     if m.device not in ("auto", "cuda" if cuda else "cpu"):
         raise ConfigError(f"model.device={m.device!r}: the verl backbone trains on {'CUDA GPUs' if cuda else 'CPU'} "
@@ -97,10 +59,6 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
     if rollout_name != "ajet" and m.path.lower() == "smollm2-135m-instruct":
         raise ConfigError("model.path='smollm2-135m-instruct' is ajet's embedded GGUF model, which vLLM/SGLang cannot "
                           "serve: give a Hugging Face id or folder (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
-    if t.async_.max_staleness:
-        raise ConfigError(f"trainer.async.max_staleness={t.async_.max_staleness}: the verl backbone does not apply "
-                          f"ajet's importance-sampling correction of off-policy samples yet; use 0 (or leave it unset), "
-                          f"or --backbone=debug")
     if rollout_name == "ajet" and m.lora:
         raise ConfigError("model.lora with the verl backbone's ajet rollout (no CUDA) is not supported yet: the weight "
                           "sync sends full weights only; remove model.lora, or use --backbone=debug for LoRA on CPU")
