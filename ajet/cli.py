@@ -117,12 +117,15 @@ def _show_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace, **extra):
+    from ajet.backbones.capabilities import check_supported
     from ajet.config import load_config
 
     overrides = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
                  "trainer.seed": args.seed, "rollout.ray_workers": args.with_ray,
                  "trainer.resume": args.resume or None, **extra}
-    return load_config(args.conf, {k: v for k, v in overrides.items() if v is not None})
+    cfg = load_config(args.conf, {k: v for k, v in overrides.items() if v is not None})
+    check_supported(cfg)   # a setting the chosen backbone does not honour: a ConfigError, before its packages load
+    return cfg
 
 
 def _harnesses_parser() -> argparse.ArgumentParser:

@@ -512,13 +512,6 @@ class AjetConfig(_Section):
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)
 
-    @model_validator(mode="after")
-    def _distill_needs_the_debug_backbone(self) -> AjetConfig:
-        if self.algorithm.distill is not None and self.backbone != "debug":
-            raise ValueError(f"algorithm.distill is implemented by the debug backbone only, not {self.backbone}: "
-                             f"remove algorithm.distill or use --backbone=debug")
-        return self
-
     def exp_path(self) -> Path:
         """The experiment folder: `trainer.exp_dir` with `{experiment_name}` filled in (relative to the cwd)."""
         return Path(self.trainer.exp_dir.format(experiment_name=self.experiment_name))

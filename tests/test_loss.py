@@ -174,9 +174,13 @@ def test_distill_loss_is_the_sampled_token_reverse_kl_as_a_policy_gradient():
 
 
 def test_distill_config_is_refused_by_a_backbone_that_cannot_run_it():
+    from ajet.backbones.capabilities import check_supported
     from ajet.config import AjetConfig
+    from ajet.errors import ConfigError
 
     base = dict(workflow="x:y", data={"train_path": "x"}, model={"path": "m"}, algorithm={"distill": {"teacher": "t"}})
     assert AjetConfig(**base).algorithm.distill.mode == "add"
-    with pytest.raises(Exception, match="algorithm.distill is implemented by the debug backbone only, not verl"):
-        AjetConfig(**base, backbone="verl")
+    check_supported(AjetConfig(**base))
+    with pytest.raises(ConfigError, match=r"^algorithm\.distill=.*the verl backbone honours it only when unset: "
+                                          r"on-policy distillation .*; honoured by debug"):
+        check_supported(AjetConfig(**base, backbone="verl"))
