@@ -94,3 +94,52 @@ def test_the_trainer_leaves_out_guarded_episodes_by_name_and_still_updates(tiny_
                      "oov": (False, OUT_OF_VOCAB), "nan": (False, NON_FINITE_LOGPROB)}
     weights = load_file(str(next((exp / "checkpoints").glob("step_*")) / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())   # a NaN logprob never reached the loss
+
+
+class _StaleSource(_Source):
+    """Three steps of one group of three episodes: two served by the weights of the step (version step - 1)
+    and, at step 3, "old" served by version 0: two updates behind, over `max_staleness: 1`."""
+
+    def collect(self, step):
+        out = []
+        for i, (name, reward) in enumerate((("fresh0", 1.0), ("fresh1", 0.0), ("old", 0.5))):
+            version = 0 if name == "old" else step - 1
+            ep = Episode(episode_id=f"{name}@{step}", task=Task(task_id="t", query="q"), group_id=f"{step}:t",
+                         repeat_index=i, reward=reward,
+                         calls=[_call([20 + i, 30 + i], version=version, episode=f"{name}@{step}")])
+            self.ctx.record(step, ep)
+            out.append(ep)
+        return out
+
+
+@pytest.mark.parametrize("policy", ["drop", "flag"])
+def test_stale_policy_drop_leaves_the_stale_sample_out_and_flag_trains_it(tiny_model_dir, tokenizer, tmp_path, policy):
+    """`algorithm.guards.stale_policy`, the same step 3 either way (its episode "old" was served by version 0, the
+    update starts from version 2, max_staleness 1): both count the episode in guards/stale_policy_episodes and
+    keep its reward in the group's baseline; "drop" trains the two fresh samples only (async/stale_samples 1),
+    "flag" trains all three (importance-corrected), so the step's staleness reaches 2."""
+    (tmp_path / "tasks.jsonl").write_text('{"task_id": "t", "query": "q"}\n')
+    cfg = AjetConfig(workflow="x:y", data={"train_path": str(tmp_path / "tasks.jsonl")},
+                     model={"path": tiny_model_dir, "max_model_len": 128}, rollout={"num_repeat": 3},
+                     algorithm={"lr": 1e-2, "guards": {"stale_policy": policy}},
+                     trainer={"total_steps": 3, "tasks_per_step": 1, "tensorboard": False,
+                              "exp_dir": str(tmp_path / "exp"), "async": {"max_staleness": 1}})
+    exp = run(cfg, make_source=lambda ctx: _StaleSource(ctx, len(tokenizer)))
+    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3]
+    assert [m["guards/stale_policy_episodes"] for m in metrics] == [0, 0, 1]
+    m = metrics[2]
+    assert m["rollout/trained_episodes"] == 3 and "rollout/not_trained/stale_policy" not in m
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    try:
+        trained = {name: [json.loads(r[0])["trained"] for r in store._db.execute(
+            "SELECT record FROM samples WHERE episode_id = ?", (f"{name}@3",))] for name in ("fresh0", "fresh1", "old")}
+    finally:
+        store.close()
+    if policy == "drop":
+        assert m["async/stale_samples"] == 1 and m["tracker/trained_samples"] == 2 and m["async/staleness_max"] == 0
+        assert trained == {"fresh0": [True], "fresh1": [True], "old": [False]}
+    else:
+        assert m["async/stale_samples"] == 0 and m["tracker/trained_samples"] == 3 and m["async/staleness_max"] == 2
+        assert trained == {"fresh0": [True], "fresh1": [True], "old": [True]}
+        assert "train/is_weight_mean" in m
