@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The wheel as a user gets it: build it, install it (NOT editable) into a fresh venv, and from a folder outside
+# the checkout run `ajet --version`, `ajet --help`, `ajet harnesses` and one training step of a tiny config
+# (the random 2-layer model of tests/tiny_model.py, the debug backbone). An editable install or the checkout on
+# sys.path would hide a package or data file missing from the wheel, so the venv has no system site-packages,
+# PYTHONPATH is unset, and the script fails if `ajet` or `ajet.backbones` is imported from the checkout.
+#
+# Dependencies come through uv (its cache makes a rerun take seconds). torch is the wheel that pip resolves for
+# `torch==2.13.0` (the README's pin, through pip's own configuration: on a CPU machine that is the CPU wheel);
+# a torch that requires nvidia-* CUDA packages is refused before anything is installed.
+# Prints the seconds each part took. On the 2-core machine shared at load 13-15: 2 min 8 s with a warm uv cache,
+# 3 min 5 s with a cold one (build 18 s, venv 36 s, training step 118 s, cleanup 12 s); 37 s of CPU in all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo="$PWD"
+t0=$(date +%s)
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+unset PYTHONPATH
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+step() { echo "[wheel_check $(( $(date +%s) - t0 )) s] $*"; }
+
+# 1) the wheel, built (with build isolation, as `pip install .` builds it) from a copy of the build inputs, so
+#    that no stale build/ folder of the checkout leaks into it
+step "building the wheel"
+mkdir "$work/src"
+find . -maxdepth 1 -type f -exec cp {} "$work/src/" \;     # pyproject.toml, setup.py, README.md, ...
+for folder in ajet tracker backbones; do
+  cp -r "$folder" "$work/src/"
+done
+find "$work/src" -name __pycache__ -prune -exec rm -rf {} +
+python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
+wheel=$(echo "$work"/dist/ajet-*.whl)
+
+# 2) a fresh venv: torch first (pip picks the file, uv installs it), then the wheel and its dependencies
+uv=$(command -v uv || true)
+if [ -z "$uv" ]; then   # .ci/run calls this before the test install, which brings uv
+  python3 -m pip install -q --target "$work/uv" uv
+  uv="$work/uv/bin/uv"
+fi
+step "installing $(basename "$wheel") into a fresh venv"
+python3 -m pip download -q --no-deps torch==2.13.0 -d "$work/torch"
+torch_wheel=$(echo "$work"/torch/torch-*.whl)
+torch_requires=$(python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1])
+print(z.read(next(n for n in z.namelist() if n.endswith('.dist-info/METADATA'))).decode())" "$torch_wheel")
+if grep -qi '^Requires-Dist: nvidia-' <<< "$torch_requires"; then
+  echo "wheel_check: $(basename "$torch_wheel") is a CUDA build (it requires nvidia-* packages): give pip a CPU" \
+       "torch 2.13.0 (e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)" >&2
+  exit 1
+fi
+"$uv" venv -q --python "$(command -v python3)" "$work/venv"
+"$uv" pip install -q --python "$work/venv/bin/python" "$torch_wheel" "$wheel"
+if "$uv" pip list --python "$work/venv/bin/python" 2>/dev/null | grep -i '^nvidia-' | grep -vi '^nvidia-ml-py'; then
+  echo "wheel_check: the venv pulled nvidia-* CUDA packages" >&2; exit 1
+fi
+
+# 3) the installed commands, from a folder outside the checkout
+run="$work/run"
+mkdir -p "$run"
+cd "$run"
+export PATH="$work/venv/bin:$PATH"
+step "running the installed ajet from $run"
+"$work/venv/bin/python" - "$repo" <<'EOF'
+import sys
+from pathlib import Path
+
+import ajet, ajet.backbones, ajet.tracker
+
+repo = Path(sys.argv[1]).resolve()
+for module in (ajet, ajet.backbones, ajet.tracker):
+    where = Path(module.__file__).resolve()
+    print(f"{module.__name__}: {where}")
+    if where.is_relative_to(repo):
+        sys.exit(f"wheel_check: {module.__name__} was imported from the checkout ({where}), not from the wheel")
+EOF
+version=$(ajet --version)
+want=$(python3 -c "import tomllib; print(tomllib.load(open('$repo/pyproject.toml', 'rb'))['project']['version'])")
+[ "$version" = "ajet $want" ] || { echo "wheel_check: ajet --version printed '$version', not 'ajet $want'" >&2; exit 1; }
+echo "$version"
+help=$(ajet --help)
+grep -q -- "--backbone" <<< "$help" || { echo "wheel_check: ajet --help lacks --backbone" >&2; exit 1; }
+ajet harnesses | tee harnesses.txt
+grep -q "^codex " harnesses.txt || { echo "wheel_check: ajet harnesses did not list the built-in registry" >&2; exit 1; }
+
+# 4) one training step of the tiny random model (its builder and workflow are the tests' own, copied here)
+step "one training step of the tiny model"
+cp "$repo/tests/tiny_model.py" "$repo/tests/tiny_experiment.py" "$run/"
+"$work/venv/bin/python" - <<'EOF'
+import json
+from tiny_experiment import WORKFLOW
+from tiny_model import build_tiny_model
+
+model = build_tiny_model("model")
+open("wf.py", "w").write(WORKFLOW)
+tasks = [{"task_id": f"t{i}", "query": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(2)]
+open("tasks.jsonl", "w").write("".join(json.dumps(t) + "\n" for t in tasks))
+open("conf.yaml", "w").write(f"""experiment_name: wheel_check
+workflow: wf.py:ToolLoopWorkflow
+model: {{path: "{model}", max_model_len: 1024}}
+data: {{train_path: tasks.jsonl, shuffle: false}}
+rollout: {{num_repeat: 2, max_tokens: 8, temperature: 1.0}}
+algorithm: {{lr: 1.0e-3}}
+trainer: {{total_steps: 1, tasks_per_step: 2}}
+""")
+EOF
+timeout 600 ajet --conf conf.yaml --backbone=debug --exp-dir exp > train.log 2>&1 || {
+  tail -n 40 train.log >&2; echo "wheel_check: the training step failed (log above)" >&2; exit 1; }
+"$work/venv/bin/python" - <<'EOF'
+import json, sys
+
+steps = [json.loads(line) for line in open("exp/metrics.jsonl")]
+trained = [s for s in steps if any(k.startswith("train/") for k in s)]
+if not trained:
+    sys.exit(f"wheel_check: exp/metrics.jsonl has no training step: {steps}")
+print(f"trained {len(trained)} step(s); metrics keys: {len(trained[-1])}")
+EOF
+step "passed (and the venv is removed now)"
