@@ -70,8 +70,9 @@ def proxy(tokenizer):
 def test_a_client_gone_mid_upload_is_one_warning_line_at_the_proxy(proxy, caplog, capfd):
     caplog.set_level(logging.INFO)
     ep = proxy.open_episode("ep")
+    gemini = ep.base_url.removesuffix("/v1") + "/v1beta/models/m:generateContent"
     routes = [ep.base_url + "/chat/completions", ep.base_url + "/responses", ep.base_url + "/messages",
-              ep.base_url + "/messages/count_tokens", ep.base_url.removesuffix("/v1") + "/v1beta/models/m:generateContent"]
+              ep.base_url + "/messages/count_tokens", gemini]
     n = 0
     for _ in range(6):
         for url in routes:
@@ -91,9 +92,9 @@ def test_a_client_gone_mid_upload_is_one_warning_line_at_the_proxy(proxy, caplog
 def test_a_client_gone_mid_upload_is_one_warning_line_at_the_episode_api(tokenizer, caplog, capfd):
     caplog.set_level(logging.INFO)
     proxy = ProxyServer(ScriptedEngine(tokenizer, ["7"]), tokenizer, SamplingParams(max_tokens=8))
-    queue = EpisodeQueue(MultiTaskSampler({"train": [Task(f"t{i}", f"What is {i} + 1?", str(i + 1)) for i in range(4)]}),
-                         num_repeat=2, tasks_per_step=2, total_steps=2, first_step=1, attempt=0,
-                         record=lambda step, ep: None, idle_timeout_s=300.0)
+    tasks = [Task(f"t{i}", f"What is {i} + 1?", str(i + 1)) for i in range(4)]
+    queue = EpisodeQueue(MultiTaskSampler({"train": tasks}), num_repeat=2, tasks_per_step=2, total_steps=2,
+                         first_step=1, attempt=0, record=lambda step, ep: None, idle_timeout_s=300.0)
     queue.bind(proxy)
     proxy.app = compose(proxy.app, build_api(queue, SECRET), queue.activity)
     proxy.start()

@@ -65,7 +65,8 @@ def test_integers_outside_their_range_are_a_400_naming_the_parameter_on_a_kept_c
     for value in (huge, below, str(I64_MAX + 1), "-1"):
         for path, name in ((f"/api/episodes?step={value}", "step"), (f"/api/episodes?offset={value}", "offset"),
                            (f"/api/episodes?step=1&attempt={value}", "attempt"), (f"/api/groups?step={value}", "step"),
-                           (f"/api/groups?step=1&attempt={value}", "attempt"), (f"/api/episode/e1?attempt={value}", "attempt"),
+                           (f"/api/groups?step=1&attempt={value}", "attempt"),
+                           (f"/api/episode/e1?attempt={value}", "attempt"),
                            (f"/api/episode/e1/sample/0?attempt={value}", "attempt")):
             cases.append((path, f"`{name}`", f"0..{I64_MAX}"))
         cases.append((f"/api/episodes?limit={value}", "`limit`", "1..500"))
