@@ -148,7 +148,8 @@ def _stale_by(bb, ratios):
     return samples
 
 
-@pytest.mark.parametrize("steps", [{}, {"ppo_epochs": 2}, {"mini_batches": 2}], ids=["one-step", "2-epochs", "2-mini-batches"])
+@pytest.mark.parametrize("steps", [{}, {"ppo_epochs": 2}, {"mini_batches": 2}],
+                         ids=["one-step", "2-epochs", "2-mini-batches"])
 def test_is_weight_mean_and_capped_frac_are_means_over_the_trained_tokens(tiny_model_dir, steps):
     """The figures of the update's IS weights are their (loss-weighted) mean and the capped share: 1.5 and
     0.375 by hand. With several optimizer steps per update (a large learning rate moves the weights between
