@@ -1,6 +1,6 @@
 """Lower modules never import higher ones: no import cycle among ajet's modules.
 
-An AST walk of every module of the `ajet` distribution (the folders `pyproject.toml` maps: `ajet/`,
+An AST walk of every module of the `ajet` distribution (the folders setup.py's PACKAGE_DIRS maps: `ajet/`,
 `tracker/` as `ajet.tracker`, `backbones/` as `ajet.backbones`), nothing imported, so it also covers the
 backbones whose packages (verl, Trinity) are not installed here. Every import counts, wherever it is:
 at the top, under `if TYPE_CHECKING:`, or inside a function (a lazy import is still a dependency). The
@@ -10,15 +10,16 @@ implicit import of a module's parent package does not (else every package `__ini
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def ajet_modules() -> dict[str, Path]:
-    """Dotted module name -> file, for every .py file of the packages pyproject.toml maps."""
-    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    """Dotted module name -> file, for every .py file of the packages setup.py maps (its PACKAGE_DIRS)."""
+    setup_py = ast.parse((ROOT / "setup.py").read_text())
+    dirs = next(ast.literal_eval(n.value) for n in setup_py.body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PACKAGE_DIRS")
     mods = {}
     for package, folder in dirs.items():
         for f in sorted((ROOT / folder).rglob("*.py")):
