@@ -3,7 +3,8 @@
 Responses reuse the `openai` package's own types (`ChatCompletion`, `ChatCompletionChunk`). Requests
 get our own models because the `openai` request types are TypedDicts with lazy `Iterable` fields that
 validate poorly; these mirror them field for field, discriminated on `role`, so a malformed request
-gets one precise error (e.g. `messages.2.tool.tool_call_id: Field required`).
+gets one precise error (e.g. `messages.2.tool.tool_call_id: Field required`). `FunctionName` and
+`json_schema_object` hold every dialect's tool declarations to the same rules.
 """
 
 from __future__ import annotations
@@ -65,31 +66,37 @@ class ToolMessage(_Wire):
 Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
 
 
+# a function (tool) name, as OpenAI's API accepts it; the other dialects' tool names are held to it too
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
+def json_schema_object(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's parameters are a JSON-schema object: `type` "object" when given, `properties` a mapping of
+    name -> schema object, `required` a list of names. Returns `v` unchanged; raises ValueError (a 400 naming the
+    field, through pydantic) otherwise. Every dialect's tool parameters are checked with it."""
+    if v is None:
+        return v
+    if "type" in v and v["type"] != "object":
+        raise ValueError('must be a JSON schema of type "object" (got type ' + short_repr(v["type"]) + ")")
+    props = v.get("properties")
+    if props is not None and not isinstance(props, dict):
+        raise ValueError("`properties` must be a mapping of parameter name -> JSON schema object")
+    for name, schema in (props or {}).items():
+        if not isinstance(schema, dict):
+            raise ValueError(f"the schema of property {short_repr(name)} must be a JSON object")
+    required = v.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise ValueError("`required` must be a list of property names")
+    return v
+
+
 class FunctionDef(_Wire):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    @field_validator("parameters")
-    @classmethod
-    def _json_schema_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A function's parameters are a JSON-schema object: `type` "object" when given, `properties` a
-        mapping of name -> schema object, `required` a list of names. Raises ValueError (a 400) otherwise."""
-        if v is None:
-            return v
-        if "type" in v and v["type"] != "object":
-            raise ValueError('must be a JSON schema of type "object" (got type ' + short_repr(v["type"]) + ")")
-        props = v.get("properties")
-        if props is not None and not isinstance(props, dict):
-            raise ValueError("`properties` must be a mapping of parameter name -> JSON schema object")
-        for name, schema in (props or {}).items():
-            if not isinstance(schema, dict):
-                raise ValueError(f"the schema of property {short_repr(name)} must be a JSON object")
-        required = v.get("required")
-        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-            raise ValueError("`required` must be a list of property names")
-        return v
+    _json_schema_object = field_validator("parameters")(json_schema_object)
 
 
 class ToolDef(_Wire):

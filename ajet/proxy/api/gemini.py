@@ -2,6 +2,8 @@
 under `/v1/`, which the SDKs use for some base URLs) as an adapter to the turn type
 (https://ai.google.dev/api/generate-content).
 
+The body is validated as it comes (`GeminiRequest`, `CountTokensRequest`: pydantic models of every field the
+proxy reads), so a value of the wrong type anywhere is a 400 naming its path, never an error inside the adapter.
 Request -> turn: `systemInstruction` becomes the system message; each `contents` entry's parts become chat
 messages: a user turn's `text` parts the user message and its `functionResponse` parts tool messages (before
 the text, in order; a response that is one string field, e.g. `{"output": "..."}`, is that string, any other
@@ -28,15 +30,15 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 from pydantic.alias_generators import to_camel
 from starlette.responses import Response
 
 from ajet.proxy.api import Api
-from ajet.proxy.schema import ChatCompletionRequest, short_repr
+from ajet.proxy.schema import ChatCompletionRequest, FunctionName, json_schema_object, short_repr
 from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, json_response, validated
 
@@ -51,6 +53,101 @@ class _Camel(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
 
 
+class _Open(_Camel):
+    """A nested object: unknown fields are kept and ignored (fields the API may add), as chat messages'."""
+
+    model_config = ConfigDict(extra="allow", alias_generator=to_camel, populate_by_name=True)
+
+
+class FunctionCall(_Open):
+    """A model turn's `functionCall` part (https://ai.google.dev/api/caching#FunctionCall)."""
+
+    name: str = Field(min_length=1)
+    id: str | None = None
+    args: dict[str, Any] | None = None
+
+
+class FunctionResponse(_Open):
+    """A user turn's `functionResponse` part: the result of the call `id` (or, without ids, `name`)."""
+
+    name: str = Field(min_length=1)
+    id: str | None = None
+    response: dict[str, Any]
+
+
+class Part(_Open):
+    """One part of a `Content`. The kinds the proxy reads are fields; any other kind (inlineData, fileData,
+    executableCode, ...) is kept as an extra and refused where the turn is read (`_to_chat`)."""
+
+    text: str | None = None
+    thought: StrictBool | None = None
+    thought_signature: str | None = None
+    function_call: FunctionCall | None = None
+    function_response: FunctionResponse | None = None
+
+
+class Content(_Open):
+    """One turn of `contents`: `role` user (the default), model, or function (a turn of function responses)."""
+
+    role: Literal["user", "model", "function"] | None = None
+    parts: list[Part]
+
+
+def _instruction(v: Any) -> Any:
+    """`systemInstruction` given as a plain string (the SDKs' shorthand) as its one text part."""
+    return {"parts": [{"text": v}]} if isinstance(v, str) else v
+
+
+class SystemInstruction(_Open):
+    """`systemInstruction`: text parts (its role, if any, is ignored)."""
+
+    role: str | None = None
+    parts: list[Part] = []
+
+
+class FunctionDeclaration(_Open):
+    """A function tool: `parameters` in OpenAPI's subset (upper-case types), or `parametersJsonSchema`; either is
+    a JSON-schema object."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    parameters_json_schema: dict[str, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _openapi_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return json_schema_object(_lower_types(v))
+
+    _json_schema_object = field_validator("parameters_json_schema")(json_schema_object)
+
+
+class Tool(_Open):
+    """A `tools` entry: `functionDeclarations`; any other key is a hosted tool (googleSearch, codeExecution,
+    ...), left out and counted."""
+
+    function_declarations: list[FunctionDeclaration] | None = None
+
+
+def _upper(v: Any) -> Any:
+    return v.upper() if isinstance(v, str) else v
+
+
+class FunctionCallingConfig(_Open):
+    mode: Annotated[Literal["AUTO", "ANY", "NONE", "VALIDATED", "MODE_UNSPECIFIED"] | None,
+                    BeforeValidator(_upper)] = None   # None: AUTO
+    allowed_function_names: list[str] | None = None
+
+
+class ToolConfig(_Open):
+    function_calling_config: FunctionCallingConfig | None = None
+
+
+class SafetySetting(_Open):
+    category: str | None = None
+    threshold: str | None = None
+
+
 class GenerationConfig(_Camel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -58,7 +155,7 @@ class GenerationConfig(_Camel):
     max_output_tokens: int | None = Field(None, gt=0)
     stop_sequences: list[str] | None = None
     candidate_count: int | None = Field(None, ge=1, le=8)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # accepted, not constrained / ignored
@@ -70,17 +167,33 @@ class GenerationConfig(_Camel):
 
 
 class GeminiRequest(_Camel):
-    """`generateContent` body."""
+    """`generateContent` body (https://ai.google.dev/api/generate-content#request-body), every field typed: a
+    value of the wrong type anywhere is a 400 naming its path (e.g. `tools.0.functionDeclarations: Input should be
+    a valid list`)."""
 
-    contents: list[dict[str, Any]] = Field(min_length=1)
-    system_instruction: dict[str, Any] | str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_config: dict[str, Any] | None = None
+    contents: list[Content] = Field(min_length=1)
+    system_instruction: Annotated[SystemInstruction | None, BeforeValidator(_instruction)] = None
+    tools: list[Tool] | None = None
+    tool_config: ToolConfig | None = None
     generation_config: GenerationConfig | None = None
     # hosted-service fields: accepted and ignored
-    safety_settings: list[dict[str, Any]] | None = None
+    safety_settings: list[SafetySetting] | None = None
     labels: dict[str, str] | None = None
     cached_content: str | None = None   # refused in `parse`: a hosted cache the proxy does not have
+
+
+class _WrappedRequest(GeminiRequest):
+    """`countTokens`' `generateContentRequest`: a `generateContent` body with its `model`."""
+
+    model: str | None = None
+
+
+class CountTokensRequest(GeminiRequest):
+    """`countTokens` body: `contents` (and, as a convenience, the other `generateContent` fields), or a whole
+    `generateContentRequest`."""
+
+    contents: list[Content] | None = None
+    generate_content_request: _WrappedRequest | None = None
 
 
 @dataclass
@@ -115,32 +228,34 @@ class GeminiApi(Api):
                       count_only: bool = False) -> tuple[ChatCompletionRequest, _Context]:
         """The turn for a body of `route` (`path_params` holds the model; a `:streamGenerateContent` path
         streams). `countTokens` may wrap the body in `generateContentRequest`."""
-        if count_only and isinstance(data.get("generateContentRequest"), dict):
-            data = {k: v for k, v in data["generateContentRequest"].items() if k != "model"}
-        req: GeminiRequest = validated(GeminiRequest, data)
+        req: GeminiRequest = validated(CountTokensRequest if count_only else GeminiRequest, data)
+        at = ""                    # where the request's fields are in the body (errors name them from the body's root)
+        if isinstance(req, CountTokensRequest):
+            req, at = _count_request(req)
         gen = req.generation_config or GenerationConfig()
         if req.cached_content is not None:
-            raise ProxyError(400, "cachedContent: hosted context caches are not supported: send the contents",
-                             param="cachedContent", code="unsupported_parameter")
+            raise ProxyError(400, f"{at}cachedContent: hosted context caches are not supported: send the contents",
+                             param=f"{at}cachedContent", code="unsupported_parameter")
         if gen.top_k is not None and getattr(self.proxy, "sampling_policy", "config") == "client":
-            raise ProxyError(400, "generationConfig.topK: ajet's engine samples with temperature and topP only (topK "
-                                  "would change the distribution the policy is trained on): remove it",
-                             param="generationConfig.topK", code="unsupported_parameter")
+            raise ProxyError(400, f"{at}generationConfig.topK: ajet's engine samples with temperature and topP only "
+                                  "(topK would change the distribution the policy is trained on): remove it",
+                             param=f"{at}generationConfig.topK", code="unsupported_parameter")
         if gen.presence_penalty or gen.frequency_penalty:
-            raise ProxyError(400, "generationConfig: presence/frequency penalties would change the sampling "
-                                  "distribution the policy is trained on: remove them",
-                             param="generationConfig.presencePenalty", code="unsupported_value")
+            which = "presencePenalty" if gen.presence_penalty else "frequencyPenalty"
+            raise ProxyError(400, f"{at}generationConfig.{which}: presence/frequency penalties would change the "
+                                  "sampling distribution the policy is trained on: remove them",
+                             param=f"{at}generationConfig.{which}", code="unsupported_value")
         messages = []
-        if req.system_instruction:
-            system = req.system_instruction
-            text = system if isinstance(system, str) else _texts(system.get("parts"), "systemInstruction.parts")
-            messages.append({"role": "system", "content": text})
+        if req.system_instruction is not None and req.system_instruction.parts:
+            messages.append({"role": "system", "content": _texts(req.system_instruction.parts,
+                                                                 f"{at}systemInstruction.parts")})
         for k, content in enumerate(req.contents):
-            messages += _to_chat(content, f"contents.{k}")
+            messages += _to_chat(content, f"{at}contents.{k}")
         if not messages or messages[-1]["role"] == "assistant":
-            raise ProxyError(400, "contents: end with a user turn (a final model turn, a prefill, is not supported)",
-                             param="contents", code="invalid_value")
+            raise ProxyError(400, f"{at}contents: end with a user turn (a final model turn, a prefill, is not "
+                                  "supported)", param=f"{at}contents", code="invalid_value")
         tools, hosted = _tools(req.tools or [])
+        _check_allowed_names(req.tool_config, tools, at)
         if hosted:
             self.hosted_tools_left_out += len(hosted)
         model = route.get("path_params", {}).get("model", "")
@@ -156,8 +271,8 @@ class GeminiApi(Api):
                 chat[name] = value
         turn = validated(ChatCompletionRequest, chat)
         if turn.stream and (turn.n or 1) > 1:
-            raise ProxyError(400, "generationConfig.candidateCount: a streamed response has one candidate",
-                             param="generationConfig.candidateCount", code="unsupported_value")
+            raise ProxyError(400, f"{at}generationConfig.candidateCount: a streamed response has one candidate",
+                             param=f"{at}generationConfig.candidateCount", code="unsupported_value")
         return turn, _Context(req, model, hosted)
 
     def parse(self, data: dict[str, Any], ep: Episode, count_only: bool = False):
@@ -222,54 +337,58 @@ def _parts(c: Choice) -> list[dict[str, Any]]:
     return parts
 
 
-def _texts(parts: Any, where: str) -> str:
+def _count_request(req: CountTokensRequest) -> tuple[GeminiRequest, str]:
+    """The request a `countTokens` body counts, and where it is in the body: its `generateContentRequest`, or
+    itself. Raises ProxyError 400 for neither `contents` nor `generateContentRequest`, or both."""
+    wrapped = req.generate_content_request
+    if wrapped is None:
+        if req.contents is None:
+            raise ProxyError(400, "contents: Field required (or send a generateContentRequest)", param="contents",
+                             code="invalid_value")
+        return req, ""
+    others = sorted(req.model_fields_set - {"generate_content_request"})
+    if others:
+        name = req.model_fields[others[0]].alias or others[0]
+        raise ProxyError(400, f"{name}: send either generateContentRequest or the request's fields, not both",
+                         param=name, code="invalid_value")
+    return wrapped, "generateContentRequest."
+
+
+def _texts(parts: list[Part], where: str) -> str:
     """The text of a list of text parts (joined as written). Raises ProxyError 400 for another part."""
-    if not isinstance(parts, list):
-        raise ProxyError(400, f"{where}: must be a list of parts", param=where, code="invalid_value")
     texts = []
     for k, part in enumerate(parts):
-        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+        if part.text is None or part.function_call is not None or part.function_response is not None:
             raise ProxyError(400, f"{where}.{k}: only text parts are supported here", param=f"{where}.{k}",
                              code="unsupported_value")
-        texts.append(part["text"])
+        texts.append(part.text)
     return "".join(texts)
 
 
-def _to_chat(content: Any, where: str) -> list[dict[str, Any]]:
-    """One `Content` -> chat messages (see the module docstring)."""
-    if not isinstance(content, dict):
-        raise ProxyError(400, f"{where}: must be an object with `parts`", param=where, code="invalid_value")
-    role = content.get("role") or "user"
-    parts = content.get("parts")
-    if role not in ("user", "model", "function"):
-        raise ProxyError(400, f"{where}.role: must be user or model (got {short_repr(role)})", param=f"{where}.role",
-                         code="invalid_value")
-    if not isinstance(parts, list):
-        raise ProxyError(400, f"{where}.parts: must be a list of parts", param=f"{where}.parts", code="invalid_value")
+def _to_chat(content: Content, where: str) -> list[dict[str, Any]]:
+    """One `Content` -> chat messages (see the module docstring). Raises ProxyError 400 for a part the turn's
+    role cannot hold (a function call in a user turn, a function response in a model turn, media)."""
+    role = content.role or "user"
     texts, calls, out = [], [], []
-    for k, part in enumerate(parts):
-        here = f"{where}.parts.{k}"
-        if not isinstance(part, dict):
-            raise ProxyError(400, f"{here}: a part must be an object", param=here, code="invalid_value")
-        if part.get("thought"):
+    for k, part in enumerate(content.parts):
+        if part.thought:
             continue
-        if isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif isinstance(part.get("functionCall"), dict) and role == "model":
-            fc = part["functionCall"]
-            calls.append({"id": fc.get("id") or fc.get("name"), "type": "function",
-                          "function": {"name": fc.get("name"),
-                                       "arguments": json.dumps(fc.get("args") or {}, ensure_ascii=False)}})
-        elif isinstance(part.get("functionResponse"), dict) and role != "model":
-            fr = part["functionResponse"]
-            out.append({"role": "tool", "tool_call_id": fr.get("id") or fr.get("name") or "",
-                        "content": _response_text(fr.get("response"))})
-        elif set(part) <= {"thoughtSignature", "thought_signature"}:
-            continue
+        if part.text is not None:
+            texts.append(part.text)
+        elif part.function_call is not None and role == "model":
+            fc = part.function_call
+            calls.append({"id": fc.id or fc.name, "type": "function",
+                          "function": {"name": fc.name, "arguments": json.dumps(fc.args or {}, ensure_ascii=False)}})
+        elif part.function_response is not None and role != "model":
+            fr = part.function_response
+            out.append({"role": "tool", "tool_call_id": fr.id or fr.name, "content": _response_text(fr.response)})
         else:
-            kinds = sorted(set(part) - {"thoughtSignature", "thought_signature"})
-            raise ProxyError(400, f"{here}: part {short_repr(kinds)} is not supported in a {role} turn (text, "
-                                  "functionCall in model turns, functionResponse in user turns are)",
+            kinds = sorted(k2 for k2, v in part if v is not None and k2 not in ("thought", "thought_signature"))
+            if not kinds:               # an empty part, or one carrying only a thought signature
+                continue
+            here = f"{where}.parts.{k}"
+            raise ProxyError(400, f"{here}: part {short_repr([to_camel(k2) for k2 in kinds])} is not supported in a "
+                                  f"{role} turn (text, functionCall in model turns, functionResponse in user turns are)",
                              param=here, code="unsupported_value")
     if role == "model":
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
@@ -289,19 +408,15 @@ def _response_text(response: Any) -> str:
     return json.dumps(response, ensure_ascii=False)
 
 
-def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _tools(tools: list[Tool]) -> tuple[list[dict[str, Any]], list[str]]:
     """`functionDeclarations` -> chat function tools, and the kinds of the other (hosted) tools left out."""
     out, hosted = [], []
     for t in tools:
-        decls = t.get("functionDeclarations", t.get("function_declarations")) if isinstance(t, dict) else None
-        if decls is None:
-            hosted += [str(k) for k in t] if isinstance(t, dict) else ["?"]
-            continue
-        for d in decls:
-            schema = d.get("parametersJsonSchema", d.get("parameters_json_schema"))
-            if schema is None:
-                schema = _lower_types(d.get("parameters") or {"type": "object", "properties": {}})
-            fn = {"name": d.get("name"), "description": d.get("description"), "parameters": schema}
+        hosted += sorted(t.model_extra or {})
+        for d in t.function_declarations or []:
+            schema = d.parameters_json_schema if d.parameters_json_schema is not None else d.parameters
+            fn = {"name": d.name, "description": d.description,
+                  "parameters": schema if schema is not None else {"type": "object", "properties": {}}}
             out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out, hosted
 
@@ -315,17 +430,28 @@ def _lower_types(schema: Any) -> Any:
     return schema
 
 
-def _tool_choice(config: dict[str, Any] | None) -> dict[str, Any]:
-    fc = (config or {}).get("functionCallingConfig") or (config or {}).get("function_calling_config") or {}
-    mode = str(fc.get("mode") or "AUTO").upper()
-    allowed = fc.get("allowedFunctionNames") or fc.get("allowed_function_names") or []
-    if mode == "ANY":
+def _check_allowed_names(config: ToolConfig | None, tools: list[dict[str, Any]], at: str = "") -> None:
+    """Raises ProxyError 400 naming the first of `allowedFunctionNames` that no function declaration has (`at`:
+    where the request is in the body)."""
+    fc = config.function_calling_config if config is not None else None
+    if fc is None or not fc.allowed_function_names or not tools:
+        return
+    declared = {t["function"]["name"] for t in tools}
+    for k, name in enumerate(fc.allowed_function_names):
+        if name not in declared:
+            where = f"{at}toolConfig.functionCallingConfig.allowedFunctionNames.{k}"
+            raise ProxyError(400, f"{where}: no function declaration is named {short_repr(name)}", param=where,
+                             code="invalid_value")
+
+
+def _tool_choice(config: ToolConfig | None) -> dict[str, Any]:
+    """`toolConfig.functionCallingConfig` as the chat `tool_choice` (see the module docstring)."""
+    fc = (config.function_calling_config if config is not None else None) or FunctionCallingConfig()
+    allowed = fc.allowed_function_names or []
+    if fc.mode == "ANY":
         if len(allowed) == 1:
             return {"tool_choice": {"type": "function", "function": {"name": allowed[0]}}}
         return {"tool_choice": "required"}
-    if mode == "NONE":
+    if fc.mode == "NONE":
         return {"tool_choice": "none"}
-    if mode in ("AUTO", "VALIDATED", "MODE_UNSPECIFIED"):
-        return {"tool_choice": "auto"}
-    raise ProxyError(400, f"toolConfig.functionCallingConfig.mode: must be AUTO, ANY, NONE or VALIDATED (got "
-                          f"{short_repr(mode)})", param="toolConfig.functionCallingConfig.mode", code="invalid_value")
+    return {"tool_choice": "auto"}     # AUTO, VALIDATED, MODE_UNSPECIFIED
