@@ -192,8 +192,9 @@ def _token(request: Request) -> str:
 
 
 def _check_json(data: Any) -> None:
-    """400 naming the field for JSON nested deeper than MAX_DEPTH or a string (or key) that is not valid
-    Unicode (a lone surrogate from a `\\ud800` escape: storing or answering it would fail later)."""
+    """400 naming the field for JSON nested deeper than MAX_DEPTH, a string (or key) that is not valid
+    Unicode (a lone surrogate from a `\\ud800` escape: storing or answering it would fail later), or NaN or
+    +-Infinity (answering it would fail: the answer echoes task metadata)."""
     stack = [(data, "body", 0)]
     while stack:
         v, where, depth = stack.pop()
@@ -205,6 +206,9 @@ def _check_json(data: Any) -> None:
             except UnicodeEncodeError as exc:
                 raise EpisodeApiError(400, "invalid_string", f"`{where}` holds a lone surrogate "
                                       f"({v[exc.start:exc.end]!a} at index {exc.start}), not valid Unicode") from None
+        elif isinstance(v, float) and not math.isfinite(v):   # NaN / Infinity: Python's parser takes them, JSON has none
+            raise EpisodeApiError(400, "invalid_body", f"`{where}` is {v}, which is not a JSON number: send a finite "
+                                                       "number or null")
         elif isinstance(v, dict):
             for k, x in v.items():
                 name = k.encode("utf-8", "backslashreplace").decode()   # a bad key must not break the message
