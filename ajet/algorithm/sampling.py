@@ -4,6 +4,11 @@
 A GRPO group whose episodes all got the same reward has advantage 0 for every episode: it adds nothing to
 the policy gradient but still dilutes the batch. Dynamic sampling drops such groups and rolls out more
 tasks (ajet/rollout/dynamic_sampling.py) until the step has enough groups with signal.
+
+A group of one episode (`rollout.num_repeat: 1`, e.g. REINFORCE++, whose baseline is the whole step) is kept,
+as verl's DAPO trainer keeps it (recipe/dapo/dapo_ray_trainer.py keeps a prompt whose reward std is > 0 *or*
+that has one trajectory: `std > 0 or len(prompt_uid2metric_vals[uid]) == 1`): dropping it would drop every
+group, and such a run would train nothing.
 """
 
 from __future__ import annotations
@@ -18,23 +23,30 @@ ZERO_STD_REASON = "zero_std_group"
 
 def zero_std_groups(episodes: list[Episode]) -> list[str]:
     """The group ids whose successful episodes all have the same reward (std 0: no GRPO signal), in
-    first-seen order. A group with one successful episode counts too (nothing to compare with); a group
-    with none does not (it has nothing to drop: see `rollout/failed`).
+    first-seen order. A group of two or more episodes with one success counts too (nothing to compare with,
+    the others failed); a group with no success does not (it has nothing to drop: see `rollout/failed`), nor
+    does a group of one episode (a task run once: kept, as verl keeps it; see the module docstring).
 
     Args:
-        episodes: finished episodes of one step, any order; failed ones (`not ep.ok`) are ignored.
+        episodes: finished episodes of one step, any order; failed ones (`not ep.ok`) count only in their
+            group's size.
     Returns:
         group ids, each once.
     """
+    sizes: dict[str, int] = {}
     rewards: dict[str, list[float]] = {}
     for e in episodes:
+        sizes[e.group_id] = sizes.get(e.group_id, 0) + 1
         if e.ok:
             rewards.setdefault(e.group_id, []).append(float(e.reward))
-    return [g for g, r in rewards.items() if max(r) == min(r)]   # one episode: trivially equal
+    return [g for g, r in rewards.items() if max(r) == min(r) and sizes[g] > 1]   # one success of several: equal
 
 
-def groups_with_signal(episodes: list[Episode]) -> list[str]:
-    """The group ids of `episodes` with two or more successful episodes of different rewards, in
-    first-seen order."""
+def groups_with_signal(episodes: list[Episode], failed_episode_policy: str = "drop_episode") -> list[str]:
+    """The group ids of `episodes` that the update trains with a learning signal, in first-seen order: groups
+    with a successful episode that are not zero-std (`zero_std_groups`), minus, under `failed_episode_policy`
+    "drop_group" (`rollout.failed_episode_policy`), every group with a failed episode (the trainer leaves
+    those out whole, so they must not count towards the step's groups)."""
     flat = set(zero_std_groups(episodes))
-    return [g for g in dict.fromkeys(e.group_id for e in episodes if e.ok) if g not in flat]
+    failed = {e.group_id for e in episodes if not e.ok} if failed_episode_policy == "drop_group" else set()
+    return [g for g in dict.fromkeys(e.group_id for e in episodes if e.ok) if g not in flat and g not in failed]

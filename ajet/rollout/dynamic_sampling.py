@@ -1,7 +1,8 @@
 """Dynamic sampling as a rollout-source wrapper: the trainer's one loop asks it for a step's episodes as
 it asks any source; it drops the groups without signal (ajet/algorithm/sampling.py) and asks the source
 for more tasks until the step has `trainer.tasks_per_step` groups with signal, or `max_oversample` extra
-tasks were rolled out (DAPO, Yu et al. 2025, sec. 3.2).
+tasks were rolled out (DAPO, Yu et al. 2025, sec. 3.2). Under `rollout.failed_episode_policy: drop_group` a
+group with a failed episode is not counted: the trainer leaves it out whole, so it is refilled too.
 
 Nothing is lost: every episode it was handed is returned (and was committed to the store by the source);
 the dropped groups' episodes carry `not_trained = "zero_std_group"`, which the trainer records in the
@@ -27,7 +28,8 @@ class DynamicSampling:
 
     Args:
         source: the rollout source.
-        cfg: the experiment config (`trainer.tasks_per_step`, `algorithm.dynamic_sampling.max_oversample`).
+        cfg: the experiment config (`trainer.tasks_per_step`, `algorithm.dynamic_sampling.max_oversample`,
+            `rollout.failed_episode_policy`).
     Raises:
         ConfigError: the source cannot roll out extra tasks (no `collect_more`).
     """
@@ -38,14 +40,16 @@ class DynamicSampling:
                               f"{type(source).__name__} cannot: set algorithm.dynamic_sampling.enabled: false")
         self.source, self.tasks_per_step = source, cfg.trainer.tasks_per_step
         self.max_oversample = cfg.algorithm.dynamic_sampling.max_oversample
+        self.failed_episode_policy = cfg.rollout.failed_episode_policy
         self.oversampled = 0
 
     def collect(self, step: int) -> list[Episode]:
         """The source's episodes of `step` plus those of up to `max_oversample` extra tasks, grouped; the
-        episodes of every group without signal get `not_trained = "zero_std_group"`."""
+        episodes of every group without signal get `not_trained = "zero_std_group"`. Each refill asks for the
+        groups still missing, truncated to what is left of `max_oversample`."""
         episodes = self.source.collect(step)
         self.oversampled = 0
-        while (missing := self.tasks_per_step - len(groups_with_signal(episodes))) > 0 \
+        while (missing := self.tasks_per_step - len(groups_with_signal(episodes, self.failed_episode_policy))) > 0 \
                 and self.oversampled < self.max_oversample:
             n = min(missing, self.max_oversample - self.oversampled)
             episodes += self.source.collect_more(step, n)
