@@ -12,17 +12,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol
 
+from pydantic import BaseModel
 from starlette.responses import Response
 
 from ajet.llm_call import TokenDelta
 from ajet.proxy.stream import IncrementalContent, sse
-from ajet.proxy.wire import ProxyError
+from ajet.proxy.wire import ProxyError, validated
 
 if TYPE_CHECKING:
     import asyncio
 
     from ajet.proxy.schema import ChatCompletionRequest
     from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+
+
+def validated_at(model: type[BaseModel], data: Any, where: str) -> Any:
+    """`validated(model, data)` for the value at dotted path `where` of a request body (an input item, a content
+    block, a tool): a ProxyError 400 whose message and param name the field from the body's root, in the client's
+    own terms (`input.2.name: Input should be a valid string`), not the turn type's."""
+    try:
+        return validated(model, data)
+    except ProxyError as exc:
+        param = f"{where}.{exc.param}" if exc.param else where
+        message = f"{where}.{exc.message}" if exc.param else f"{where}{exc.message}"
+        raise ProxyError(exc.status, message, exc.type, param, exc.code) from exc.__cause__
 
 
 class Host(Protocol):

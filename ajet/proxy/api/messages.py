@@ -11,7 +11,9 @@ which the policy cannot run, are left out and counted); `tool_choice` auto / any
 Turn -> answer: a `message` with `text` and `tool_use` content blocks, `stop_reason` (end_turn,
 max_tokens, stop_sequence, tool_use) and `usage`; streamed as message_start, content_block_start /
 content_block_delta (text_delta, input_json_delta) / content_block_stop, message_delta, message_stop.
-Errors have Anthropic's shape `{"type": "error", "error": {"type", "message"}}`.
+Errors have Anthropic's shape `{"type": "error", "error": {"type", "message"}}`; a malformed field is a 400
+naming its path in the request (`messages.1.content.2.name: ...`): the body and each block the adapter reads
+(`ToolUseBlock`, `ToolResultBlock`, `CustomTool`, `ToolChoice`) are pydantic models.
 """
 
 from __future__ import annotations
@@ -19,16 +21,57 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 from starlette.responses import Response
 
-from ajet.proxy.api import Api
-from ajet.proxy.schema import ChatCompletionRequest, short_repr
+from ajet.proxy.api import Api, validated_at
+from ajet.proxy.schema import ChatCompletionRequest, FunctionName, json_schema_object, short_repr
 from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, validated
+
+
+class _Open(BaseModel):
+    """A nested object: unknown fields (cache_control, citations, ...) are kept and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ToolUseBlock(_Open):
+    """An assistant message's `tool_use` block."""
+
+    type: Literal["tool_use"]
+    id: str | None = None
+    name: str = Field(min_length=1)
+    input: dict[str, Any] | None = None
+
+
+class ToolResultBlock(_Open):
+    """A user message's `tool_result` block (`content`: a string or text blocks, read by `_text_blocks`)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Any = None
+    is_error: StrictBool | None = None
+
+
+class CustomTool(_Open):
+    """A `tools` entry the policy can call (one with `input_schema`; server tools are left out)."""
+
+    type: Literal["custom"] | None = None
+    name: FunctionName
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    _json_schema_object = field_validator("input_schema")(json_schema_object)
+
+
+class ToolChoice(_Open):
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None     # the tool `type: "tool"` names
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -42,7 +85,7 @@ class MessagesRequest(BaseModel):
     max_tokens: int | None = Field(None, gt=0)    # required by `parse` except for count_tokens
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -106,21 +149,21 @@ class MessagesApi(Api):
             if t.get("type") not in (None, "custom") or "input_schema" not in t:
                 server.append(str(t.get("type") or t.get("name")))
                 continue
-            fn = {"name": t.get("name"), "description": t.get("description"), "parameters": t["input_schema"]}
+            tool: CustomTool = validated_at(CustomTool, t, f"tools.{k}")
+            fn = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
             tools.append({"type": "function", "function": {k2: v for k2, v in fn.items() if v is not None}})
         if server:
             self.hosted_tools_left_out += len(server)
         chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
         if tools:
             chat["tools"] = tools
-            choice = req.tool_choice or {}
-            kind = choice.get("type", "auto")
-            if kind not in ("auto", "any", "tool", "none"):
-                raise ProxyError(400, f"tool_choice.type: must be auto, any, tool or none (got {short_repr(kind)})",
-                                 param="tool_choice.type", code="invalid_value")
-            chat["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}} if kind == "tool"
-                                   else {"any": "required"}.get(kind, kind))
-            if choice.get("disable_parallel_tool_use"):
+            choice = req.tool_choice or ToolChoice()
+            if choice.type == "tool" and choice.name is None:
+                raise ProxyError(400, "tool_choice.name: Field required (the tool that type \"tool\" calls)",
+                                 param="tool_choice.name", code="invalid_value")
+            chat["tool_choice"] = ({"type": "function", "function": {"name": choice.name}} if choice.type == "tool"
+                                   else {"any": "required"}.get(choice.type, choice.type))
+            if choice.disable_parallel_tool_use:
                 chat["parallel_tool_calls"] = False
         for name, value in (("max_tokens", req.max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
                             ("stop", req.stop_sequences)):
@@ -274,14 +317,14 @@ def _to_chat(m: dict[str, Any], where: str) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking"):
             continue
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": block.get("id"), "type": "function",
-                          "function": {"name": block.get("name"),
-                                       "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+            use: ToolUseBlock = validated_at(ToolUseBlock, block, here)
+            calls.append({"id": use.id, "type": "function",
+                          "function": {"name": use.name, "arguments": json.dumps(use.input or {}, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
-            result = block.get("content")
-            text = (result if isinstance(result, str)
-                    else _text_blocks([] if result is None else result, f"{here}.content"))
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
+            res: ToolResultBlock = validated_at(ToolResultBlock, block, here)
+            text = (res.content if isinstance(res.content, str)
+                    else _text_blocks([] if res.content is None else res.content, f"{here}.content"))
+            out.append({"role": "tool", "tool_call_id": res.tool_use_id, "content": text})
         else:
             raise ProxyError(400, f"{here}: block type {short_repr(kind)} is not supported in a {role} message "
                                   "(text, tool_use, tool_result and thinking are)", param=f"{here}.type",

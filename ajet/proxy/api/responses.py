@@ -13,7 +13,9 @@ Turn -> answer: a `response` object whose `output` holds a `message` item (the t
 `function_call` item per tool call; streamed as the Responses event sequence (response.created,
 response.in_progress, output_item.added, content_part.added, output_text.delta ..., function call
 arguments, output_item.done, response.completed with usage). Hosted-service fields (metadata,
-prompt_cache_key, include, reasoning, store, ...) are accepted and ignored (docs/protocols.md).
+prompt_cache_key, include, reasoning, store, ...) are accepted and ignored (docs/protocols.md). A malformed
+field is a 400 naming its path in the request (`input.2.name: ...`): the body and each item the adapter
+reads (`FunctionCallItem`, `FunctionCallOutputItem`, `FunctionTool`, `FunctionChoice`) are pydantic models.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from ajet.proxy.api import Api
-from ajet.proxy.schema import ChatCompletionRequest, short_repr
+from ajet.proxy.api import Api, validated_at
+from ajet.proxy.schema import ChatCompletionRequest, FunctionName, json_schema_object, short_repr
 from ajet.proxy.turn import Choice, Episode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, validated
 
@@ -49,6 +51,49 @@ class TextConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
+
+
+class _Open(BaseModel):
+    """A nested object: unknown fields (status, namespace, ...) are kept and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCallItem(_Open):
+    """An input `function_call` item (a call the policy made earlier)."""
+
+    type: Literal["function_call"]
+    call_id: str | None = None
+    id: str | None = None
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] | None = None
+
+
+class FunctionCallOutputItem(_Open):
+    """An input `function_call_output` item (`output`: a string or content parts, read by `_text`)."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Any = None
+
+
+class FunctionTool(_Open):
+    """A `tools` entry of type function."""
+
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    _json_schema_object = field_validator("parameters")(json_schema_object)
+
+
+class FunctionChoice(_Open):
+    """`tool_choice: {"type": "function", "name"}`."""
+
+    type: Literal["function"]
+    name: str
 
 
 class ResponsesRequest(BaseModel):
@@ -140,6 +185,10 @@ class ResponsesApi(Api):
             if value is not None:
                 chat[name] = value
         if req.text is not None and req.text.format.type == "json_object":
+            if not any("json" in (m.get("content") or "").lower() for m in messages):
+                raise ProxyError(400, "text.format: the instructions or input must contain the word 'json' in some "
+                                      "form, to use 'text.format' of type 'json_object'", param="text.format",
+                                 code="invalid_value")
             chat["response_format"] = {"type": "json_object"}
         return validated(ChatCompletionRequest, chat), _Context(req, conversation, hosted)
 
@@ -327,8 +376,9 @@ def _items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            fc: FunctionCallItem = validated_at(FunctionCallItem, item, where)
+            call = {"id": fc.call_id or fc.id, "type": "function",
+                    "function": {"name": fc.name, "arguments": fc.arguments or "{}"}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -337,9 +387,9 @@ def _items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+            fo: FunctionCallOutputItem = validated_at(FunctionCallOutputItem, item, where)
+            out.append({"role": "tool", "tool_call_id": fo.call_id,
+                        "content": fo.output if isinstance(fo.output, str) else _text(fo.output, f"{where}.output")})
         elif kind == "reasoning":
             continue
         else:
@@ -351,7 +401,7 @@ def _items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _flatten_tools(tools: list[Any], where: str = "tools") -> tuple[list[dict[str, Any]], list[str]]:
     """Responses tools -> chat function tools, and the types of the hosted tools left out. Grouped or
     namespaced lists (an entry with its own `tools`) are flattened. Raises ProxyError 400 for an entry that
-    is not an object, a group whose `tools` is not a list, a function tool without a string `name`."""
+    is not an object, a group whose `tools` is not a list, a malformed function tool (`FunctionTool`)."""
     out, hosted = [], []
     for k, t in enumerate(tools):
         here = f"{where}.{k}"
@@ -366,12 +416,9 @@ def _flatten_tools(tools: list[Any], where: str = "tools") -> tuple[list[dict[st
             out += inner
             hosted += inner_hosted
         elif t.get("type") == "function":
-            if not isinstance(t.get("name"), str):
-                raise ProxyError(400, f"{here}.name: a function tool needs a string name (got "
-                                      f"{short_repr(t.get('name'))})", param=f"{here}.name", code="invalid_value")
-            fn = {"name": t.get("name"), "description": t.get("description"), "parameters": t.get("parameters"),
-                  "strict": t.get("strict")}
-            out.append({"type": "function", "function": {k2: v for k2, v in fn.items() if v is not None}})
+            fn: FunctionTool = validated_at(FunctionTool, t, here)
+            spec = {"name": fn.name, "description": fn.description, "parameters": fn.parameters, "strict": fn.strict}
+            out.append({"type": "function", "function": {k2: v for k2, v in spec.items() if v is not None}})
         else:
             hosted.append(str(t.get("type")))
     return out, hosted
@@ -381,7 +428,7 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
     if isinstance(choice, str):
         return choice
     if choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        return {"type": "function", "function": {"name": validated_at(FunctionChoice, choice, "tool_choice").name}}
     if choice.get("type") == "allowed_tools":
         return choice.get("mode", "auto")
     raise ProxyError(400, f"tool_choice type {short_repr(choice.get('type'))} names a hosted tool, which the policy "
