@@ -8,8 +8,11 @@ Model-written code must not reach what the training process has. Each run gets:
 - **limits** set before the model's interpreter starts, as hard rlimits it cannot raise: processes
   (`RLIMIT_NPROC`), file size (`RLIMIT_FSIZE`), address space (`RLIMIT_AS`), CPU seconds (`RLIMIT_CPU`), no core
   dumps;
-- **a wall-clock timeout** after which the whole process group is killed (and, under bubblewrap, the whole PID
-  namespace, so a grandchild that starts its own session dies too);
+- **a wall-clock timeout** after which every process the code started is killed: under bubblewrap the whole
+  PID namespace; without it, every descendant of the sandbox's launcher, also one that left the process group
+  (`setsid`, `start_new_session`) and whose parent exited: the launcher is a child subreaper, so such orphans
+  stay below it and are found in /proc (ajet/tools/proc_tree.py). Without bubblewrap the launcher also kills
+  what the code left running when it exits by itself;
 - **bounded output**: stdout and stderr keep their first `max_output_bytes` each, the rest is counted and dropped
   and a marker says so.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -42,7 +46,11 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+from ajet.tools import proc_tree
+from ajet.tools.proc_tree import kill_tree
 
 Isolation = Literal["bwrap", "none"]
 log = logging.getLogger(__name__)
@@ -70,6 +78,16 @@ import os, resource, sys
 uid, nproc, fsize, mem, cpu = (int(v) for v in sys.argv[1:6])
 """ + DROP_ROOT_AND_LIMIT + r"""
 os.execv(sys.executable, [sys.executable, "-I", "main.py"])
+"""
+# Without bubblewrap (no PID namespace to kill) the launcher stays, as a child subreaper, the parent of the
+# program: at the timeout `_run` kills every process below it (`kill_tree`), and when the program exits the
+# launcher kills and reaps whatever it left running (`run_as_subreaper`).
+PROC_TREE = Path(proc_tree.__file__).read_text(encoding="utf-8")
+_PRELUDE_NO_NAMESPACES = r"""
+import os, resource, sys
+uid, nproc, fsize, mem, cpu = (int(v) for v in sys.argv[1:6])
+""" + DROP_ROOT_AND_LIMIT + PROC_TREE + r"""
+sys.exit(run_as_subreaper([sys.executable, "-I", "main.py"]))
 """
 
 
@@ -285,7 +303,8 @@ def _command(workdir: str, limits: _Limits, use_bwrap: bool, extra_env: dict[str
     mib = 1024 * 1024
     uid = NOBODY_UID if use_bwrap else -1
     nproc = limits.max_processes if use_bwrap else 0
-    prelude = [sys.executable, "-I", "-S", "-c", _PRELUDE, str(uid), str(nproc), str(limits.max_file_mb * mib),
+    launcher = _PRELUDE if use_bwrap else _PRELUDE_NO_NAMESPACES
+    prelude = [sys.executable, "-I", "-S", "-c", launcher, str(uid), str(nproc), str(limits.max_file_mb * mib),
                str(limits.memory_mb * mib), str(int(limits.timeout_s) + 1)]
     if use_bwrap:
         return _bwrap_argv(workdir) + ["--clearenv"] + _setenv(_allowed_env(SANDBOX_DIR, extra_env)) + prelude, \
@@ -333,14 +352,20 @@ async def _run(argv: list[str], env: dict, cwd: str, stdin_file, limits: _Limits
         await asyncio.wait_for(asyncio.shield(everything), limits.timeout_s)
     except asyncio.TimeoutError:
         timed_out = True
+        if isolation == "none":    # everything below the launcher, also what left its group; it reaps them and exits
+            await asyncio.to_thread(kill_tree, proc.pid)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
         _kill_group(proc.pid)
-        try:   # the pipes close once every holder is dead; one that left the group (isolation "none") may not
+        try:   # the pipes close once every holder is dead
             await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE_S)
         except asyncio.TimeoutError:
             everything.cancel()
             proc._transport.close()   # noqa: SLF001 - close our pipe ends; asyncio has no public handle for it
         await proc.wait()
     except BaseException:          # cancelled by the caller: leave nothing running
+        if isolation == "none":
+            kill_tree(proc.pid)
         _kill_group(proc.pid)
         everything.cancel()
         raise

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ajet.tools.sandbox import (DROP_ROOT_AND_LIMIT, NOBODY_UID, SANDBOX_DIR, SandboxResult, _bwrap_argv,
+from ajet.tools.sandbox import (DROP_ROOT_AND_LIMIT, NOBODY_UID, PROC_TREE, SANDBOX_DIR, SandboxResult, _bwrap_argv,
                                 _choose_isolation, _Limits, _run, _setenv)
 
 HOME_DIR = "/home/agent"          # the program's HOME inside the sandbox
@@ -37,12 +37,13 @@ BRIDGE_PORT = 18080               # the sandbox-loopback port the program's base
 SOCKET_NAME = "proxy.sock"
 
 # Runs first inside the sandbox (python -I -S): drops root, sets hard limits, starts the loopback -> unix socket
-# forwarder when a socket is given, then runs the program and exits with its status.
+# forwarder when a socket is given, then runs the program as a child subreaper (ajet/tools/proc_tree.py: what
+# the program leaves running, also outside its process group, is killed when it exits) and exits with its status.
 _LAUNCHER = r"""
-import os, resource, socket, subprocess, sys, threading
+import os, resource, socket, sys, threading
 uid, nproc, fsize, mem, cpu = (int(v) for v in sys.argv[1:6])
 sock_path, port, argv = sys.argv[6], int(sys.argv[7]), sys.argv[8:]
-""" + DROP_ROOT_AND_LIMIT + r"""
+""" + DROP_ROOT_AND_LIMIT + PROC_TREE + r"""
 
 def pump(src, dst):
     try:
@@ -73,10 +74,7 @@ if sock_path:
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", port)); listener.listen(64)
     threading.Thread(target=serve, args=(listener,), daemon=True).start()
-try:
-    sys.exit(subprocess.call(argv))
-except FileNotFoundError as exc:
-    print(f"ajet sandbox: cannot start {argv[0]!r}: {exc}", file=sys.stderr); sys.exit(127)
+sys.exit(run_as_subreaper(argv))
 """
 
 
