@@ -84,13 +84,42 @@ async def execute_episode(workflow: Workflow, task: Task, episode_id: str, base_
 
 
 def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0,
-                 first_task_index: int = 0) -> list[Episode]:
-    """`[len(tasks) * num_repeat]` fresh episodes, grouped by task; group_id is "<step>:<task_id>"; episode ids
-    "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the attempts of a resumed run (task indices
-    count from `first_task_index`: a step's extra tasks under dynamic sampling continue its numbering)."""
-    return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=f"{step}:{task.task_id}",
+                 first_task_index: int = 0, groups: list[str] | None = None) -> list[Episode]:
+    """`[len(tasks) * num_repeat]` fresh episodes, grouped by task; group ids `groups` (one per task; default
+    `group_ids` of `tasks`); episode ids "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the
+    attempts of a resumed run (task indices count from `first_task_index`: a step's extra tasks under dynamic
+    sampling continue its numbering).
+
+    Raises:
+        ValueError: `groups` is not one id per task.
+    """
+    groups = group_ids(step, [t.task_id for t in tasks]) if groups is None else groups
+    if len(groups) != len(tasks):
+        raise ValueError(f"{len(groups)} group ids for {len(tasks)} tasks")
+    return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=gid,
                     repeat_index=r, attempt=attempt)
-            for ti, task in enumerate(tasks, start=first_task_index) for r in range(num_repeat)]
+            for ti, (task, gid) in enumerate(zip(tasks, groups), start=first_task_index) for r in range(num_repeat)]
+def group_ids(step: int, task_ids: list[str]) -> list[str]:
+    """The GRPO group id of each of a step's draws, `task_ids` in draw order (the step's tasks, then its
+    extra tasks under dynamic sampling): "<step>:<task_id>", and for a task drawn again in the same step (a small
+    dataset wraps into its next epoch) "<step>:<task_id>#<k>", k its draw's index in the step. Each draw is its
+    own group, with its own sampling seeds (`seed_key`), and a resumed step that gets the same draws gets the
+    same ids.
+
+    Returns:
+        `[len(task_ids)]` distinct ids.
+    """
+    out: list[str] = []
+    taken: set[str] = set()
+    for k, task_id in enumerate(task_ids):
+        gid = f"{step}:{task_id}"
+        while gid in taken:   # (a task id that itself ends in "#<k>" takes one more suffix)
+            gid += f"#{k}"
+        taken.add(gid)
+        out.append(gid)
+    return out
+
+
 
 
 def seed_key(episode: Episode) -> str:
@@ -119,18 +148,18 @@ async def rollout(workflow: Workflow, tasks: list[Task], num_repeat: int, proxy:
                   judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                   on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
                   tools: McpHub | None = None, first_task_index: int = 0,
-                  semaphore: asyncio.Semaphore | None = None) -> list[Episode]:
+                  semaphore: asyncio.Semaphore | None = None, groups: list[str] | None = None) -> list[Episode]:
     """Run `num_repeat` episodes of every task (at most `max_concurrency` at once).
 
     `on_episode_done` is called with each finished episode (e.g. to store it and advance a progress bar);
-    `tools` are the run's MCP servers (see `run_episode`); `first_task_index` as `new_episodes`; `semaphore`,
+    `tools` are the run's MCP servers (see `run_episode`); `first_task_index` and `groups` as `new_episodes`; `semaphore`,
     when given, replaces the `max_concurrency` bound (asynchronous training shares one across the steps in flight).
 
     Returns:
         `[len(tasks) * num_repeat]` episodes as `new_episodes` names and groups them.
     """
     sem = semaphore or asyncio.Semaphore(max_concurrency)
-    episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index)
+    episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index, groups)
 
     async def _one(ep: Episode) -> Episode:
         async with sem:

@@ -6,8 +6,10 @@ Synchronous (`trainer.async.max_staleness` unset): `collect(step)` draws the ste
 returns them. Asynchronous (K = max_staleness): a producer thread with its own event loop starts step t's
 episodes as soon as step t - 1 - K is trained, so the episodes of the next K steps keep running while the
 backbone updates; `collect(t)` waits for step t's groups only, and the episodes of later steps still running
-carry over. Tasks are drawn in step order whatever the timing, and a checkpoint after step t stores the
-sampler as it was right after step t's draw, so a resumed run hands out exactly the steps not trained yet.
+carry over. Each step's tasks are numbered draws of the task sampler (`MultiTaskSampler.draw`), base and extra
+(dynamic sampling draws step t's extra tasks after the producer drew step t + 1's); a checkpoint after step t
+keeps the draws of the later steps handed out already, so a resumed run hands each step the draws it had, and
+every draw is trained by exactly one step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ajet.judges import load_judge
 from ajet.proxy.server import ProxyServer
 from ajet.rollout import RolloutContext
 from ajet.rollout.command import CommandWorkflow
-from ajet.rollout.episodes import Judge, rollout
+from ajet.rollout.episodes import Judge, group_ids, rollout
 from ajet.workflow import Workflow
 
 def load_workflow(cfg) -> Workflow:
@@ -55,9 +57,7 @@ class InProcessRollout:
         self.ctx, self.workflow, self.judge = ctx, workflow, judge
         self.sampler = ctx.sampler()
         self.proxy: ProxyServer | None = None
-        self.handed_out = 0   # tasks of the current step so far
         self.run_episodes: Callable[..., Any] = rollout   # or, with --with-ray, a pool of Ray actors
-        self._sampler_states: dict[int, Any] = {}          # step -> the sampler's state right after its draw
         self._producer: threading.Thread | None = None     # asynchronous training only (see the module docstring)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -85,35 +85,32 @@ class InProcessRollout:
         self.proxy = proxy
 
     def collect(self, step: int) -> list[Episode]:
-        self.handed_out = 0
         if self.ctx.cfg.trainer.async_.max_staleness is None:
             return self.collect_more(step, self.ctx.cfg.trainer.tasks_per_step)
         if self._producer is None:
             self._start_producer(step)
-        self.handed_out = self.ctx.cfg.trainer.tasks_per_step
         return self._steps[step].result()        # raises what the producer raised for this step
 
     def collect_more(self, step: int, num_tasks: int) -> list[Episode]:
         """`num_tasks` more tasks for `step` (dynamic sampling's refill; synchronously, also under asynchronous
         training), the next ones in sampler order; their episode ids continue the step's task numbering."""
-        tasks = self._draw(step, num_tasks)
-        first, self.handed_out = self.handed_out, self.handed_out + num_tasks
-        return asyncio.run(self._run_step(step, tasks, None, first))
+        return asyncio.run(self._run_step(step, *self._draw(step, num_tasks), None))
 
-    def _draw(self, step: int, num_tasks: int | None = None) -> list:
-        """Step `step`'s tasks (`tasks_per_step` unless `num_tasks`); remembers the sampler's state right after
-        the draw (for `state_dict`)."""
-        tasks = self.sampler.next_batch(num_tasks or self.ctx.cfg.trainer.tasks_per_step)
-        self._sampler_states[step] = self.sampler.state()
-        return tasks
+    def _draw(self, step: int, num_tasks: int | None = None) -> tuple[list, int, list[str]]:
+        """`num_tasks` (default `tasks_per_step`) more draws for `step`: (their tasks, the index in the step of
+        the first, their group ids: `ajet.rollout.episodes.group_ids` over all the step's draws)."""
+        new = self.sampler.draw(step, num_tasks or self.ctx.cfg.trainer.tasks_per_step)
+        drawn = self.sampler.drawn(step)          # (only this step's own thread draws for it: no one in between)
+        first = len(drawn) - len(new)
+        return [d.task for d in new], first, group_ids(step, [d.task.task_id for d in drawn])[first:]
 
-    async def _run_step(self, step: int, tasks: list, sem: asyncio.Semaphore | None,
-                        first_task_index: int = 0) -> list[Episode]:
+    async def _run_step(self, step: int, tasks: list, first_task_index: int, groups: list[str],
+                        sem: asyncio.Semaphore | None) -> list[Episode]:
         r = self.ctx.cfg.rollout
         return await self.run_episodes(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
                                        r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
                                        attempt=self.ctx.attempt, tools=self.ctx.tools, first_task_index=first_task_index,
-                                       **({"semaphore": sem} if sem is not None else {}))
+                                       groups=groups, **({"semaphore": sem} if sem is not None else {}))
 
     # ---- asynchronous: a producer running up to max_staleness steps ahead of the update ---------------
     def _start_producer(self, first_step: int) -> None:
@@ -146,23 +143,26 @@ class InProcessRollout:
                 break
             future = self._steps[step]
             try:
-                tasks = self._draw(step)
+                drawn = self._draw(step)
             except Exception as exc:  # noqa: BLE001 - the trainer hears it from collect
                 future.set_exception(exc)
                 break
-            job = asyncio.ensure_future(self._run_step(step, tasks, sem))
+            job = asyncio.ensure_future(self._run_step(step, *drawn, sem))
             job.add_done_callback(lambda j, f=future: _settle(f, j))
             running.append(job)
         await asyncio.gather(*running, return_exceptions=True)
 
     def step_done(self, step: int) -> None:
         """The update of `step` is applied: the producer may start the step `max_staleness + 1` later."""
+        self.sampler.retire(step)
         self._trained = step
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        return {"sampler": self._sampler_states.get(step, self.sampler.state())}
+        """The sampler's position with the draws of the steps after `step` handed out already (see the module
+        docstring)."""
+        return {"sampler": self.sampler.state(after_step=step)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.set_state(state["sampler"])

@@ -69,7 +69,7 @@ class RayRollout:
     async def __call__(self, workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                        judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                        on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
-                       tools=None, first_task_index: int = 0) -> list[Episode]:
+                       tools=None, first_task_index: int = 0, groups: list[str] | None = None) -> list[Episode]:
         """`ajet.rollout.episodes.rollout` on the pool: episode i runs on worker i mod num_workers.
 
         Returns:
@@ -83,7 +83,7 @@ class RayRollout:
         _pickle_user_code_by_value(workflow, judge)
         sem = asyncio.Semaphore(max_concurrency)
         wf_ref, judge_ref = self._ray.put(workflow), self._ray.put(judge)
-        episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index)
+        episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index, groups)
 
         async def _one(i: int, ep: Episode) -> Episode:
             async with sem:
