@@ -1,5 +1,7 @@
 """Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and replaced by extra tasks
-within `max_oversample`; every episode stays in the ledger, trained once or left out with its reason."""
+within `max_oversample`; every episode stays in the ledger, trained once or left out with its reason. A task
+drawn twice in one step is two groups with their own seeds; a group of one episode is kept (verl); under
+`failed_episode_policy: drop_group` a group with a failure is refilled."""
 
 import json
 import textwrap
@@ -19,12 +21,14 @@ from ajet.workflow import Workflow, WorkflowOutput
 
 class RepeatReward(Workflow):
     """One policy call; tasks "flat*" always score 1 (a group without signal), the others score their
-    repeat index (every group has signal)."""
+    repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises."""
 
     async def execute(self, task, tuner):
         r = await tuner.client.chat.completions.create(model=tuner.model,
                                                        messages=[{"role": "user", "content": task.query}])
         repeat = int(tuner.episode_id.rsplit("-r", 1)[1])
+        if task.task_id.startswith("fail") and repeat >= 2:
+            raise RuntimeError("this repeat of a fail* task always fails")
         return WorkflowOutput(reward=1.0 if task.task_id.startswith("flat") else float(repeat),
                               final_answer=r.choices[0].message.content or "")
 '''
@@ -44,16 +48,17 @@ def test_zero_std_groups_are_those_whose_successful_episodes_agree():
     assert groups_with_signal(eps) == ["b", "e"]
 
 
-def _conf(tmp_path, tiny_model_dir, steps, enabled=True, exp="exp", resume=False):
+def _conf(tmp_path, tiny_model_dir, steps, enabled=True, exp="exp", resume=False, tasks=TASKS, num_repeat=2,
+          rollout="", algorithm=""):
     (tmp_path / "wf.py").write_text(WORKFLOW)
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": t, "query": f"Say {t}."}) + "\n"
-                                                  for t in TASKS))
+                                                  for t in tasks))
     (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
         workflow: wf.py:RepeatReward
         model: {{path: "{tiny_model_dir}", max_model_len: 256}}
         data: {{train_path: tasks.jsonl, shuffle: false}}
-        rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
-        algorithm: {{lr: 1.0e-3, dynamic_sampling: {{enabled: {str(enabled).lower()}, max_oversample: 3}}}}
+        rollout: {{num_repeat: {num_repeat}, max_tokens: 4, temperature: 1.0{rollout}}}
+        algorithm: {{lr: 1.0e-3, dynamic_sampling: {{enabled: {str(enabled).lower()}, max_oversample: 3}}{algorithm}}}
         trainer: {{total_steps: {steps}, tasks_per_step: 2, tensorboard: false, exp_dir: "{tmp_path / exp}",
                    resume: {str(resume).lower()}}}
     """))
@@ -126,3 +131,74 @@ def test_an_episode_left_out_on_purpose_is_not_adopted_again_unless_its_step_was
     fates = {e["episode_id"]: e for e in store.ledger()}
     assert fates["y-0"]["not_trained"] is None and fates["y-0"]["abandoned"]   # that decision was rolled back too
     store.close()
+
+
+def _store(exp):
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    try:
+        return store.ledger(), store.episodes()
+    finally:
+        store.close()
+
+
+def test_a_task_drawn_twice_in_a_step_is_two_groups_with_their_own_seeds(tiny_model_dir, tmp_path):
+    """Three tasks, two per step, up to three extra: step 1 draws flat0, var0, then flat1, and wraps into the
+    next epoch for flat0 and var0 again. Each draw is its own group (five), and the two var0 groups sampled
+    different tokens: they are not one group of four episodes holding two byte-identical pairs."""
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=1, tasks=["flat0", "var0", "flat1"]))
+    (m,) = _metrics(exp)
+    assert (m["rollout/episodes"], m["rollout/oversampled_tasks"], m["rollout/trained_episodes"]) == (10, 3, 4)
+    ledger, records = _store(exp)
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["group_id"], []).append(r)
+    assert len(groups) == 5 and all(len(g) == 2 for g in groups.values())
+    assert sorted(g[0]["task"]["task_id"] for g in groups.values()) == ["flat0", "flat0", "flat1", "var0", "var0"]
+    var = [g for g in groups.values() if g[0]["task"]["task_id"] == "var0"]
+    tokens = [{r["repeat_index"]: r["calls"][0]["completion_ids"] for r in g} for g in var]
+    assert tokens[0][0] != tokens[1][0] and tokens[0][1] != tokens[1][1]     # their own seeds
+    trained = {r["episode_id"] for r in records if r["task"]["task_id"] == "var0"}
+    assert {e["episode_id"] for e in ledger if e["trained_in"]} == trained and len(trained) == 4
+
+
+def test_a_refill_asks_for_no_more_than_the_remaining_budget(tiny_model_dir, tmp_path):
+    """Two tasks per step, three extra at most: flat0 and flat1 miss two groups, flat2 and flat3 still miss two,
+    and the budget has one left: one more task (var0), not two."""
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=1, tasks=["flat0", "flat1", "flat2", "flat3", "var0", "var1"]))
+    (m,) = _metrics(exp)
+    assert (m["rollout/episodes"], m["rollout/oversampled_tasks"], m["rollout/trained_episodes"]) == (10, 3, 2)
+    _, records = _store(exp)
+    assert sorted({r["task"]["task_id"] for r in records}) == ["flat0", "flat1", "flat2", "flat3", "var0"]
+
+
+def test_groups_of_one_episode_are_kept_as_verl_keeps_them(tiny_model_dir, tmp_path):
+    """`num_repeat: 1` (REINFORCE++, no group baseline): every group has one episode; dynamic sampling keeps
+    them all (verl's DAPO filter keeps a prompt with one trajectory) instead of dropping every group."""
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=1, tasks=["flat0", "var0", "flat1", "var1"], num_repeat=1,
+                    algorithm=", adv_estimator: reinforce_plus_plus"))
+    (m,) = _metrics(exp)
+    assert (m["rollout/zero_std_groups"], m["rollout/oversampled_tasks"], m["rollout/trained_episodes"]) == (0, 0, 2)
+    assert m["tracker/trained_samples"] == 2 and "rollout/not_trained/zero_std_group" not in m
+    ledger, _ = _store(exp)
+    assert len(ledger) == 2 and all(e["trained_in"] == [(1, 0)] for e in ledger)
+    one = [_ep("a", 1.0), _ep("b", 1.0, 0), _ep("b", 1.0, 1)]
+    assert zero_std_groups(one) == ["b"] and groups_with_signal(one) == ["a"]
+
+
+def test_drop_group_refills_a_group_with_a_failed_episode(tiny_model_dir, tmp_path):
+    """`failed_episode_policy: drop_group`, three repeats: fail0's rewards differ (0, 1) but its third episode
+    fails, so the trainer leaves the group out whole; dynamic sampling counts it as missing and rolls out
+    var1, so the step trains two groups, as asked. fail0's successful episodes are left out as "failed_group"."""
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=1, tasks=["fail0", "var0", "var1", "var2"], num_repeat=3,
+                    rollout=", failed_episode_policy: drop_group"))
+    (m,) = _metrics(exp)
+    assert (m["rollout/episodes"], m["rollout/failed"], m["rollout/oversampled_tasks"]) == (9, 1, 1)
+    assert m["rollout/trained_episodes"] == 6 and m["rollout/not_trained/failed_group"] == 2
+    ledger, records = _store(exp)
+    task_of = {r["episode_id"]: r["task"]["task_id"] for r in records}
+    assert sorted(task_of[e["episode_id"]] for e in ledger if e["trained_in"]) == ["var0"] * 3 + ["var1"] * 3
+    fail0 = [e for e in ledger if task_of[e["episode_id"]] == "fail0"]
+    assert sorted((e["ok"], e["not_trained"]) for e in fail0) == [(False, None), (True, "failed_group"),
+                                                                    (True, "failed_group")]
+    eps = [_ep("f", 0.0, 0), _ep("f", 1.0, 1), _ep("f", None, 2), _ep("v", 0.0, 0), _ep("v", 1.0, 1)]
+    assert groups_with_signal(eps) == ["f", "v"] and groups_with_signal(eps, "drop_group") == ["v"]
