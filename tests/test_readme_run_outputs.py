@@ -15,8 +15,8 @@ import sys
 def test_a_run_from_a_relative_experiment_folder_leaves_every_listed_output(tiny_experiment):
     root, exp = tiny_experiment.parent, tiny_experiment
     assert "plots not written" not in (root / "run.log").read_text()
-    # README "What a run leaves": metrics.jsonl, tensorboard/, trajectories.jsonl, trajectories.sqlite,
-    # checkpoints/step_N/; and "Outputs land in ...": plots/, val/step_N/eval.jsonl
+    # docs/getting-started.md "What a run leaves": metrics.jsonl, tensorboard/, trajectories.jsonl,
+    # trajectories.sqlite, checkpoints/step_N/, plots/; docs/evaluation.md: val/step_N/eval.jsonl
     for name in ("metrics.jsonl", "trajectories.jsonl", "trajectories.sqlite", "config.json"):
         assert (exp / name).is_file() and (exp / name).stat().st_size > 0, name
     assert any((exp / "tensorboard").iterdir())
