@@ -4,6 +4,7 @@ command runs, so `ajet --help` is instant.
     ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--seed N] [--with-ray [N]] [--resume]
                                                                                       train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
+    ajet gateway --conf X.yaml [--host H] [--port N] [--resume] ...                   live endpoint, learns from feedback
     ajet doctor --model MODEL                                                         chat-template check
     ajet eval --conf X.yaml [--checkpoint DIR | --model M] [--n K] ...                 held-out evaluation
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
@@ -73,6 +74,15 @@ def _serve_parser() -> argparse.ArgumentParser:
                                        "the episodes clients run (docs/serve.md)."))
     p.add_argument("--host", help="bind address (serve.host; default 127.0.0.1; other hosts need serve.secret)")
     p.add_argument("--port", type=int, help="port (serve.port; 0 picks a free one)")
+    return p
+
+
+def _gateway_parser() -> argparse.ArgumentParser:
+    p = _run_flags(argparse.ArgumentParser(
+        prog="ajet gateway", description="One stable model endpoint for deployed agents (four dialects); trains "
+                                         "on the feedback their sessions get (docs/gateway.md)."))
+    p.add_argument("--host", help="bind address (gateway.host; default 127.0.0.1; other hosts need gateway.secret)")
+    p.add_argument("--port", type=int, help="port (gateway.port; 0 picks a free one)")
     return p
 
 
@@ -171,6 +181,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from ajet.gateway import gateway, task_source_overrides
+
+    gateway(_load(args, **{"gateway.host": args.host, "gateway.port": args.port}, **task_source_overrides(args.conf)))
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from ajet.doctor import main as doctor
 
@@ -185,11 +202,14 @@ def _eval(a: argparse.Namespace) -> int:
     from ajet.eval import main as evaluate
 
     try:
-        evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone)
+        out = evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone)
     except OSError as exc:   # an unreadable task file or checkpoint folder
         print(f"ajet: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    import json
+
+    # an invalid evaluation (too many failed episodes: eval.max_failed_frac) is not a score
+    return 0 if json.loads((out / "eval_metrics.json").read_text()).get("valid", 1.0) else 1
 
 
 def _view(args: argparse.Namespace) -> int:
@@ -204,7 +224,7 @@ def _show(args: argparse.Namespace) -> int:
     return viewer_main("show", args)
 
 
-SUBCOMMANDS = {"serve": (_serve_parser, _serve), "doctor": (doctor_parser, _doctor),
+SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway), "doctor": (doctor_parser, _doctor),
                "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
                "harnesses": (_harnesses_parser, _harnesses)}
 

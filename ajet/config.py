@@ -525,6 +525,23 @@ class ServeConfig(_Section):
                                                      "`workflow` (a class or a command), beside remote clients")
 
 
+class GatewayConfig(_Section):
+    """`ajet gateway`: one stable model endpoint for deployed agents, training on the feedback their sessions
+    get (docs/gateway.md). A session is one conversation (header `X-Ajet-Session`, or found by its prefix)."""
+
+    host: str = Field("127.0.0.1", description="bind address; a non-loopback host needs `secret`")
+    port: int = Field(8766, ge=0, le=65535, description="port; 0 picks a free one (printed at start)")
+    secret: str | None = Field(None, min_length=16, description="bearer token every request must carry (also "
+                               "AJET_SECRET); None: none is asked for, allowed only on a loopback host")
+    session_idle_s: float = Field(300.0, gt=0, description="a session without a request for this long closes, "
+                                  "seconds; later requests of the conversation open a new session")
+    feedback_deadline_s: float = Field(86400.0, gt=0, description="a closed session without feedback this long "
+                                       "after it closed is judged or dropped (on_no_feedback), seconds")
+    on_no_feedback: Literal["judge", "drop"] = Field("drop", description="what a session without feedback by "
+                                                     "the deadline gets: `judge` (the config's judge scores its "
+                                                     "last answer) or `drop` (never trained on)")
+
+
 class McpServerConfig(_Section):
     """One MCP server, in the common `mcpServers` shape: a stdio `command` (+ `args`, `env`, `cwd`) that ajet
     starts, or the `url` of a streamable-HTTP server that ajet connects to (+ `headers`).
@@ -630,6 +647,8 @@ class AjetConfig(_Section):
         default_factory=TrainerConfig, description="the training loop: steps, seed, checkpoints, logging")
     serve: ServeConfig = Field(
         default_factory=ServeConfig, description="`ajet serve`'s episode API")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="`ajet gateway`: one stable model "
+                                   "endpoint for deployed agents, trained on their sessions' feedback")
     tools: ToolsConfig = Field(
         default_factory=ToolsConfig, description="tools from MCP servers, given to workflows as `tuner.tools`")
     eval: EvalConfig = Field(

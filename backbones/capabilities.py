@@ -123,7 +123,7 @@ AJET_SIDE = frozenset("""
     tools.mcp_servers tools.max_calls_per_episode tools.call_timeout_s tools.startup_timeout_s
     tools.health_check_interval_s tools.max_result_chars
     tools.agent.system_prompt tools.agent.max_turns tools.agent.first_tool_choice
-    eval.n eval.temperature eval.top_p eval.pass_threshold
+    eval.n eval.temperature eval.top_p eval.pass_threshold eval.max_failed_frac
     llm_judge.rubric llm_judge.base_url llm_judge.api_key llm_judge.model llm_judge.frozen_model_path
     llm_judge.temperature llm_judge.max_tokens llm_judge.max_score llm_judge.parse_failure_reward
 """.split())
@@ -136,6 +136,7 @@ _NO_TOP_P = ("{who} scores a batch at one temperature without nucleus truncation
              "would be refused at the first update")
 _ONLY_VERL = "the `verl:` block configures the verl backbone only"
 _ONLY_TRINITY = "the `trinity:` block configures the trinity backbone only"
+_GATEWAY_UNTESTED = "`ajet gateway` is tested with the debug backbone only so far; use --backbone=debug"
 
 # backbones/debug/backbone.py: ajet's own update, in this process
 DEBUG: dict[str, Support] = {
@@ -169,6 +170,12 @@ DEBUG: dict[str, Support] = {
     "trainer.seed": HONOURED,
     "trainer.async.max_staleness": honoured("with K > 0 the loss is importance-corrected token by token"),
     "trainer.async.is_cap": HONOURED,
+    "gateway.host": HONOURED,
+    "gateway.port": HONOURED,
+    "gateway.secret": HONOURED,
+    "gateway.session_idle_s": HONOURED,
+    "gateway.feedback_deadline_s": HONOURED,
+    "gateway.on_no_feedback": HONOURED,
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -208,6 +215,12 @@ VERL: dict[str, Support] = {
     "trainer.seed": translated("data.seed"),
     "trainer.async.max_staleness": refused(_NO_STALENESS.format(who="verl's actor"), _unset_or_zero, "unset or 0"),
     "trainer.async.is_cap": refused(_NO_IS_CAP),
+    "gateway.host": refused(_GATEWAY_UNTESTED),
+    "gateway.port": refused(_GATEWAY_UNTESTED),
+    "gateway.secret": refused(_GATEWAY_UNTESTED),
+    "gateway.session_idle_s": refused(_GATEWAY_UNTESTED),
+    "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
+    "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -248,6 +261,12 @@ TRINITY: dict[str, Support] = {
     "trainer.async.max_staleness": refused(_NO_STALENESS.format(who="Trinity's trainer"), _unset_or_zero,
                                            "unset or 0"),
     "trainer.async.is_cap": refused(_NO_IS_CAP),
+    "gateway.host": refused(_GATEWAY_UNTESTED),
+    "gateway.port": refused(_GATEWAY_UNTESTED),
+    "gateway.secret": refused(_GATEWAY_UNTESTED),
+    "gateway.session_idle_s": refused(_GATEWAY_UNTESTED),
+    "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
+    "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def test_repo_task_checks_out_a_git_ref_and_diffs_what_changed(tmp_path):
 
 
 def _run_user_harness(tokenizer, reply: str):
-    spec = HarnessSpec(executable="python", api="chat", argv=["-c", AGENT, "{instruction}"],
+    # the interpreter running these tests, not whatever `python` PATH names (a pyenv shim cannot start in the sandbox)
+    spec = HarnessSpec(executable=sys.executable, api="chat", argv=["-c", AGENT, "{instruction}"],
                        env={"OPENAI_BASE_URL": "{base_url}", "OPENAI_API_KEY": "{api_key}", "MODEL": "{model}"})
     engine = ScriptedEngine(tokenizer, [reply])
     proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=64)).start()
@@ -140,7 +142,7 @@ def test_ajet_harnesses_lists_the_registry(capsys):
 
 def test_an_agent_that_edits_the_named_test_does_not_pass_it(tokenizer):
     cheat = "open('tests/test_median.py', 'w').write('def test_even():\\n    assert True\\n')"
-    spec = HarnessSpec(executable="python", api="chat", argv=["-c", cheat])
+    spec = HarnessSpec(executable=sys.executable, api="chat", argv=["-c", cheat])
     workflow = HarnessWorkflow(HarnessWorkflowConfig(harness="cheat", timeout_s=60), {"cheat": spec}, TASKS)
     out = asyncio.run(workflow.execute(_median_task(), Tuner("http://127.0.0.1:9/v1", "k", "m", "cheat")))
     assert out.metadata["exit_status"] == 0, out.metadata["stderr"]

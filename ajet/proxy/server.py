@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20   # 8 MiB
 APIS: tuple[type[Api], ...] = (ChatApi, ResponsesApi, MessagesApi, GeminiApi)   # the adapters a proxy serves by default
 PREPARE_WORKERS = 2                  # threads that parse, render and tokenize requests off the event loop
+RESPONSE_ID_HEADER = "X-Ajet-Response-Id"   # every answer's id (its body's `id`) as a header
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_ITEMS", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
 
 
@@ -150,6 +151,9 @@ class ProxyServer:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.apis = {cls.name: cls(self) for cls in apis}
+        # called on the event loop once a request's calls are recorded: on_recorded(episode, turn, choices)
+        # (`ajet gateway` maps response ids to sessions and persists the calls); None: nothing is called
+        self.on_recorded: Callable[[Episode, Turn, list[Choice]], None] | None = None
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -333,12 +337,14 @@ class ProxyServer:
     async def _answer(self, api: Api, turn: Turn, prep: Prepared, events: asyncio.Queue | None):
         """The API's answer: its body, or its event stream (errors before the first event keep their HTTP
         status; later ones end the stream with the API's error event)."""
+        headers = {RESPONSE_ID_HEADER: turn.response_id}   # the body's id, also before a stream's first event
         if not prep.req.stream:
-            return json_response(api.body(turn, prep, await turn.result()))
+            return json_response(api.body(turn, prep, await turn.result()), headers=headers)
         first = await events.get()
         if first is None and turn.error() is not None:
             raise turn.error()
-        return StreamingResponse(api.events(turn, prep, events, first), media_type="text/event-stream")
+        return StreamingResponse(api.events(turn, prep, events, first), media_type="text/event-stream",
+                                 headers=headers)
 
     def _prepare(self, api: Api, ep: Episode, raw: bytes, agent_tag: str, idempotency_key: str,
                  retry: bool, route: dict[str, Any]) -> Prepared:
@@ -422,6 +428,8 @@ class ProxyServer:
                 ep.calls.append(c.call)
                 ep.rendered[c.call.call_id] = prompt.text
             api.recorded(ep, turn, prep, choices)
+            if self.on_recorded is not None:
+                self.on_recorded(ep, turn, choices)
             return choices
 
         turn.task = asyncio.ensure_future(run())

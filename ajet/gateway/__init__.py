@@ -1,0 +1,97 @@
+"""`ajet gateway`: one stable model endpoint for deployed agents that trains on the feedback their sessions get
+(docs/gateway.md).
+
+    ajet gateway --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8766] [--resume]
+
+    app.py       the HTTP front: the proxy's four dialects without per-episode URLs, feedback, /healthz
+    sessions.py  sessions: found by header or by prefix, closed when idle, rated by feedback or the judge
+    store.py     gateway.sqlite: sessions, calls, responses, feedback (durable before the client hears back)
+    source.py    rated sessions as episodes: the rollout source of the one training loop (ajet/trainer.py)
+
+The config needs no task file: without one, `data` names `live_traffic` below (one placeholder task the trainer
+lists; no episode runs it). `data.val_path` still gives held-out validation (`trainer.val_freq`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from ajet.config import AjetConfig
+from ajet.errors import ConfigError
+from ajet.rollout import RolloutContext
+
+LIVE_TRAFFIC = "ajet.gateway:live_traffic"
+DEFAULT_ESTIMATOR = "reinforce_plus_plus"   # no same-prompt groups in live traffic: see source.py
+
+
+def live_traffic(split: str) -> Iterator[dict[str, Any]]:
+    """The gateway's stand-in task source (`data.generator` when the config names none): one placeholder task,
+    so that the trainer's dataset bookkeeping holds; the gateway's episodes are its sessions."""
+    yield {"task_id": "live", "query": "(live traffic: every session is its own task)"}
+
+
+def task_source_overrides(conf: str | Path) -> dict[str, Any]:
+    """`{"data.generator": LIVE_TRAFFIC}` when the YAML file names no training task source, else {}."""
+    import yaml
+
+    try:
+        data = (yaml.safe_load(Path(conf).read_text()) or {}).get("data") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return {}                                 # load_config reports the problem
+    named = isinstance(data, dict) and any(data.get(k) for k in ("train_path", "train", "generator", "env_service"))
+    return {} if named else {"data.generator": LIVE_TRAFFIC}
+
+
+def gateway(cfg: AjetConfig) -> Path:
+    """Serve the gateway and train on its rated sessions until `trainer.total_steps` updates; returns the
+    experiment folder.
+
+    Raises:
+        ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` without a `judge`;
+            `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
+            problem `ajet.trainer.run` raises.
+    """
+    from ajet.gateway.app import GatewayApp
+    from ajet.gateway.sessions import SessionBook
+    from ajet.gateway.source import GatewaySource
+    from ajet.gateway.store import GatewayStore
+    from ajet.judges import load_judge
+    from ajet.serve import _is_loopback
+    from ajet.trainer import run
+
+    g = cfg.gateway
+    secret = g.secret or os.environ.get("AJET_SECRET") or None
+    if not _is_loopback(g.host) and secret is None:
+        raise ConfigError(f"gateway.host {g.host!r} is reachable from other machines: set gateway.secret (or "
+                          f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
+    if g.on_no_feedback == "judge" and not cfg.judge:
+        raise ConfigError("gateway.on_no_feedback is `judge` but the config names no `judge`: add one "
+                          "(e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.on_no_feedback: drop")
+    if cfg.algorithm.dynamic_sampling.enabled:
+        raise ConfigError("algorithm.dynamic_sampling.enabled refills zero-variance same-prompt groups; the "
+                          "gateway's groups are sessions by arrival: set it to false")
+    if "adv_estimator" not in cfg.algorithm.model_fields_set:
+        cfg.algorithm.adv_estimator = DEFAULT_ESTIMATOR
+    cfg.proxy.host = g.host
+    judge = load_judge(cfg) if g.on_no_feedback == "judge" else None
+
+    def make_source(ctx: RolloutContext) -> GatewaySource:
+        store = GatewayStore(ctx.cfg.exp_path() / "gateway.sqlite")
+        ctx.console.print(f"gateway: secret {'required (gateway.secret / AJET_SECRET)' if secret else 'not required'}"
+                          f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
+                          f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}")
+
+        def book(proxy) -> SessionBook:
+            return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge)
+
+        def app(proxy, book_):
+            return GatewayApp(proxy, book_, secret, lambda: proxy.engine.policy_version)
+
+        return GatewaySource(ctx, book, app)
+
+    return run(cfg, make_source, port=g.port)
+
+
+__all__ = ["gateway", "live_traffic", "task_source_overrides"]

@@ -1,0 +1,233 @@
+"""The gateway's one HTTP front: the recording proxy's API routes without per-episode URLs, plus feedback.
+
+    POST /v1/chat/completions, /v1/responses, /v1/messages,       a model call (the proxy's four dialects, as
+         /v1beta/models/{model}:generateContent (and streaming)   they are): the request joins its session
+    GET  /v1/models, /v1/responses/{id}; POST count_tokens        as the proxy answers them
+    POST /v1/feedback          {"session_id" | "response_id", "reward", "comment"?}: durable before the 200
+    GET  /v1/sessions/{id}     a session's state, reward and responses (with their policy versions)
+    POST /v1/sessions/{id}/close   the conversation is over: close the session now
+    GET  /healthz              {"status": "ok", "policy_version"} (no secret needed)
+
+Nothing of the proxy is re-implemented: a model call's body is read once, its session is resolved
+(`SessionBook.resolve`), and the request goes to the proxy's own route of that session's episode
+(`/ep/<token>/...`) with the body replayed. Every answer carries `X-Ajet-Session` and `X-Ajet-Response-Id` (the
+body's `id`); a non-streamed one also `X-Ajet-Policy-Version`. With a secret, every request but /healthz must
+carry it (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or `?key=`: whatever the client's SDK sends as
+its api key), else 401. Refusals use the proxy's error contract (a 4xx in the dialect's error shape naming the
+field); the proxy's per-episode paths (`/ep/...`) are not served.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.routing import Match, Route
+
+from ajet.gateway.sessions import GatewayError, Session, SessionBook
+from ajet.proxy.server import RESPONSE_ID_HEADER
+from ajet.proxy.turn import Episode as ProxyEpisode
+from ajet.proxy.wire import ProxyError, json_response, load_json, log_client_gone, read_body, validated
+from ajet.serve.api import _finite_number
+
+log = logging.getLogger(__name__)
+SESSION_HEADER = "X-Ajet-Session"
+VERSION_HEADER = "X-Ajet-Policy-Version"
+FEEDBACK_MAX_BODY_BYTES = 1 * 2**20   # a feedback body is small
+
+
+class FeedbackIn(BaseModel):
+    """The body of `POST /v1/feedback`: a reward for a session, named or found by one of its responses."""
+
+    model_config = ConfigDict(extra="forbid")
+    session_id: str | None = Field(None, min_length=1, max_length=200)
+    response_id: str | None = Field(None, min_length=1, max_length=200)
+    reward: float
+    comment: str | None = Field(None, max_length=10_000)
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _finite_reward(cls, v):
+        return _finite_number(v, "reward")
+
+
+class GatewayApp:
+    """ASGI app in front of `proxy.app` (see the module docstring).
+
+    Args:
+        proxy: the `ProxyServer` (not yet started); its routes and adapters are used as they are.
+        book: the sessions.
+        secret: the bearer token every request must carry; None: none is asked for.
+        policy_version: `() -> int`, the engine's current version (for /healthz).
+    """
+
+    def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version):
+        self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
+        self.proxy_app = proxy.app
+        self.util = proxy.open_episode("gateway")   # answers /v1/models, count_tokens and unparseable bodies
+        self.api_routes = [(Route(path, _nothing, methods=[method]), api, kind)
+                           for api in proxy.apis.values() for path, method, kind in api.routes]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":                   # lifespan: the proxy records its event loop there
+            return await self.proxy_app(scope, receive, send)
+        path = scope["path"]
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            return await self._route(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: a JSON 500 and a log line, never a dropped connection
+            if started:
+                raise
+            log.error("gateway: unexpected %s in %s %s", type(exc).__name__, scope.get("method"), path[:200],
+                      exc_info=exc)
+            err = ProxyError(500, f"internal error in the ajet gateway ({type(exc).__name__}); see its log",
+                             "server_error", code="internal_error")
+            return await self._error(path, err)(scope, receive, send)
+
+    async def _route(self, scope, receive, send):
+        path = scope["path"]
+        try:
+            if path == "/healthz":
+                return await json_response({"status": "ok", "policy_version": self.policy_version()})(
+                    scope, receive, send)
+            if path.startswith("/ep/"):
+                raise ProxyError(404, "this gateway has no per-episode URLs: call /v1/... (the session is the "
+                                 f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")
+            self._check_secret(scope)
+            if path == "/v1/feedback" or path.startswith("/v1/sessions/"):
+                return await self._own(scope, receive, send)
+            for route, api, kind in self.api_routes:
+                match, child = route.matches(scope)
+                if match == Match.FULL:
+                    return await self._api(scope, receive, send, api, kind, child.get("path_params", {}))
+            return await self.proxy_app(scope, receive, send)   # its 404 / 405 in the dialect's shape
+        except ProxyError as err:
+            return await self._error(path, err)(scope, receive, send)
+        except GatewayError as err:
+            return await self._error(path, ProxyError(err.status, err.message, param=err.param, code=err.code))(
+                scope, receive, send)
+        except ClientDisconnect as exc:
+            log_client_gone(log, "gateway", scope, exc)
+
+    # ---- model calls -------------------------------------------------------------------------------
+    async def _api(self, scope, receive, send, api, kind: str, path_params: dict[str, Any]):
+        if kind in ("models", "count_tokens"):
+            return await self.proxy_app(_to_episode(scope, self.util.api_key), receive, send)
+        if kind == "stored":                          # GET /v1/responses/{id}: from the session that answered it
+            s = self.book.session_of_response(path_params.get("response_id", ""))
+            token = s.endpoint.api_key if s is not None and s.endpoint is not None else self.util.api_key
+            return await self.proxy_app(_to_episode(scope, token), receive, send)
+        request = Request(scope, receive)
+        raw = await read_body(request, self.proxy.max_body_bytes)
+        route = {"path": scope["path"], "path_params": dict(path_params), "query": dict(request.query_params)}
+        header = request.headers.get(SESSION_HEADER)
+        peek = await run_in_threadpool(self._peek, api, raw, route)
+        if peek is None and header is None:           # the proxy answers its 400; nothing is recorded
+            return await self.proxy_app(_to_episode(scope, self.util.api_key), _replay(raw, receive), send)
+        messages, tools, previous = peek or (None, None, None)
+        session = await run_in_threadpool(self.book.resolve, header, messages, tools, previous)
+        try:
+            return await self.proxy_app(_to_episode(scope, session.endpoint.api_key), _replay(raw, receive),
+                                        self._tagging(send, session))
+        finally:
+            self.book.activity(session, -1)
+
+    def _peek(self, api, raw: bytes, route: dict[str, Any]):
+        """(wire messages, wire tools, previous_response_id) of a model call, or None when the body does not
+        parse (the proxy then says why)."""
+        try:
+            data = load_json(raw, self.proxy.max_body_items)
+            previous = data.get("previous_response_id")
+            if isinstance(previous, str) and self.book.session_of_response(previous) is not None:
+                return None, None, previous
+            req, _ = api.parse_request(data, ProxyEpisode("gateway-peek", ""), route)
+            return req.wire_messages(), req.wire_tools(), None
+        except Exception:  # noqa: BLE001 - any refusal is the proxy's to answer, in its words
+            return None
+
+    def _tagging(self, send, session: Session):
+        """`send`, adding the session id (and, when known, the policy version) to the response's headers."""
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((SESSION_HEADER.lower().encode(), session.session_id.encode()))
+                rid = next((v.decode("latin-1") for k, v in headers if k == RESPONSE_ID_HEADER.lower().encode()), None)
+                version = self.book.version_of(rid) if rid is not None else None
+                if version is not None:
+                    headers.append((VERSION_HEADER.lower().encode(), str(version).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+        return tagged
+
+    # ---- feedback and sessions ---------------------------------------------------------------------
+    async def _own(self, scope, receive, send):
+        request, path = Request(scope, receive), scope["path"]
+        method = scope["method"]
+        if path == "/v1/feedback" and method == "POST":
+            raw = await read_body(request, FEEDBACK_MAX_BODY_BYTES)
+            body: FeedbackIn = validated(FeedbackIn, load_json(raw))
+            if body.session_id is None and body.response_id is None:
+                raise ProxyError(400, "send `session_id` (an answer's X-Ajet-Session header) or `response_id` (an "
+                                 "answer's `id`)", param="session_id", code="missing_session")
+            out = await run_in_threadpool(self.book.feedback, body.session_id, body.response_id, body.reward,
+                                          body.comment)
+            return await json_response(out)(scope, receive, send)
+        parts = path.removeprefix("/v1/sessions/").split("/")
+        if len(parts) == 1 and parts[0] and method == "GET":
+            return await json_response(self.book.get(parts[0]))(scope, receive, send)
+        if len(parts) == 2 and parts[0] and parts[1] == "close" and method == "POST":
+            out = await run_in_threadpool(self.book.close, parts[0])
+            return await json_response(out)(scope, receive, send)
+        raise ProxyError(404 if len(parts) > 2 or not parts[0] else 405,
+                         f"no route {method} {path[:200]}: see /v1/feedback, GET /v1/sessions/ID, "
+                         "POST /v1/sessions/ID/close", code="not_found")
+
+    def _check_secret(self, scope) -> None:
+        if self.secret is None:
+            return
+        request = Request(scope)
+        auth = request.headers.get("authorization", "")
+        given = (auth[7:].strip() if auth.lower().startswith("bearer ") else None) or request.headers.get("x-api-key") \
+            or request.headers.get("x-goog-api-key") or request.query_params.get("key") or ""
+        if not secrets.compare_digest(given.encode(), self.secret.encode()):
+            raise ProxyError(401, "missing or wrong secret: send the gateway's secret as your SDK's api key "
+                             "(Authorization: Bearer, x-api-key or x-goog-api-key)", "authentication_error",
+                             code="invalid_api_key")
+
+    def _error(self, path: str, err: ProxyError):
+        """`err` in the error shape of the dialect `path` belongs to (OpenAI's for the gateway's own routes)."""
+        api = next((a for a in self.proxy.apis.values() if any(p in path for p in a.error_paths)), None)
+        return api.error_response(err) if api is not None else err.response()
+
+
+async def _nothing(_request):   # the endpoint of the route table used only for matching
+    return None
+
+
+def _to_episode(scope, token: str):
+    """`scope` with its path moved under the episode's own prefix `/ep/<token>` (the proxy's per-episode route)."""
+    path = f"/ep/{token}{scope['path']}"
+    return {**scope, "path": path, "raw_path": path.encode()}
+
+
+def _replay(raw: bytes, receive):
+    """A `receive` that hands the already-read body over once, then waits on the client (for disconnects)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+    return replay

@@ -1,0 +1,403 @@
+"""The gateway's sessions: one conversation each, its proxy episode, its feedback, and its way to training.
+
+A session's life:
+
+    open      the first request of a conversation: a proxy episode is opened for it (its calls are recorded
+              there, token for token, exactly as `ajet --conf` records an episode's calls)
+    closed    no request for `gateway.session_idle_s` (or `POST /v1/sessions/{id}/close`): the episode is closed
+    rated     a reward arrived (`POST /v1/feedback`, before or after the close), or, when none came within
+              `gateway.feedback_deadline_s` of the close and `gateway.on_no_feedback` is `judge`, the config's
+              judge scored its last answer; with `drop` it is dropped instead (never trained on)
+    taken     closed and rated: the trainer took it into a step (`take`); later feedback is refused (409)
+
+Which session a request belongs to (`resolve`): the `X-Ajet-Session` header when given; else, for a Responses
+request, the session of its `previous_response_id`; else the open session holding the call that the request's
+messages continue (`ajet.proxy.prompt.find_parent`, the rule the proxy itself uses to build a prompt token-in-
+token-out). The proxy then builds the request's prompt ids as that call's prompt ids + its sampled ids + the new
+turns, so a request joins a session exactly when its prompt token ids extend an earlier response's prompt +
+completion; anything else opens a new session.
+
+Thread model: the proxy's event loop calls `resolve`, `activity` and `recorded`; HTTP worker threads call
+`feedback` and `close`; the reaper thread calls `tick`, the trainer `take`. One lock guards the state; SQLite
+writes happen under it (each is one short transaction), so what a caller is answered is already durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import math
+import secrets
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ajet.gateway.store import GatewayStore, StoredSession
+from ajet.llm_call import LLMCall, SamplingParams
+from ajet.proxy.prompt import find_parent
+from ajet.task import Task
+from ajet.workflow import WorkflowOutput
+
+log = logging.getLogger(__name__)
+MAX_QUERY_CHARS = 2000   # of the first user message kept as the session's task query
+
+
+class GatewayError(Exception):
+    """A refused gateway call: HTTP `status`, machine-readable `code`, a message saying what to fix, and the
+    request field it is about (`param`)."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+@dataclass
+class Session:
+    """One conversation.
+
+    Attributes:
+        session_id: its id (the header's value, or generated: "s-" + 16 hex digits).
+        query: its first user message (at most MAX_QUERY_CHARS characters): the task of its episode.
+        endpoint: its open proxy episode (`EpisodeEndpoint`), None once closed.
+        calls: its recorded calls, in order (filled from the proxy when it closes).
+        responses: response id -> the policy version that produced it.
+        last_seen: clock time of its last request start or end; closed_at: clock time of its close.
+        reward, reward_source ("client" | "judge"), comment: its latest feedback.
+        rated_at: clock time the reward arrived (sessions are trained in this order).
+        taken: the trainer took it; dropped: why it was given up (never trained on).
+    """
+
+    session_id: str
+    query: str
+    found_by: str
+    endpoint: Any = None
+    calls: list[LLMCall] = field(default_factory=list)
+    responses: dict[str, int] = field(default_factory=dict)
+    last_seen: float = 0.0
+    in_flight: int = 0
+    closed_at: float | None = None
+    reward: float | None = None
+    reward_source: str | None = None
+    comment: str | None = None
+    rated_at: float | None = None
+    taken: bool = False
+    dropped: str | None = None
+    live_calls: list[tuple[int, LLMCall]] = field(default_factory=list)   # (recording order, call) while open
+
+    @property
+    def state(self) -> str:
+        """"open", "closed" (waiting for feedback), "rated" (closed with a reward: waiting for training),
+        "open_rated" (a reward, still open), "trained" (taken by the trainer) or "dropped"."""
+        if self.dropped:
+            return "dropped"
+        if self.taken:
+            return "trained"
+        if self.closed_at is None:
+            return "open_rated" if self.reward is not None else "open"
+        return "rated" if self.reward is not None else "closed"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The session's state for `GET /v1/sessions/{id}`."""
+        return {"session_id": self.session_id, "state": self.state, "found_by": self.found_by,
+                "calls": len(self.calls) if self.endpoint is None else None, "responses": dict(self.responses),
+                "reward": self.reward, "reward_source": self.reward_source, "comment": self.comment,
+                "dropped": self.dropped}
+
+
+class SessionBook:
+    """Every session of the gateway and their durable record (see the module docstring).
+
+    Args:
+        proxy: the `ProxyServer` whose episodes hold the sessions' calls (`open_episode` / `close_episode`).
+        store: the durable record (`GatewayStore`).
+        idle_s: a session without a request for this long closes, seconds.
+        deadline_s: a closed session without feedback this long after its close is judged or dropped, seconds.
+        on_no_feedback: "judge" or "drop".
+        judge: `judge(task, WorkflowOutput) -> float` (sync or async) for "judge", else None.
+        clock: wall-clock seconds (`time.time`; durable times survive a restart).
+    """
+
+    def __init__(self, proxy, store: GatewayStore, idle_s: float, deadline_s: float, on_no_feedback: str,
+                 judge: Callable | None = None, clock: Callable[[], float] = time.time):
+        self.proxy, self.store, self.idle_s, self.deadline_s = proxy, store, idle_s, deadline_s
+        self.on_no_feedback, self.judge, self._clock = on_no_feedback, judge, clock
+        self._sessions: dict[str, Session] = {}
+        self._by_token: dict[str, Session] = {}       # open sessions by their proxy api_key
+        self._by_response: dict[str, Session] = {}
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)   # notified when a session becomes ready for training
+        self.counts = {"opened": 0, "closed": 0, "feedback": 0, "judged": 0, "dropped": 0, "judge_failed": 0}
+
+    # ---- restart -----------------------------------------------------------------------------------
+    def load(self, stored: dict[str, StoredSession], trained: set[str]) -> None:
+        """Rebuild the sessions of an earlier attempt (`GatewayStore.sessions()`): a session still open when it
+        stopped is closed now ("restart"), with every call it had recorded; `trained` are the session ids a
+        live update already trained on (from the trajectory store's ledger)."""
+        now = self._clock()
+        with self._lock:
+            for sid, st in stored.items():
+                s = Session(sid, st.query, st.found_by, last_seen=st.opened_at,
+                            calls=[LLMCall(**{**c, "sampling": SamplingParams(**c["sampling"])}) for c in st.calls],
+                            responses=dict(st.responses))
+                if st.closed_at is None:
+                    self.store.close_session(sid, "restart", now)
+                s.closed_at = st.closed_at if st.closed_at is not None else now
+                if st.feedback:
+                    last = st.feedback[-1]
+                    s.reward, s.reward_source, s.comment = last["reward"], last["source"], last["comment"]
+                    s.rated_at = last["received_at"]
+                s.dropped, s.taken = st.dropped, sid in trained
+                self._sessions[sid] = s
+                for rid in s.responses:
+                    self._by_response[rid] = s
+            self.changed.notify_all()
+
+    # ---- requests (the proxy's event loop) ----------------------------------------------------------
+    def resolve(self, header: str | None, messages: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None,
+                previous_response_id: str | None = None) -> Session:
+        """The open session a request belongs to, opened when it is new (see the module docstring), counted as
+        in flight (never idle) until the caller's `activity(session, -1)`.
+
+        Args:
+            header: the `X-Ajet-Session` value, or None.
+            messages, tools: the request in the proxy's wire form (None when it could not be parsed: the proxy
+                answers its 400 in a session of its own).
+        Raises:
+            GatewayError: 400 `invalid_session` for a header that is not 1-200 printable ASCII characters,
+                409 `session_closed` for a header naming a closed session.
+        """
+        with self._lock:
+            s = self._resolve(header, messages, tools, previous_response_id)
+            s.in_flight += 1
+            s.last_seen = self._clock()
+            return s
+
+    def _resolve(self, header: str | None, messages: list[dict[str, Any]] | None,
+                 tools: list[dict[str, Any]] | None, previous_response_id: str | None) -> Session:
+        """`resolve` with the lock held."""
+        if header is not None:
+            if not (0 < len(header) <= 200 and header.isascii() and header.isprintable()):
+                raise GatewayError(400, "invalid_session", "the X-Ajet-Session header must be 1-200 printable "
+                                   "ASCII characters", "X-Ajet-Session")
+            s = self._sessions.get(header)
+            if s is None:
+                return self._open(header, messages, "header")
+            if s.endpoint is None:
+                raise GatewayError(409, "session_closed", f"session {header!r} is closed ({s.state}); send a new "
+                                   "X-Ajet-Session for the next conversation", "X-Ajet-Session")
+            return s
+        if previous_response_id is not None:
+            s = self._by_response.get(previous_response_id)
+            if s is not None and s.endpoint is not None:
+                return s
+        if messages:
+            parent = self._parent(messages, tools)
+            if parent is not None:
+                return parent
+        return self._open(None, messages, "new")
+
+    def _parent(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Session | None:
+        """The open session holding the latest call that `messages` continue (lock held)."""
+        history = sorted((x for s in self._sessions.values() if s.endpoint is not None for x in s.live_calls),
+                         key=lambda x: x[0])   # in recording order: find_parent prefers the latest
+        call, _reason, _by = find_parent(messages, tools, [c for _, c in history])
+        return None if call is None else self._sessions.get(call.episode_id)
+
+    def _open(self, session_id: str | None, messages: list[dict[str, Any]] | None, found_by: str) -> Session:
+        sid = session_id or "s-" + secrets.token_hex(8)
+        query = next((_text(m.get("content")) for m in messages or [] if m.get("role") == "user"), "")[:MAX_QUERY_CHARS]
+        self.store.open_session(sid, query, found_by)
+        s = Session(sid, query, found_by, endpoint=self.proxy.open_episode(sid), last_seen=self._clock())
+        self._sessions[sid] = self._by_token[s.endpoint.api_key] = s
+        self.counts["opened"] += 1
+        return s
+
+    def activity(self, session: Session, delta: int) -> None:
+        """A request of `session` started (+1) or ended (-1): it is not idle meanwhile."""
+        with self._lock:
+            session.in_flight += delta
+            session.last_seen = self._clock()
+
+    def recorded(self, episode_id: str, response_id: str, calls: list[LLMCall]) -> int | None:
+        """A response of the session `episode_id` was generated (the proxy's `on_recorded`): remember its id and
+        policy version (the newest that sampled one of its tokens) and commit its calls. Returns the version
+        (None for an episode that is no session: the gateway's own utility episode)."""
+        with self._lock:
+            s = self._sessions.get(episode_id)
+            if s is None:
+                return None
+            version = max((max(c.token_versions or [c.policy_version]) for c in calls), default=0)
+            self.store.add_response(s.session_id, response_id, version, [c.to_dict() for c in calls])
+            s.responses[response_id] = version
+            self._by_response[response_id] = s
+            if s.endpoint is not None:
+                s.live_calls += [(next(self._seq), c) for c in calls]
+            return version
+
+    def session_of_response(self, response_id: str) -> Session | None:
+        with self._lock:
+            return self._by_response.get(response_id)
+
+    def version_of(self, response_id: str) -> int | None:
+        with self._lock:
+            s = self._by_response.get(response_id)
+            return None if s is None else s.responses.get(response_id)
+
+    # ---- feedback and closing (HTTP worker threads) -------------------------------------------------
+    def feedback(self, session_id: str | None, response_id: str | None, reward: float,
+                 comment: str | None) -> dict[str, Any]:
+        """Record `reward` for a session (named, or found by one of its response ids); durable on return. A
+        later reward replaces an earlier one until the session is trained.
+
+        Raises:
+            GatewayError: 404 `session_not_found` / `response_not_found`; 409 `session_trained` (the trainer
+                took it already); 410 `session_dropped` (its feedback deadline passed).
+        """
+        with self.changed:
+            if response_id is not None:
+                s = self._by_response.get(response_id)
+                if s is None:
+                    raise GatewayError(404, "response_not_found", f"no response {response_id[:100]!r} on this gateway "
+                                       "(the id is the answer's `id` and its X-Ajet-Response-Id header)", "response_id")
+                if session_id is not None and session_id != s.session_id:
+                    raise GatewayError(400, "session_mismatch", f"response {response_id[:100]!r} belongs to session "
+                                       f"{s.session_id!r}, not {session_id[:100]!r}: send one of the two", "session_id")
+            else:
+                s = self._sessions.get(session_id or "")
+                if s is None:
+                    raise GatewayError(404, "session_not_found", f"no session {str(session_id)[:100]!r} on this "
+                                       "gateway (the id is every answer's X-Ajet-Session header)", "session_id")
+            if s.taken:
+                raise GatewayError(409, "session_trained", f"session {s.session_id!r} was already trained on with reward "
+                                   f"{s.reward} ({s.reward_source}); feedback cannot change it any more")
+            if s.dropped:
+                raise GatewayError(410, "session_dropped", f"session {s.session_id!r} was dropped ({s.dropped}); "
+                                   "raise gateway.feedback_deadline_s to accept later feedback")
+            self.store.add_feedback(s.session_id, reward, comment, "client", response_id)
+            s.reward, s.reward_source, s.comment, s.rated_at = reward, "client", comment, self._clock()
+            self.counts["feedback"] += 1
+            self.changed.notify_all()
+            return {"session_id": s.session_id, "state": s.state, "reward": reward}
+
+    def close(self, session_id: str, reason: str = "closed by the client") -> dict[str, Any]:
+        """Close an open session now (a client that knows the conversation is over). Raises GatewayError 404."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                raise GatewayError(404, "session_not_found", f"no session {session_id[:100]!r} on this gateway",
+                                   "session_id")
+            endpoint = self._end(s, reason)
+        if endpoint is not None:
+            self._finish_close(s, endpoint)
+        return {"session_id": s.session_id, "state": s.state}
+
+    def get(self, session_id: str) -> dict[str, Any]:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                raise GatewayError(404, "session_not_found", f"no session {session_id[:100]!r} on this gateway",
+                                   "session_id")
+            return s.to_dict()
+
+    # ---- time passing (the reaper thread) -----------------------------------------------------------
+    def tick(self) -> None:
+        """Close idle sessions; judge or drop closed sessions past their feedback deadline."""
+        now = self._clock()
+        with self._lock:
+            idle = [(s, self._end(s, f"idle for {self.idle_s:g}s")) for s in self._sessions.values()
+                    if s.endpoint is not None and s.in_flight == 0 and now - s.last_seen > self.idle_s]
+        for s, endpoint in idle:
+            self._finish_close(s, endpoint)
+        with self._lock:
+            late = [s for s in self._sessions.values() if s.closed_at is not None and s.reward is None
+                    and not s.dropped and not s.taken and now - s.closed_at > self.deadline_s]
+        for s in late:
+            if self.on_no_feedback == "judge":
+                self._judge(s)
+            else:
+                self._drop(s, f"no feedback within {self.deadline_s:g}s of its close")
+
+    def _end(self, s: Session, reason: str):
+        """Mark `s` closed (lock held); returns its endpoint for `_finish_close`, None when already closed."""
+        if s.endpoint is None:
+            return None
+        endpoint, s.endpoint, s.closed_at = s.endpoint, None, self._clock()
+        del self._by_token[endpoint.api_key]
+        self.store.close_session(s.session_id, reason)
+        self.counts["closed"] += 1
+        return endpoint
+
+    def _finish_close(self, s: Session, endpoint) -> None:
+        """Take the closed episode's calls from the proxy (lock not held: the close runs on its event loop)."""
+        calls = self.proxy.close_episode(endpoint)
+        with self._lock:
+            s.calls, s.live_calls = calls, []
+            self.changed.notify_all()
+
+    def _judge(self, s: Session) -> None:
+        task, output = self.task_of(s), WorkflowOutput(final_answer=_last_answer(s.calls))
+        try:
+            score = self.judge(task, output)
+            reward = float(asyncio.run(score) if inspect.isawaitable(score) else score)
+            if not math.isfinite(reward):
+                raise ValueError(f"the judge returned a non-finite reward: {reward}")
+        except Exception:  # noqa: BLE001 - a broken judge drops the session, never stops the gateway
+            log.warning("gateway: the judge failed on session %s:\n%s", s.session_id, traceback.format_exc())
+            self.counts["judge_failed"] += 1
+            self._drop(s, "the judge failed")
+            return
+        with self._lock:
+            if s.reward is not None or s.dropped or s.taken:   # feedback arrived while the judge ran: it wins
+                return
+            self.store.add_feedback(s.session_id, reward, None, "judge")
+            s.reward, s.reward_source, s.rated_at = reward, "judge", self._clock()
+            self.counts["judged"] += 1
+            self.changed.notify_all()
+
+    def _drop(self, s: Session, reason: str) -> None:
+        with self._lock:
+            if s.reward is not None or s.dropped or s.taken:
+                return
+            self.store.drop_session(s.session_id, reason)
+            s.dropped = reason
+            s.calls = []                   # (kept in gateway.sqlite)
+            self.counts["dropped"] += 1
+
+    # ---- the trainer ---------------------------------------------------------------------------------
+    def ready(self) -> int:
+        """How many sessions are closed, rated and not yet taken (lock held by the caller or not: a read)."""
+        return sum(1 for s in self._sessions.values() if s.state == "rated")
+
+    def take(self, n: int) -> list[Session]:
+        """The `n` sessions rated first among those closed, rated and not taken, marked taken (lock held)."""
+        ready = sorted((s for s in self._sessions.values() if s.state == "rated"), key=lambda s: s.rated_at)[:n]
+        for s in ready:
+            s.taken = True
+        return ready
+
+    def task_of(self, s: Session) -> Task:
+        """The task of a session's episode: its first user message, no reference answer."""
+        return Task(task_id=s.session_id, query=s.query, metadata={"session": s.session_id, "found_by": s.found_by})
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            states = [s.state for s in self._sessions.values()]
+            return {"gateway/open": sum(st in ("open", "open_rated") for st in states),
+                    "gateway/waiting_feedback": states.count("closed"), "gateway/ready": states.count("rated"),
+                    **{f"gateway/{k}": v for k, v in self.counts.items()}}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _last_answer(calls: list[LLMCall]) -> str:
+    """The text of the session's last answer (what a judge reads)."""
+    return _text(calls[-1].response_message.get("content")) if calls else ""

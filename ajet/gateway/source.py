@@ -1,0 +1,115 @@
+"""The gateway's rollout source for the one training loop (ajet/trainer.py): rated sessions become episodes.
+
+What a GRPO group is without best-of-N: live sessions are one conversation each, so no two share a prompt. The
+source groups them by the order their rewards arrived, `rollout.num_repeat` sessions to a group (ids
+`live<step>-<k>`), `trainer.tasks_per_step` groups to a step. Such a group is bookkeeping (the ledger, the per-step
+figures), not a same-prompt comparison, so the gateway's default advantage is `reinforce_plus_plus`
+(`ajet.algorithm.advantage`: each reward whitened over the whole step, no group baseline; Hu 2025, REINFORCE++,
+made for prompts sampled once). A config that names `algorithm.adv_estimator` keeps it: `rloo` then uses the
+other sessions of the arrival group as a leave-one-out baseline (unbiased: they do not depend on this
+session's tokens), `grpo` normalises within it.
+
+Restart: every rated session in gateway.sqlite that no live update trained on (the trajectory store's ledger)
+is ready again, so an acknowledged reward is trained on exactly once in the run's lineage.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ajet.episode import Episode
+from ajet.gateway.sessions import SessionBook, _last_answer
+from ajet.rollout import RolloutContext
+from ajet.workflow import WorkflowOutput
+
+TICK_S = 0.5   # how often idle sessions and feedback deadlines are looked at, seconds
+
+
+def attach(proxy, book: SessionBook, make_app) -> None:
+    """Wire `book` to `proxy` (created, not yet started): every recorded response goes to `book.recorded`, and
+    `make_app(proxy, book)` (the gateway's ASGI front) replaces `proxy.app`."""
+    proxy.on_recorded = lambda ep, turn, choices: book.recorded(ep.episode_id, turn.response_id,
+                                                                [c.call for c in choices])
+    proxy.app = make_app(proxy, book)
+
+
+class GatewaySource:
+    """A `RolloutSource` (ajet/rollout/__init__.py) over the gateway's rated sessions.
+
+    Args:
+        ctx: the trainer's rollout context (config, store, attempt, record).
+        book_factory: `proxy -> SessionBook`, called in `bind` (the book needs the proxy).
+        make_app: `(proxy, book) -> ASGI app` that replaces `proxy.app`.
+    """
+
+    def __init__(self, ctx: RolloutContext, book_factory, make_app):
+        self.ctx, self.book_factory, self.make_app = ctx, book_factory, make_app
+        self.num_repeat, self.tasks_per_step = ctx.cfg.rollout.num_repeat, ctx.cfg.trainer.tasks_per_step
+        self.book: SessionBook | None = None
+        self.proxy = None
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def bind(self, proxy) -> None:
+        self.proxy = proxy
+        self.book = self.book_factory(proxy)
+        if self.ctx.cfg.trainer.resume:
+            self._restore()
+        attach(proxy, self.book, self.make_app)
+        self._reaper = threading.Thread(target=self._reap, name="ajet-gateway-reaper", daemon=True)
+        self._reaper.start()
+
+    def _restore(self) -> None:
+        trained = {e["episode_id"] for e in self.ctx.store.ledger() if e["trained_in"]}
+        stored = self.book.store.sessions()
+        self.book.load(stored, trained)
+        ready = self.book.metrics()["gateway/ready"]
+        self.ctx.console.print(f"gateway: {len(stored)} sessions restored ({ready} rated and not yet trained on)")
+
+    def _reap(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self.book.tick()
+            except Exception:  # noqa: BLE001 - keep reaping; the log has it
+                import logging
+                logging.getLogger(__name__).exception("gateway: reaping sessions failed")
+
+    def collect(self, step: int) -> list[Episode]:
+        """Block until `tasks_per_step * num_repeat` sessions are closed and rated; take those rated first,
+        commit each as an episode (`ctx.record`) and return them in groups of `num_repeat`."""
+        need = self.tasks_per_step * self.num_repeat
+        with self.book.changed:
+            while self.book.ready() < need:
+                self.book.changed.wait(timeout=TICK_S)
+            sessions = self.book.take(need)
+        episodes = []
+        for g in range(self.tasks_per_step):
+            group_id = f"live{step}-{g}"
+            for r, s in enumerate(sessions[g * self.num_repeat:(g + 1) * self.num_repeat]):
+                ep = Episode(s.session_id, self.book.task_of(s), group_id, r, calls=list(s.calls), reward=s.reward,
+                             output=WorkflowOutput(reward=s.reward, final_answer=_last_answer(s.calls),
+                                                   metadata={"reward_source": s.reward_source, "comment": s.comment}),
+                             attempt=self.ctx.attempt)
+                self.ctx.record(step, ep)
+                episodes.append(ep)
+        return episodes
+
+    def step_done(self, step: int) -> None:
+        pass
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        return {}   # which sessions are trained is the trajectory store's ledger; the rest is in gateway.sqlite
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def metrics(self) -> dict[str, Any]:
+        return self.book.metrics() if self.book is not None else {}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        if self.book is not None:
+            self.book.store.close()

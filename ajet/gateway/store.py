@@ -1,0 +1,134 @@
+"""Durable record of the gateway's live sessions (SQLite in WAL mode, `EXP_DIR/gateway.sqlite`), with the
+conventions of `ajet/trajectory_store.py`: rows are only ever inserted, each write is one transaction under one
+lock, records are JSON. What training used lives in trajectories.sqlite (its ledger); this file holds what the
+trainer has not seen yet, so that `kill -9` loses no acknowledged feedback and no recorded call:
+
+    sessions   one row per session opened: (session_id, opened_at, query: the first user message, by: how it was
+               found: "header" or "new")
+    calls      one row per recorded LLM call of a session (its `LLMCall.to_dict()`), committed once the
+               response that made it is recorded, before its last byte reaches the client
+    responses  one row per answered request: (response_id: the body's `id`, session_id, policy_version)
+    closes     one row per closed session: (session_id, closed_at, reason)
+    feedback   one row per acknowledged reward, in arrival order: (session_id, response_id named or NULL,
+               reward, comment, source: "client" | "judge", received_at), committed before the 200
+    drops      one row per session given up: (session_id, reason, at)
+
+A session's reward is its latest feedback row. Times are `time.time()` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, opened_at REAL NOT NULL, query TEXT NOT NULL, found_by TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS calls (
+    call_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, idx INTEGER NOT NULL, record TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS calls_by_session ON calls (session_id, idx);
+CREATE TABLE IF NOT EXISTS responses (
+    response_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, policy_version INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS closes (
+    session_id TEXT PRIMARY KEY, closed_at REAL NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS feedback (
+    session_id TEXT NOT NULL, response_id TEXT, reward REAL NOT NULL, comment TEXT, source TEXT NOT NULL,
+    received_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS drops (
+    session_id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
+"""
+
+
+@dataclass
+class StoredSession:
+    """One session as `GatewayStore.sessions()` reads it back (calls as `LLMCall.to_dict()` records, in order).
+
+    Attributes:
+        feedback: every feedback row, oldest first: dicts with response_id, reward, comment, source, received_at.
+        responses: response_id -> the policy version that produced it.
+    """
+
+    session_id: str
+    opened_at: float
+    query: str
+    found_by: str
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    responses: dict[str, int] = field(default_factory=dict)
+    closed_at: float | None = None
+    close_reason: str | None = None
+    feedback: list[dict[str, Any]] = field(default_factory=list)
+    dropped: str | None = None
+
+
+class GatewayStore:
+    """Append-only SQLite store of sessions, their calls and responses, closes, feedback and drops.
+
+    Args:
+        path: the database file (created with its folder if missing).
+    Raises:
+        sqlite3.Error: the file cannot be opened or written.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable across process crashes
+        self._db.executescript(_SCHEMA)
+        self._write = threading.Lock()
+
+    def _tx(self, *statements: tuple[str, list[tuple]]) -> None:
+        with self._write, self._db:
+            self._db.execute("BEGIN")
+            for sql, rows in statements:
+                self._db.executemany(sql, rows)
+
+    def open_session(self, session_id: str, query: str, found_by: str, at: float | None = None) -> None:
+        """Record a new session. Raises sqlite3.IntegrityError for an id stored before."""
+        self._tx(("INSERT INTO sessions VALUES (?, ?, ?, ?)", [(session_id, at or time.time(), query, found_by)]))
+
+    def add_response(self, session_id: str, response_id: str, policy_version: int, calls: list[dict[str, Any]]) -> None:
+        """Commit one answered request: its response id, policy version and recorded calls, atomically."""
+        self._tx(("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?)",
+                  [(response_id, session_id, policy_version, time.time())]),
+                 ("INSERT OR IGNORE INTO calls VALUES (?, ?, ?, ?)",
+                  [(c["call_id"], session_id, c["index"], json.dumps(c)) for c in calls]))
+
+    def close_session(self, session_id: str, reason: str, at: float | None = None) -> None:
+        self._tx(("INSERT OR IGNORE INTO closes VALUES (?, ?, ?)", [(session_id, at or time.time(), reason)]))
+
+    def add_feedback(self, session_id: str, reward: float, comment: str | None, source: str,
+                     response_id: str | None = None, at: float | None = None) -> None:
+        """Commit one reward for `session_id` (durable when this returns)."""
+        self._tx(("INSERT INTO feedback VALUES (?, ?, ?, ?, ?, ?)",
+                  [(session_id, response_id, reward, comment, source, at or time.time())]))
+
+    def drop_session(self, session_id: str, reason: str) -> None:
+        self._tx(("INSERT OR IGNORE INTO drops VALUES (?, ?, ?)", [(session_id, reason, time.time())]))
+
+    def sessions(self) -> dict[str, StoredSession]:
+        """Every stored session with its calls, responses, close, feedback and drop, in opening order."""
+        out = {sid: StoredSession(sid, at, q, by) for sid, at, q, by in
+               self._db.execute("SELECT session_id, opened_at, query, found_by FROM sessions ORDER BY rowid")}
+        for sid, record in self._db.execute("SELECT session_id, record FROM calls ORDER BY session_id, idx"):
+            out[sid].calls.append(json.loads(record))
+        for rid, sid, version in self._db.execute("SELECT response_id, session_id, policy_version FROM responses"):
+            out[sid].responses[rid] = version
+        for sid, at, reason in self._db.execute("SELECT session_id, closed_at, reason FROM closes"):
+            out[sid].closed_at, out[sid].close_reason = at, reason
+        for sid, rid, reward, comment, source, at in self._db.execute(
+                "SELECT session_id, response_id, reward, comment, source, received_at FROM feedback ORDER BY rowid"):
+            out[sid].feedback.append({"response_id": rid, "reward": reward, "comment": comment, "source": source,
+                                      "received_at": at})
+        for sid, reason in self._db.execute("SELECT session_id, reason FROM drops"):
+            out[sid].dropped = reason
+        return out
+
+    def close(self) -> None:
+        self._db.close()
