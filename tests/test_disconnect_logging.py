@@ -56,6 +56,7 @@ def _assert_one_quiet_line_each(caplog, capfd, n: int, where: str) -> None:
     assert all("\n" not in r.getMessage() for r in gone)
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "ClientDisconnect" not in out + err, err[-2000:]
+    assert "ERROR" not in err and "without starting response" not in err, err[-2000:]   # uvicorn's own log
 
 
 @pytest.fixture

@@ -95,6 +95,16 @@ def _finite_number(v: Any, name: str) -> float:
     return f
 
 
+class _NoAnswer(Response):
+    """The answer to a client that has gone: sends nothing (uvicorn expects none from a closed connection)."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=204)
+
+    async def __call__(self, scope, receive, send) -> None:
+        return None
+
+
 class AbortIn(_Body):
     reason: str = Field("aborted by the client", max_length=10_000)
 
@@ -144,7 +154,7 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
                 return _error(exc.status, exc.code, exc.message, exc.retry_after_s)
             except ClientDisconnect as exc:   # the client went away mid-upload: one line; the answer reaches nobody
                 log_client_gone(log, "episode API", request.scope, exc)
-                return Response(status_code=499)   # nginx's "client closed request"; uvicorn drops it unsent
+                return _NoAnswer()
             except Exception:   # a bug of ours: a JSON answer and a log line, never a dropped connection
                 log.exception("episode API: %s %s", request.method, request.url.path[:200])
                 return _error(500, "internal_error", "the server failed on this request (its log has the "
