@@ -160,6 +160,34 @@ def test_feedback_before_and_after_close(gw):
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_trained"
 
 
+def test_no_feedback_by_the_deadline_is_judged(tokenizer, tmp_path):
+    judged = []
+
+    def judge(task, output):            # the config's judge: sees the session's first query and last answer
+        judged.append((task.query, output.final_answer))
+        return 0.5
+
+    engine = ScriptedEngine(tokenizer, ["The answer is 7."])
+    proxy = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=32))
+    clock, store = Clock(), GatewayStore(tmp_path / "gateway.sqlite")
+    book = SessionBook(proxy, store, idle_s=60, deadline_s=600, on_no_feedback="judge", judge=judge, clock=clock)
+    attach(proxy, book, lambda p, b: GatewayApp(p, b, None, lambda: 0))
+    with serving(proxy.app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="anything", max_retries=0)   # no secret configured
+        _, h = _chat(client, [{"role": "user", "content": "What is 3 plus 4?"}])
+        sid = h["x-ajet-session"]
+        clock.now += 61
+        book.tick()                                       # closed, waiting for feedback
+        assert book.get(sid)["state"] == "closed" and judged == []
+        clock.now += 601
+        book.tick()                                       # past the deadline: judged
+        state = book.get(sid)
+    store.close()
+    assert judged == [("What is 3 plus 4?", "The answer is 7.")]
+    assert (state["state"], state["reward"], state["reward_source"]) == ("rated", 0.5, "judge")
+    assert GatewayStore(tmp_path / "gateway.sqlite").sessions()[sid].feedback[0]["source"] == "judge"
+
+
 def test_bad_input_and_secret(gw):
     url, _, _ = gw
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
