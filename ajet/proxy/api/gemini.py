@@ -387,8 +387,9 @@ def _to_chat(content: Content, where: str) -> list[dict[str, Any]]:
             if not kinds:               # an empty part, or one carrying only a thought signature
                 continue
             here = f"{where}.parts.{k}"
-            raise ProxyError(400, f"{here}: part {short_repr([to_camel(k2) for k2 in kinds])} is not supported in a "
-                                  f"{role} turn (text, functionCall in model turns, functionResponse in user turns are)",
+            raise ProxyError(400, f"{here}: part {short_repr([to_camel(k2) for k2 in kinds])} is not supported in "
+                                  f"a {role} turn (text, functionCall in model turns, functionResponse in user turns "
+                                  "are)",
                              param=here, code="unsupported_value")
     if role == "model":
         message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts else None}
