@@ -174,3 +174,58 @@ def test_ledger_tells_live_rolled_back_and_abandoned_apart(tmp_path):
     assert [r["episode_id"] for r in store.untrained()] == ["x2"]
     assert TrajectoryStore(tmp_path / "t.sqlite").begin_attempt(1) == 2     # numbers come from the store
     store.close()
+
+
+BY_NAME = '''
+from ajet.workflow import Workflow, WorkflowOutput
+
+
+class ByName(Workflow):
+    """One call; "flat*" tasks score 1 (no signal: dynamic sampling refills them), the others their repeat index."""
+
+    async def execute(self, task, tuner):
+        r = await tuner.client.chat.completions.create(model=tuner.model, messages=[{"role": "user", "content": task.query}])
+        repeat = int(tuner.episode_id.rsplit("-r", 1)[1])
+        return WorkflowOutput(reward=1.0 if task.task_id.startswith("flat") else float(repeat),
+                              final_answer=r.choices[0].message.content or "")
+'''
+
+
+def test_a_resumed_step_gets_the_same_groups_and_samples_the_same_tokens(tiny_model_dir, tmp_path):
+    """Three tasks (not shuffled), two per step, dynamic sampling with three extra: step 2 draws flat1, flat0,
+    then var0, flat1 and flat0 again (the epoch wraps), five groups. Killed after step 2's episodes were stored
+    and resumed from step 1's checkpoint, the new attempt's step 2 has the same groups, and each of its episodes
+    sampled exactly the tokens of the killed attempt's episode of the same group and repeat: the sampling seeds
+    name the group and repeat, not the attempt."""
+    (tmp_path / "wf.py").write_text(BY_NAME)
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"task_id": t, "query": f"Say {t}."}) + "\n"
+                                                  for t in ("flat0", "var0", "flat1")))
+    conf, exp = tmp_path / "conf.yaml", tmp_path / "exp"
+    conf.write_text(textwrap.dedent(f"""
+        workflow: wf.py:ByName
+        model: {{path: "{tiny_model_dir}", max_model_len: 256}}
+        data: {{train_path: tasks.jsonl, shuffle: false}}
+        rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
+        algorithm: {{lr: 1.0e-3, dynamic_sampling: {{enabled: true, max_oversample: 3}}}}
+        trainer: {{total_steps: 2, tasks_per_step: 2, save_freq: 1, tensorboard: false}}
+    """))
+    killed = _ajet(conf, exp, kill_at="stored@2")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    done = _ajet(conf, exp, "--resume")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    try:
+        assert store.attempts() == [(0, 0), (1, 1)]
+        step2 = {a: store.episodes(step=2, attempt=a) for a in (0, 1)}
+    finally:
+        store.close()
+
+    def sampled(records):   # (group, repeat) -> (task, every call's sampled ids)
+        return {(r["group_id"], r["repeat_index"]): (r["task"]["task_id"], [c["completion_ids"] for c in r["calls"]])
+                for r in records}
+
+    before, after = sampled(step2[0]), sampled(step2[1])
+    assert {g for g, _ in after} == {"2:flat1", "2:flat0", "2:var0", "2:flat1#3", "2:flat0#4"}
+    assert len(after) == 10 and after == before
+    assert {r["episode_id"] for r in step2[0]}.isdisjoint(r["episode_id"] for r in step2[1])
