@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ajet.backbones.ray_oom import explain_ray_oom
 from ajet.backbones.server_pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
@@ -83,6 +84,8 @@ class VerlBackbone:
     Raises:
         ConfigError: an ajet setting verl cannot honour, an unknown key in the `verl:` block, or vLLM/SGLang
             asked for without CUDA.
+        BackboneOutOfMemory: Ray's memory monitor killed a worker while the worker group started or during an
+            update (the message names the settings that size its memory; `ajet.backbones.ray_oom`).
         ray.exceptions.RayTaskError: verl's workers failed (the message carries the worker's traceback).
     """
 
@@ -113,15 +116,23 @@ class VerlBackbone:
         if self._owns_ray:
             ray.init(address=cfg.rollout.ray_address, runtime_env=runtime_env, include_dashboard=False,
                      num_cpus=None if cfg.rollout.ray_address else max(os.cpu_count() or 1, self.dp_size + 2))
-        if self.rollout == "ajet":
-            self._init_ajet_rollout()
-        else:
-            self._init_verl_rollout()
+        with explain_ray_oom(f"Starting verl's worker group ({self.dp_size} rank(s))", self._oom_advice()):
+            if self.rollout == "ajet":
+                self._init_ajet_rollout()
+            else:
+                self._init_verl_rollout()
 
     @property
     def dp_size(self) -> int:
         t = self.config.trainer
         return int(t.n_gpus_per_node) * int(t.nnodes)
+
+    def _oom_advice(self) -> str:
+        """What sizes a verl worker's memory, in the config's keys (for `BackboneOutOfMemory`)."""
+        return (f"Each of the {self.dp_size} data-parallel rank(s) holds the model, its gradients and optimizer "
+                f"state, and the activations of one micro-batch of algorithm.micro_batch_tokens "
+                f"({self.cfg.algorithm.micro_batch_tokens}) tokens: lower algorithm.micro_batch_tokens, run fewer "
+                f"ranks (verl: {{trainer: {{n_gpus_per_node: N}}}}), or free memory that other programs use.")
 
     def _init_ajet_rollout(self) -> None:
         """verl's actor worker group on Ray (`dp_size` FSDP ranks), ajet's engine on a copy of the weights."""
@@ -179,7 +190,11 @@ class VerlBackbone:
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step: `ppo_epochs` x `mini_batches` verl optimizer steps over `samples` (split by episode, as
         the debug backbone). Returns verl's metrics (means over optimizer steps), `optimizer_steps` and `update_s`
-        (seconds, the weight sync to ajet's engine included)."""
+        (seconds, the weight sync to ajet's engine included).
+
+        Raises:
+            BackboneOutOfMemory: Ray's memory monitor killed a worker during the update (not a raw
+                `ray.exceptions.OutOfMemoryError`): the message says what to lower."""
         from ajet.backbones.debug.backbone import _split
 
         alg = self.cfg.algorithm
@@ -190,7 +205,8 @@ class VerlBackbone:
         episodes = sorted({s.episode_id for s in trainable})
         sums: dict[str, float] = {}
         steps = 0
-        with self._weights_lock():
+        where = f"verl's actor update (policy version {self.engine.policy_version}, {len(trainable)} samples)"
+        with self._weights_lock(), explain_ray_oom(where, self._oom_advice()):
             for _ in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
                 for mb_eps in _split(episodes, alg.mini_batches):
