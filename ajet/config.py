@@ -152,7 +152,11 @@ class RolloutConfig(_Section):
                               "client's; a client's max_tokens is capped by rollout.max_tokens) or client (the "
                               "client's values where it gives them)")
     max_concurrency: int = Field(64, ge=1, description="episodes running at once")
-    episode_timeout_s: float = Field(600.0, gt=0)
+    episode_timeout_s: float = Field(
+        600.0, gt=0, description="an episode running longer fails (TimeoutError); the time its calls wait in the "
+                                 "engine's queue (more calls than the engine's rows) does not count: only the "
+                                 "episode's own time does (generating, tools, the agent's code). With --with-ray the "
+                                 "worker cannot see the queue and counts the wall clock")
     max_batch_size: int = Field(32, ge=1, description="engine: prompts generated together")
     failed_episode_policy: Literal["drop_episode", "drop_group"] = Field(
         "drop_episode", description="a failed episode (raised, timed out, non-finite or missing reward) is never "
@@ -400,8 +404,8 @@ class CommandWorkflowConfig(_Section):
     """A workflow that is the user's own program, started once per episode (see ajet/rollout/command.py).
 
     command: argv, e.g. [python, agent.py] (run in the config file's folder, or `cwd` relative to it).
-    env: extra environment variables. timeout_s: kill its process group after this many seconds
-    (None: only `rollout.episode_timeout_s` applies).
+    env: extra environment variables. timeout_s: kill its process group after this many seconds, not counting
+    the time its calls wait in the engine's queue (None: only `rollout.episode_timeout_s` applies).
     """
 
     command: list[str] = Field(min_length=1, description="argv of the program run once per episode, e.g. [python, "
@@ -409,8 +413,9 @@ class CommandWorkflowConfig(_Section):
                                                          "AJET_MODEL and the task (AJET_TASK, stdin)")
     env: dict[str, str] = Field(
         default_factory=dict, description="extra environment variables for the program")
-    timeout_s: float | None = Field(None, gt=0, description="kill the program's process group after this many seconds"
-                                                            " (None: only rollout.episode_timeout_s applies)")
+    timeout_s: float | None = Field(None, gt=0, description="kill the program's process group after this many seconds,"
+                                                            " not counting the time its calls wait in the engine's "
+                                                            "queue (None: only rollout.episode_timeout_s applies)")
     cwd: str | None = Field(None, description="the program's working folder, relative to the config file's folder "
                                               "(None: that folder)")
 

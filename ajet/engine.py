@@ -3,10 +3,22 @@
 An engine turns prompt token ids into sampled completion token ids with their logprobs
 (token-in-token-out). The debug backbone's engine generates in-process with transformers; the verl
 and trinity backbones wrap vLLM servers.
+
+Queue time: an engine that queues requests (the debug engine, when more calls arrive than `max_batch_size` rows)
+reports how long each call waited before it was admitted, so that an episode's timeout counts the episode's own
+time, not the engine's queue. The proxy opens a `QueueTicket` around each `Engine.generate` (a context variable:
+the protocol's signature stays as it is); the engine reads it with `queue_ticket()` when the request arrives and
+calls `ticket.queued()` when it enqueues it and `ticket.admitted()` when generation starts for it (prefill).
+Each episode's `EngineWait` sums the time during which at least one of its calls was queued. An engine that
+never reports (vLLM servers: their queue is not visible over HTTP) leaves every call counted as the episode's
+own time.
 """
 
 from __future__ import annotations
 
+import contextvars
+import threading
+import time
 from typing import Callable, Protocol, runtime_checkable
 
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
@@ -31,10 +43,104 @@ class Engine(Protocol):
         `on_tokens`, when given, is called on the caller's event loop with each batch of newly sampled
         tokens while generation runs (the proxy streams them to the client); the deltas concatenate to the
         returned completion's ids. An engine that cannot stream may never call it: the proxy then streams
-        the finished completion at once.
+        the finished completion at once. An engine that queues requests reports this call's wait to
+        `queue_ticket()`, when there is one (see the module docstring).
 
         Raises:
             ValueError: the prompt plus `params.max_tokens` does not fit the model's context.
             RuntimeError: the engine failed or was shut down.
         """
         ...
+
+
+class EngineWait:
+    """How long one episode's calls have waited in the engine's queue: the total time, seconds, during which at
+    least one of its calls was queued (not yet admitted), so calls queued together count once. Thread-safe: the
+    engine's worker thread reports admissions, the episode's runner reads it from its own event loop.
+
+    Attributes:
+        queued_calls: calls of the episode queued right now.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.queued_calls = 0
+        self._since = 0.0          # time.monotonic() at which queued_calls went from 0 to 1
+        self._total = 0.0          # seconds of the intervals already closed
+
+    def ticket(self) -> QueueTicket:
+        """A ticket for one call (see `QueueTicket`)."""
+        return QueueTicket(self)
+
+    def seconds(self) -> float:
+        """Seconds so far during which a call of the episode was queued (including a wait still going on)."""
+        with self._lock:
+            return self._total + (time.monotonic() - self._since if self.queued_calls else 0.0)
+
+    def _enter(self, now: float) -> None:
+        with self._lock:
+            if self.queued_calls == 0:
+                self._since = now
+            self.queued_calls += 1
+
+    def _leave(self, now: float) -> None:
+        with self._lock:
+            self.queued_calls -= 1
+            if self.queued_calls == 0:
+                self._total += max(0.0, now - self._since)
+
+
+class QueueTicket:
+    """One call's passage through an engine's queue: `queued()` when the engine enqueues it, `admitted()` when
+    generation starts for it (the proxy also calls `admitted()` when `generate` returns or raises: a call
+    cancelled or failed while queued stops counting). Each may be called from any thread; repeats are ignored.
+
+    Attributes:
+        waited_s: seconds this call spent queued (0 until it is admitted; 0 for an engine that never reports).
+    """
+
+    def __init__(self, wait: EngineWait):
+        self._wait = wait
+        self._lock = threading.Lock()
+        self._queued_at: float | None = None
+        self._done = False
+        self.waited_s = 0.0
+
+    def queued(self) -> None:
+        """The engine has queued the call (it is waiting for a free row)."""
+        with self._lock:
+            if self._queued_at is not None or self._done:
+                return
+            self._queued_at = time.monotonic()
+            self._wait._enter(self._queued_at)
+
+    def admitted(self) -> None:
+        """Generation starts for the call (or it left the queue otherwise)."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+            if self._queued_at is not None:
+                now = time.monotonic()
+                self.waited_s = now - self._queued_at
+                self._wait._leave(now)
+
+
+_TICKET: contextvars.ContextVar[QueueTicket | None] = contextvars.ContextVar("ajet_queue_ticket", default=None)
+
+
+def queue_ticket() -> QueueTicket | None:
+    """The ticket of the call now entering `Engine.generate` (an engine reads it at the start of `generate`, in
+    the caller's task), or None when the caller keeps no account (a call from outside the proxy)."""
+    return _TICKET.get()
+
+
+def set_queue_ticket(ticket: QueueTicket | None) -> contextvars.Token:
+    """Make `ticket` the current task's ticket (the proxy, right before `Engine.generate`); returns the token
+    for `contextvars.ContextVar.reset`."""
+    return _TICKET.set(ticket)
+
+
+def reset_queue_ticket(token: contextvars.Token) -> None:
+    """Undo `set_queue_ticket` (with the token it returned)."""
+    _TICKET.reset(token)

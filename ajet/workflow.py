@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # keep `import ajet` light: openai is imported only when a client is built
     from openai import AsyncOpenAI
 
+    from ajet.engine import EngineWait
     from ajet.task import Task
     from ajet.tool_types import ToolCaller, ToolResult
 
@@ -56,6 +57,13 @@ class Tuner:
     episode_id: str
     _client: AsyncOpenAI | None = field(default=None, repr=False)
     _tools: ToolCaller | None = field(default=None, repr=False)
+    _engine_wait: EngineWait | None = field(default=None, repr=False)
+
+    @property
+    def engine_wait(self) -> EngineWait | None:
+        """How long this episode's calls have waited in the engine's queue (`ajet.engine.EngineWait`), which
+        the episode's timeout does not count; None where ajet cannot see it (a Ray worker)."""
+        return self._engine_wait
 
     @property
     def client(self) -> AsyncOpenAI:
@@ -106,7 +114,8 @@ class Tuner:
         if not tag or "/" in tag:
             raise ValueError(f"agent tag must be a non-empty name without '/': {tag!r}")
         return Tuner(base_url=self.base_url[: -len("/v1")] + f"/agent/{tag}/v1", api_key=self.api_key,
-                     model=self.model, episode_id=self.episode_id, _tools=self._tools)
+                     model=self.model, episode_id=self.episode_id, _tools=self._tools,
+                     _engine_wait=self._engine_wait)
 
     async def aclose(self) -> None:
         if self._client is not None:

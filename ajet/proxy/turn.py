@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ajet.engine import EngineWait
 from ajet.llm_call import Completion, LLMCall, SamplingParams
 from ajet.proxy.prompt import Prompt
 from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice, short_repr
@@ -36,6 +37,7 @@ class Choice:
     ended: float
     strict_violations: list[str] = field(default_factory=list)
     call: LLMCall | None = None
+    queued_s: float = 0.0               # seconds it waited in the engine's queue before generation started
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Episode:
     open: bool = True
     seed_key: str = ""                  # names the episode in its calls' sampler seeds (`call_seed`)
     requests: int = 0                   # requests started (retries answered from an earlier one excluded)
+    engine_wait: EngineWait = field(default_factory=EngineWait)   # its calls' time in the engine's queue
 
 
 @dataclass

@@ -8,7 +8,8 @@ Its last non-empty line of stdout is the result: a JSON object with `reward` (an
 `final_answer`, `metadata`, `metrics`), or else the final answer as plain text, which the config's judge
 scores. Its stderr (the last 16 KiB) is kept in the episode record (`output.metadata.stderr`). A non-zero
 exit fails the episode with the stderr tail; at the timeout (or when the episode is cancelled) its whole
-process group is killed. It runs in the config file's folder unless `cwd` says otherwise, with the
+process group is killed. The timeout, like `rollout.episode_timeout_s`, does not count the time the program's
+calls waited in the engine's queue (`ajet.rollout.deadline`). It runs in the config file's folder unless `cwd` says otherwise, with the
 trainer's environment plus `env` (this is the user's own program, not model-written code: see
 ajet/tools/sandbox.py for that).
 """
@@ -22,6 +23,7 @@ import signal
 from pathlib import Path
 
 from ajet.config import CommandWorkflowConfig
+from ajet.rollout.deadline import EpisodeTimeout, run_within
 from ajet.task import Task
 from ajet.workflow import Tuner, Workflow, WorkflowOutput
 
@@ -48,7 +50,8 @@ class CommandWorkflow(Workflow):
         Raises:
             RuntimeError: the program exited with a non-zero status (message ends with its stderr tail) or
                 printed nothing on stdout.
-            TimeoutError: it ran past `timeout_s` (its process group is killed).
+            TimeoutError: it ran past `timeout_s`, not counting the time its calls waited in the engine's
+                queue (its process group is killed).
             FileNotFoundError: the program does not exist.
         """
         task_json = json.dumps(task.to_dict())
@@ -70,9 +73,13 @@ class CommandWorkflow(Workflow):
             except (BrokenPipeError, ConnectionResetError):   # the program does not read stdin: fine
                 pass
             try:
-                await asyncio.wait_for(proc.wait(), timeout=self.conf.timeout_s)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"the command ran longer than workflow.timeout_s={self.conf.timeout_s}; its "
+                if self.conf.timeout_s is None:
+                    await proc.wait()
+                else:
+                    await run_within(proc.wait(), self.conf.timeout_s, tuner.engine_wait)
+            except EpisodeTimeout as exc:
+                raise TimeoutError(f"the command ran longer than workflow.timeout_s={self.conf.timeout_s} (not "
+                                   f"counting {exc.queued_s:.1f} s its calls waited in the engine's queue); its "
                                    f"process group was killed. stderr tail:\n{_text(err)}") from None
             done, _ = await asyncio.wait(readers, timeout=5.0)
             if len(done) < len(readers):       # a child it left behind still holds the pipes open

@@ -3,7 +3,9 @@ workflow's reward or the judge. Shared by the in-process source (`in_process.py`
 Ray source (`ray.py`, a pool of actors), so both record exactly the same episodes.
 
 A workflow that raises, hangs past the timeout or yields a non-finite reward is recorded with the
-reason (traceback text) and left out of training; the other episodes go on.
+reason (traceback text) and left out of training; the other episodes go on. The timeout
+(`rollout.episode_timeout_s`) does not count the time the episode's calls waited in the engine's queue
+(`ajet.rollout.deadline`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ajet.episode import Episode
 from ajet.proxy.server import ProxyServer
+from ajet.rollout.deadline import EpisodeTimeout, run_within
 from ajet.task import Task
 from ajet.workflow import Tuner, Workflow, WorkflowOutput
 
 if TYPE_CHECKING:
+    from ajet.engine import EngineWait
     from ajet.tools.mcp_hub import McpHub
 
 Judge = Callable[[Task, WorkflowOutput], float]
@@ -28,15 +32,17 @@ Judge = Callable[[Task, WorkflowOutput], float]
 
 async def execute_workflow(workflow: Workflow, task: Task, tuner: Tuner,
                            timeout_s: float) -> tuple[WorkflowOutput | None, str | None]:
-    """`workflow.execute(task, tuner)` within `timeout_s` seconds: (its output, None), or (None, the error:
-    a traceback, or a TimeoutError line). Never raises for a broken workflow."""
+    """`workflow.execute(task, tuner)` within `timeout_s` seconds, not counting the time its calls waited in the
+    engine's queue (`tuner.engine_wait`; `ajet.rollout.deadline.run_within`): (its output, None), or (None, the
+    error: a traceback, or a TimeoutError line). Never raises for a broken workflow."""
     try:
-        output = await asyncio.wait_for(workflow.execute(task, tuner), timeout=timeout_s)
+        output = await run_within(workflow.execute(task, tuner), timeout_s, tuner.engine_wait)
         if not isinstance(output, WorkflowOutput):
             raise TypeError(f"{type(workflow).__name__}.execute must return WorkflowOutput, got {type(output).__name__}")
         return output, None
-    except asyncio.TimeoutError:
-        return None, f"TimeoutError: the workflow ran longer than episode_timeout_s={timeout_s}"
+    except EpisodeTimeout as exc:
+        return None, (f"TimeoutError: the workflow ran longer than episode_timeout_s={timeout_s} (not counting "
+                      f"{exc.queued_s:.1f} s its calls waited in the engine's queue)")
     except Exception:  # noqa: BLE001 - a broken workflow is recorded and skipped, never a crashed run
         return None, traceback.format_exc()
 
@@ -49,7 +55,7 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
     endpoint = proxy.open_episode(episode.episode_id, seed_key(episode))
     try:
         out = await execute_episode(workflow, episode.task, episode.episode_id, endpoint.base_url, endpoint.api_key,
-                                    judge, timeout_s, model_name, episode_tools)
+                                    judge, timeout_s, model_name, episode_tools, endpoint.engine_wait)
         episode.output, episode.reward, episode.error, episode.duration_s = (
             out["output"], out["reward"], out["error"], out["duration_s"])
     finally:
@@ -60,15 +66,17 @@ async def run_episode(workflow: Workflow, episode: Episode, proxy: ProxyServer, 
 
 async def execute_episode(workflow: Workflow, task: Task, episode_id: str, base_url: str, api_key: str,
                           judge: Judge | None, timeout_s: float, model_name: str = "ajet-policy",
-                          episode_tools=None) -> dict[str, Any]:
+                          episode_tools=None, engine_wait: EngineWait | None = None) -> dict[str, Any]:
     """Run `workflow` on `task` against the proxy endpoint at `base_url` and score it (here, or in a Ray
-    worker: ajet/rollout/ray.py).
+    worker: ajet/rollout/ray.py). `engine_wait`: the episode's queue time (`EpisodeEndpoint.engine_wait`), not
+    counted by the timeout; None (a Ray worker, which cannot see it) times the workflow by the wall clock.
 
     Returns:
         {"output": WorkflowOutput | None, "reward": float | None, "error": traceback text | None,
         "duration_s": wall-clock seconds}; never raises for a broken workflow or judge (the error is recorded).
     """
-    tuner = Tuner(base_url=base_url, api_key=api_key, model=model_name, episode_id=episode_id, _tools=episode_tools)
+    tuner = Tuner(base_url=base_url, api_key=api_key, model=model_name, episode_id=episode_id, _tools=episode_tools,
+                  _engine_wait=engine_wait)
     reward, t0 = None, time.perf_counter()
     try:
         output, error = await execute_workflow(workflow, task, tuner, timeout_s)

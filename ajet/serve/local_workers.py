@@ -24,7 +24,8 @@ class LocalWorkers:
         queue: the server's episode queue.
         workflow: the workflow to run (one instance serves all workers).
         n: how many episodes run at once.
-        timeout_s: per-episode limit, seconds (`rollout.episode_timeout_s`).
+        timeout_s: per-episode limit, seconds (`rollout.episode_timeout_s`; the time the episode's calls wait in
+            the engine's queue does not count).
     """
 
     def __init__(self, queue: EpisodeQueue, workflow: Workflow, n: int, timeout_s: float):
@@ -55,7 +56,7 @@ class LocalWorkers:
                 await asyncio.sleep(exc.retry_after_s or 1.0)
                 continue
             tuner = Tuner(base_url=ep["base_url"], api_key=ep["api_key"], model=ep["model"],
-                          episode_id=ep["episode_id"])
+                          episode_id=ep["episode_id"], _engine_wait=self.queue.proxy.engine_wait(ep["api_key"]))
             try:
                 output, error = await execute_workflow(self.workflow, Task(**ep["task"]), tuner, self.timeout_s)
             finally:

@@ -15,6 +15,10 @@ KV in a bounded LRU cache, and a new prompt prefills only the tokens after the l
 (an episode's next call extends its last one token for token; a GRPO group's episodes share their first
 prompt). Entries from older weights are never used.
 
+Queue time: a request waits in the queue until a row is free (more requests than `max_batch_size`) and the
+worker is not stepping aside for an update; it reports the wait to its `ajet.engine.QueueTicket` (queued on
+arrival, admitted when its prefill starts), so that an episode's timeout does not count it.
+
 Sampling: each row samples with its own request's temperature and top_p, from its own random generator (seeded
 by the request's `seed`, else drawn from the engine's generator when the request is admitted), so a request's
 tokens do not depend on which other requests share its steps. The distribution is
@@ -48,7 +52,7 @@ import torch
 from transformers import DynamicCache
 
 from ajet.backbones.debug.prefix_cache import KV, PrefixCache
-from ajet.engine import TokenCallback
+from ajet.engine import QueueTicket, TokenCallback, queue_ticket
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 from ajet.sampling_dist import processed_logprobs
 
@@ -106,6 +110,7 @@ class _Request:
     future: asyncio.Future
     on_tokens: TokenCallback | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
+    ticket: QueueTicket | None = None      # the caller's account of this request's queue time (`ajet.engine`)
 
     def fail(self, exc: BaseException) -> None:
         _post(self.loop, _resolve, self.future, None, exc)
@@ -219,7 +224,9 @@ class HFEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, loop, loop.create_future(), on_tokens)
+        req = _Request(list(prompt_ids), params, loop, loop.create_future(), on_tokens, ticket=queue_ticket())
+        if req.ticket is not None:
+            req.ticket.queued()          # until `_admit` starts its prefill: time the episode's timeout skips
         self._queue.put(req)
         return await req.future
 
@@ -324,6 +331,8 @@ class HFEngine:
         device = next(self.model.parameters()).device
         rows, kvs, logits = [], [], []
         for req in joiners:
+            if req.ticket is not None:
+                req.ticket.admitted()
             row = self._new_row(req)
             prompt = req.prompt_ids
             r, past = self.prefix_cache.lookup(prompt, row.version)
