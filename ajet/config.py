@@ -545,6 +545,10 @@ class GatewayConfig(_Section):
     on_no_feedback: Literal["judge", "drop"] = Field("drop", description="what a session without feedback by "
                                                      "the deadline gets: `judge` (the config's judge scores its "
                                                      "last answer) or `drop` (never trained on)")
+    n: int = Field(1, ge=1, le=16, description="best-of-N: each request is sampled this many times in one engine "
+                   "batch, the config's judge scores each and the highest is answered (streams get it once all are "
+                   "sampled); the session and its unchosen candidates (rewarded with their judge scores) form one "
+                   "GRPO group. 1: one sample, no judge")
 
 
 class McpServerConfig(_Section):

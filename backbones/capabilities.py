@@ -176,6 +176,7 @@ DEBUG: dict[str, Support] = {
     "gateway.session_idle_s": HONOURED,
     "gateway.feedback_deadline_s": HONOURED,
     "gateway.on_no_feedback": HONOURED,
+    "gateway.n": HONOURED,
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -221,6 +222,7 @@ VERL: dict[str, Support] = {
     "gateway.session_idle_s": refused(_GATEWAY_UNTESTED),
     "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
     "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
+    "gateway.n": refused(_GATEWAY_UNTESTED),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -267,6 +269,7 @@ TRINITY: dict[str, Support] = {
     "gateway.session_idle_s": refused(_GATEWAY_UNTESTED),
     "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
     "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
+    "gateway.n": refused(_GATEWAY_UNTESTED),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }

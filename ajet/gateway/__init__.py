@@ -49,7 +49,8 @@ def gateway(cfg: AjetConfig) -> Path:
     experiment folder.
 
     Raises:
-        ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` without a `judge`;
+        ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1
+            without a `judge`;
             `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
             problem `ajet.trainer.run` raises.
     """
@@ -66,25 +67,30 @@ def gateway(cfg: AjetConfig) -> Path:
     if not _is_loopback(g.host) and secret is None:
         raise ConfigError(f"gateway.host {g.host!r} is reachable from other machines: set gateway.secret (or "
                           f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
+    if g.n > 1 and not cfg.judge:
+        raise ConfigError(f"gateway.n is {g.n} (best-of-N) but the config names no `judge` to choose the answer: "
+                          "add one (e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.n: 1")
     if g.on_no_feedback == "judge" and not cfg.judge:
         raise ConfigError("gateway.on_no_feedback is `judge` but the config names no `judge`: add one "
                           "(e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.on_no_feedback: drop")
     if cfg.algorithm.dynamic_sampling.enabled:
         raise ConfigError("algorithm.dynamic_sampling.enabled refills zero-variance same-prompt groups; the "
                           "gateway's groups are sessions by arrival: set it to false")
-    if "adv_estimator" not in cfg.algorithm.model_fields_set:
-        cfg.algorithm.adv_estimator = DEFAULT_ESTIMATOR
+    if "adv_estimator" not in cfg.algorithm.model_fields_set:   # best-of-N groups share a prompt: GRPO
+        cfg.algorithm.adv_estimator = "grpo" if g.n > 1 else DEFAULT_ESTIMATOR
     cfg.proxy.host = g.host
-    judge = load_judge(cfg) if g.on_no_feedback == "judge" else None
+    judge = load_judge(cfg) if g.on_no_feedback == "judge" or g.n > 1 else None
 
     def make_source(ctx: RolloutContext) -> GatewaySource:
         store = GatewayStore(ctx.cfg.exp_path() / "gateway.sqlite")
         ctx.console.print(f"gateway: secret {'required (gateway.secret / AJET_SECRET)' if secret else 'not required'}"
                           f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
-                          f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}")
+                          f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
+                          + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else ""))
 
         def book(proxy) -> SessionBook:
-            return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge)
+            return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,
+                               n=g.n)
 
         def app(proxy, book_):
             return GatewayApp(proxy, book_, secret, lambda: proxy.engine.policy_version)

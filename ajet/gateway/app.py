@@ -151,9 +151,12 @@ class GatewayApp:
             if isinstance(previous, str) and self.book.session_of_response(previous) is not None:
                 return None, None, previous
             req, _ = api.parse_request(data, ProxyEpisode("gateway-peek", ""), route)
-            return req.wire_messages(), req.wire_tools(), None
         except Exception:  # noqa: BLE001 - any refusal is the proxy's to answer, in its words
             return None
+        if self.book.n > 1 and (req.n or 1) > 1:
+            raise ProxyError(400, f"this gateway samples every request {self.book.n} times and answers the judge's "
+                             "pick (best-of-N): ask for one choice (n: 1)", param="n", code="unsupported_value")
+        return req.wire_messages(), req.wire_tools(), None
 
     def _tagging(self, send, session: Session):
         """`send`, adding the session id (and, when known, the policy version) to the response's headers."""

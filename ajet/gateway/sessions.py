@@ -17,6 +17,13 @@ token-out). The proxy then builds the request's prompt ids as that call's prompt
 turns, so a request joins a session exactly when its prompt token ids extend an earlier response's prompt +
 completion; anything else opens a new session.
 
+Best-of-N (`gateway.n` > 1): every request of a session is sampled N times in one engine batch (the proxy's
+`best_of` / `choose` hooks); the config's judge scores each candidate (`choose`: the request's last user message
+as the task's query, the candidate's text as the final answer) and the highest score is answered (ties: the
+first). The chosen candidate continues the conversation (it is the session's call; the next turn extends it);
+each other candidate is a one-call episode of its own (`Candidate`, id `<session>~<k>`) whose reward is its judge
+score. A session's GRPO group is the session plus every candidate of its requests (source.py).
+
 Thread model: the proxy's event loop calls `resolve`, `activity` and `recorded`; HTTP worker threads call
 `feedback` and `close`; the reaper thread calls `tick`, the trainer `take`. One lock guards the state; SQLite
 writes happen under it (each is one short transaction), so what a caller is answered is already durable.
@@ -25,6 +32,7 @@ writes happen under it (each is one short transaction), so what a caller is answ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -53,6 +61,25 @@ class GatewayError(Exception):
     def __init__(self, status: int, code: str, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.param = status, code, message, param
+
+
+@dataclass
+class Candidate:
+    """A best-of-N candidate that was not answered: a one-call episode of its session's GRPO group.
+
+    Attributes:
+        episode_id: `<session id>~<k>` (k = 1, 2, ... over the session's candidates).
+        response_id: the answered response it competed with.
+        index: its sample index among the request's N (the seed offset).
+        score: the judge's score (its reward), None when the judge failed (then it is not trained on).
+        call: its recorded call (`episode_id` is the candidate's, `index` 0).
+    """
+
+    episode_id: str
+    response_id: str
+    index: int
+    score: float | None
+    call: LLMCall
 
 
 @dataclass
@@ -87,6 +114,8 @@ class Session:
     taken: bool = False
     dropped: str | None = None
     live_calls: list[tuple[int, LLMCall]] = field(default_factory=list)   # (recording order, call) while open
+    candidates: list[Candidate] = field(default_factory=list)   # best-of-N: the unchosen candidates, in order
+    picks: dict[str, dict[str, Any]] = field(default_factory=dict)   # response id -> {"chosen", "scores"}
 
     @property
     def state(self) -> str:
@@ -105,7 +134,11 @@ class Session:
         return {"session_id": self.session_id, "state": self.state, "found_by": self.found_by,
                 "calls": len(self.calls) if self.endpoint is None else None, "responses": dict(self.responses),
                 "reward": self.reward, "reward_source": self.reward_source, "comment": self.comment,
-                "dropped": self.dropped}
+                "dropped": self.dropped,
+                "candidates": [{"episode_id": c.episode_id, "response_id": c.response_id, "index": c.index,
+                                "score": c.score, "text": _text(c.call.response_message.get("content"))}
+                               for c in self.candidates],
+                "picks": dict(self.picks)}
 
 
 class SessionBook:
@@ -122,16 +155,20 @@ class SessionBook:
     """
 
     def __init__(self, proxy, store: GatewayStore, idle_s: float, deadline_s: float, on_no_feedback: str,
-                 judge: Callable | None = None, clock: Callable[[], float] = time.time):
+                 judge: Callable | None = None, clock: Callable[[], float] = time.time, n: int = 1):
+        if n > 1 and judge is None:
+            raise ValueError("best-of-N (n > 1) needs a judge to choose the answer")
         self.proxy, self.store, self.idle_s, self.deadline_s = proxy, store, idle_s, deadline_s
-        self.on_no_feedback, self.judge, self._clock = on_no_feedback, judge, clock
+        self.on_no_feedback, self.judge, self._clock, self.n = on_no_feedback, judge, clock, n
+        self._judged: dict[str, tuple[int, list[float | None]]] = {}   # response id -> (pick, scores), until recorded
         self._sessions: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}       # open sessions by their proxy api_key
         self._by_response: dict[str, Session] = {}
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)   # notified when a session becomes ready for training
-        self.counts = {"opened": 0, "closed": 0, "feedback": 0, "judged": 0, "dropped": 0, "judge_failed": 0}
+        self.counts = {"opened": 0, "closed": 0, "feedback": 0, "judged": 0, "dropped": 0, "judge_failed": 0,
+                       "best_of_requests": 0, "best_of_judge_failed": 0}
 
     # ---- restart -----------------------------------------------------------------------------------
     def load(self, stored: dict[str, StoredSession], trained: set[str]) -> None:
@@ -152,6 +189,10 @@ class SessionBook:
                     s.reward, s.reward_source, s.comment = last["reward"], last["source"], last["comment"]
                     s.rated_at = last["received_at"]
                 s.dropped, s.taken = st.dropped, sid in trained
+                s.picks = dict(st.picks)
+                s.candidates = [Candidate(c["episode_id"], c["response_id"], c["index"], c["score"],
+                                          LLMCall(**{**c["call"], "sampling": SamplingParams(**c["call"]["sampling"])}))
+                                for c in st.candidates]
                 self._sessions[sid] = s
                 for rid in s.responses:
                     self._by_response[rid] = s
@@ -223,21 +264,75 @@ class SessionBook:
             session.in_flight += delta
             session.last_seen = self._clock()
 
-    def recorded(self, episode_id: str, response_id: str, calls: list[LLMCall]) -> int | None:
+    def recorded(self, episode_id: str, response_id: str, calls: list[LLMCall],
+                 others: list[LLMCall] | None = None) -> int | None:
         """A response of the session `episode_id` was generated (the proxy's `on_recorded`): remember its id and
-        policy version (the newest that sampled one of its tokens) and commit its calls. Returns the version
+        policy version (the newest that sampled one of its tokens) and commit its calls, with best-of-N's
+        unchosen candidates (`others`, each becoming a `Candidate` with its judge score). Returns the version
         (None for an episode that is no session: the gateway's own utility episode)."""
         with self._lock:
             s = self._sessions.get(episode_id)
+            pick, scores = self._judged.pop(response_id, (None, []))
             if s is None:
                 return None
             version = max((max(c.token_versions or [c.policy_version]) for c in calls), default=0)
-            self.store.add_response(s.session_id, response_id, version, [c.to_dict() for c in calls])
+            cands = []
+            for c in others or []:
+                k = int(c.call_id.rsplit(".", 1)[1])            # the proxy's "<call id>.<sample index>"
+                eid = f"{s.session_id}~{len(s.candidates) + len(cands) + 1}"
+                call = dataclasses.replace(c, call_id=f"call-{eid}-0", episode_id=eid, index=0)
+                cands.append(Candidate(eid, response_id, k, scores[k] if k < len(scores) else None, call))
+            picked = {"chosen": pick, "scores": scores} if pick is not None else None
+            self.store.add_response(s.session_id, response_id, version, [c.to_dict() for c in calls],
+                                    [(c.episode_id, c.index, c.score, c.call.to_dict()) for c in cands], picked)
+            s.candidates += cands
+            if picked is not None:
+                s.picks[response_id] = picked
             s.responses[response_id] = version
             self._by_response[response_id] = s
             if s.endpoint is not None:
                 s.live_calls += [(next(self._seq), c) for c in calls]
             return version
+
+    def best_of(self, ep) -> int:
+        """How many candidates the proxy samples for a request of proxy episode `ep`: `n` for a session's."""
+        return self.n if ep.episode_id in self._sessions else 1
+
+    async def choose(self, ep, turn, prep, choices) -> int:
+        """Best-of-N: score every candidate with the judge (concurrently; a sync judge in a worker thread)
+        and return the index of the highest score (ties: the lowest index; a candidate whose judge call
+        failed or returned a non-finite number scores None and is never chosen unless all failed, then 0).
+        The scores are kept for `recorded` under the turn's response id."""
+        messages = prep.messages or []
+        query = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+        task = Task(task_id=ep.episode_id, query=query[:MAX_QUERY_CHARS],
+                    metadata={"session": ep.episode_id, "messages": messages})
+
+        async def score(c) -> float | None:
+            output = WorkflowOutput(final_answer=_text(c.message.get("content")), metadata={"message": c.message})
+            try:
+                if inspect.iscoroutinefunction(self.judge) or inspect.iscoroutinefunction(
+                        getattr(self.judge, "__call__", None)):
+                    value = await self.judge(task, output)
+                else:
+                    value = await asyncio.to_thread(self.judge, task, output)
+                    if inspect.isawaitable(value):
+                        value = await value
+                value = float(value)
+                return value if math.isfinite(value) else None
+            except Exception:  # noqa: BLE001 - a broken judge call: this candidate is not chosen, not trained
+                log.warning("gateway: the judge failed on a best-of-N candidate of %s:\n%s", ep.episode_id,
+                            traceback.format_exc())
+                return None
+
+        scores = list(await asyncio.gather(*(score(c) for c in choices)))
+        valid = [(v, -i) for i, v in enumerate(scores) if v is not None]
+        pick = -max(valid)[1] if valid else 0
+        with self._lock:
+            self.counts["best_of_requests"] += 1
+            self.counts["best_of_judge_failed"] += sum(v is None for v in scores)
+            self._judged[turn.response_id] = (pick, scores)
+        return pick
 
     def session_of_response(self, response_id: str) -> Session | None:
         with self._lock:

@@ -9,6 +9,12 @@ made for prompts sampled once). A config that names `algorithm.adv_estimator` ke
 other sessions of the arrival group as a leave-one-out baseline (unbiased: they do not depend on this
 session's tokens), `grpo` normalises within it.
 
+Best-of-N (`gateway.n` > 1): a group is one session and every candidate its requests did not answer (each a
+one-call episode whose reward is its judge score; the session's reward is its feedback, or the judge at the
+deadline), so the candidates of a request share its prompt ids and GRPO compares them. `trainer.tasks_per_step`
+such groups make a step (`rollout.num_repeat` is not used); the default advantage is then `grpo`. The judge's
+scores and the client's rewards should share a scale (e.g. both in [0, 1]).
+
 Restart: every rated session in gateway.sqlite that no live update trained on (the trajectory store's ledger)
 is ready again, so an acknowledged reward is trained on exactly once in the run's lineage.
 """
@@ -29,8 +35,10 @@ TICK_S = 0.5   # how often idle sessions and feedback deadlines are looked at, s
 def attach(proxy, book: SessionBook, make_app) -> None:
     """Wire `book` to `proxy` (created, not yet started): every recorded response goes to `book.recorded`, and
     `make_app(proxy, book)` (the gateway's ASGI front) replaces `proxy.app`."""
-    proxy.on_recorded = lambda ep, turn, choices: book.recorded(ep.episode_id, turn.response_id,
-                                                                [c.call for c in choices])
+    proxy.on_recorded = lambda ep, turn, choices, others: book.recorded(
+        ep.episode_id, turn.response_id, [c.call for c in choices], [c.call for c in others])
+    if book.n > 1:
+        proxy.best_of, proxy.choose = book.best_of, book.choose
     proxy.app = make_app(proxy, book)
 
 
@@ -78,11 +86,14 @@ class GatewaySource:
     def collect(self, step: int) -> list[Episode]:
         """Block until `tasks_per_step * num_repeat` sessions are closed and rated; take those rated first,
         commit each as an episode (`ctx.record`) and return them in groups of `num_repeat`."""
-        need = self.tasks_per_step * self.num_repeat
+        size = 1 if self.book.n > 1 else self.num_repeat      # sessions per group
+        need = self.tasks_per_step * size
         with self.book.changed:
             while self.book.ready() < need:
                 self.book.changed.wait(timeout=TICK_S)
             sessions = self.book.take(need)
+        if self.book.n > 1:
+            return self._best_of_groups(step, sessions)
         episodes = []
         for g in range(self.tasks_per_step):
             group_id = f"live{step}-{g}"
@@ -90,6 +101,24 @@ class GatewaySource:
                 ep = Episode(s.session_id, self.book.task_of(s), group_id, r, calls=list(s.calls), reward=s.reward,
                              output=WorkflowOutput(reward=s.reward, final_answer=_last_answer(s.calls),
                                                    metadata={"reward_source": s.reward_source, "comment": s.comment}),
+                             attempt=self.ctx.attempt)
+                self.ctx.record(step, ep)
+                episodes.append(ep)
+        return episodes
+
+    def _best_of_groups(self, step: int, sessions) -> list[Episode]:
+        """One group per session: the session's episode (rollout 0), then its scored candidates (see above)."""
+        episodes = []
+        for g, s in enumerate(sessions):
+            group_id, task = f"live{step}-{g}", self.book.task_of(s)
+            members = [(s.session_id, list(s.calls), s.reward, {"reward_source": s.reward_source,
+                                                               "comment": s.comment})]
+            members += [(c.episode_id, [c.call], c.score, {"reward_source": "judge", "best_of_candidate": True,
+                                                          "response_id": c.response_id})
+                        for c in s.candidates if c.score is not None]
+            for r, (eid, calls, reward, meta) in enumerate(members):
+                ep = Episode(eid, task, group_id, r, calls=calls, reward=reward,
+                             output=WorkflowOutput(reward=reward, final_answer=_last_answer(calls), metadata=meta),
                              attempt=self.ctx.attempt)
                 self.ctx.record(step, ep)
                 episodes.append(ep)

@@ -12,6 +12,10 @@ trainer has not seen yet, so that `kill -9` loses no acknowledged feedback and n
     feedback   one row per acknowledged reward, in arrival order: (session_id, response_id named or NULL,
                reward, comment, source: "client" | "judge", received_at), committed before the 200
     drops      one row per session given up: (session_id, reason, at)
+    candidates best-of-N: one row per unchosen candidate (episode_id "<session>~<k>", session_id, response_id it
+               competed with, index among the N, score: its judge score or NULL, record: its call), committed
+               with its response
+    picks      best-of-N: one row per judged request (response_id, session_id, chosen index, scores: JSON list)
 
 A session's reward is its latest feedback row. Times are `time.time()` seconds.
 """
@@ -41,6 +45,11 @@ CREATE TABLE IF NOT EXISTS feedback (
     received_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS drops (
     session_id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS candidates (
+    episode_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, response_id TEXT NOT NULL, idx INTEGER NOT NULL,
+    score REAL, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS picks (
+    response_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, chosen INTEGER NOT NULL, scores TEXT NOT NULL);
 """
 
 
@@ -63,6 +72,8 @@ class StoredSession:
     close_reason: str | None = None
     feedback: list[dict[str, Any]] = field(default_factory=list)
     dropped: str | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)   # episode_id, response_id, index, score, call
+    picks: dict[str, dict[str, Any]] = field(default_factory=dict)   # response_id -> {"chosen", "scores"}
 
 
 class GatewayStore:
@@ -93,12 +104,20 @@ class GatewayStore:
         """Record a new session. Raises sqlite3.IntegrityError for an id stored before."""
         self._tx(("INSERT INTO sessions VALUES (?, ?, ?, ?)", [(session_id, at or time.time(), query, found_by)]))
 
-    def add_response(self, session_id: str, response_id: str, policy_version: int, calls: list[dict[str, Any]]) -> None:
-        """Commit one answered request: its response id, policy version and recorded calls, atomically."""
+    def add_response(self, session_id: str, response_id: str, policy_version: int, calls: list[dict[str, Any]],
+                     candidates: list[tuple[str, int, float | None, dict[str, Any]]] = (),
+                     pick: dict[str, Any] | None = None) -> None:
+        """Commit one answered request atomically: its response id, policy version and recorded calls; with
+        best-of-N also its unchosen candidates `(episode_id, index, score, call record)` and its `pick`
+        (`{"chosen": index, "scores": [score | None] * N}`)."""
         self._tx(("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?)",
                   [(response_id, session_id, policy_version, time.time())]),
                  ("INSERT OR IGNORE INTO calls VALUES (?, ?, ?, ?)",
-                  [(c["call_id"], session_id, c["index"], json.dumps(c)) for c in calls]))
+                  [(c["call_id"], session_id, c["index"], json.dumps(c)) for c in calls]),
+                 ("INSERT OR IGNORE INTO candidates VALUES (?, ?, ?, ?, ?, ?)",
+                  [(eid, session_id, response_id, idx, score, json.dumps(rec)) for eid, idx, score, rec in candidates]),
+                 ("INSERT OR IGNORE INTO picks VALUES (?, ?, ?, ?)",
+                  [(response_id, session_id, pick["chosen"], json.dumps(pick["scores"]))] if pick else []))
 
     def close_session(self, session_id: str, reason: str, at: float | None = None) -> None:
         self._tx(("INSERT OR IGNORE INTO closes VALUES (?, ?, ?)", [(session_id, at or time.time(), reason)]))
@@ -128,6 +147,12 @@ class GatewayStore:
                                       "received_at": at})
         for sid, reason in self._db.execute("SELECT session_id, reason FROM drops"):
             out[sid].dropped = reason
+        for eid, sid, rid, idx, score, record in self._db.execute(
+                "SELECT episode_id, session_id, response_id, idx, score, record FROM candidates ORDER BY rowid"):
+            out[sid].candidates.append({"episode_id": eid, "response_id": rid, "index": idx, "score": score,
+                                        "call": json.loads(record)})
+        for rid, sid, chosen, scores in self._db.execute("SELECT response_id, session_id, chosen, scores FROM picks"):
+            out[sid].picks[rid] = {"chosen": chosen, "scores": json.loads(scores)}
         return out
 
     def close(self) -> None:
