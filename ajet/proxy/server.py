@@ -43,7 +43,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
-from ajet.engine import Engine, EngineWait, reset_queue_ticket, set_queue_ticket
+from ajet.engine import Engine
 from ajet.llm_call import Completion, LLMCall, SamplingParams, call_seed
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
@@ -76,14 +76,11 @@ class EpisodeEndpoint:
         episode_id: the episode's id.
         base_url: the OpenAI base_url (`.../ep/<token>/v1`: Chat Completions and Responses).
         api_key: the episode's token (any SDK's api key: Bearer or `x-api-key`).
-        engine_wait: how long the episode's calls have waited in the engine's queue (`ajet.engine.EngineWait`;
-            the episode's timeout does not count it).
     """
 
     episode_id: str
     base_url: str
     api_key: str
-    engine_wait: EngineWait | None = None
 
     @property
     def anthropic_base_url(self) -> str:
@@ -154,9 +151,15 @@ class ProxyServer:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.apis = {cls.name: cls(self) for cls in apis}
-        # called on the event loop once a request's calls are recorded: on_recorded(episode, turn, choices)
-        # (`ajet gateway` maps response ids to sessions and persists the calls); None: nothing is called
-        self.on_recorded: Callable[[Episode, Turn, list[Choice]], None] | None = None
+        # called on the event loop once a request's calls are recorded: on_recorded(episode, turn, choices,
+        # others) (`ajet gateway` maps response ids to sessions and persists the calls); `others`: the
+        # best-of-N candidates not answered (their calls are built, never in the episode); None: nothing is called
+        self.on_recorded: Callable[[Episode, Turn, list[Choice], list[Choice]], None] | None = None
+        # best-of-N (`ajet gateway`'s gateway.n): `best_of(episode) -> N` samples a request asking for one
+        # choice N times (one engine batch), `await choose(episode, turn, prep, choices) -> index` picks the
+        # one answered (a stream gets it once all N are sampled); None: every request samples its own `n`
+        self.best_of: Callable[[Episode], int] | None = None
+        self.choose: Callable[[Episode, Turn, Prepared, list[Choice]], Any] | None = None
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -197,16 +200,9 @@ class ProxyServer:
         """Register an episode; its calls are recorded until `close_episode`. `seed_key` names the episode in
         its calls' sampler seeds (see `call_seed`; default: `episode_id`)."""
         token = "ajet-" + secrets.token_urlsafe(24)
-        ep = Episode(episode_id, token, seed_key=seed_key or episode_id)
         with self._lock:
-            self._episodes[token] = ep
-        return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token, ep.engine_wait)
-
-    def engine_wait(self, api_key: str) -> EngineWait | None:
-        """The queue time of the open episode whose token is `api_key` (None when there is no such episode)."""
-        with self._lock:
-            ep = self._episodes.get(api_key)
-        return ep.engine_wait if ep is not None else None
+            self._episodes[token] = Episode(episode_id, token, seed_key=seed_key or episode_id)
+        return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token)
 
     def close_episode(self, endpoint: EpisodeEndpoint) -> list[LLMCall]:
         """Stop accepting calls for the episode and return its calls in order.
@@ -399,14 +395,14 @@ class ProxyServer:
         ep.requests += 1
         turn = Turn(api.id_prefix + uuid.uuid4().hex, int(time.time()), req.n or 1, bool(req.stream), forced,
                     parses_tools(req), sampling.stop, prep.strict)
+        best_of = self.best_of(ep) if self.best_of is not None and turn.n == 1 else 1
+        events = turn.events if best_of == 1 else None     # best-of-N: only the chosen one is streamed
 
         async def generate(i: int) -> Choice:
             # choice i of n: its own seed (seed + i) so that seeded choices differ yet replay exactly
             params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + i)
-            on_tokens = (lambda d: turn.events.put_nowait((i, d))) if turn.events is not None else None
+            on_tokens = (lambda d: events.put_nowait((i, d))) if events is not None else None
             t1 = time.perf_counter()
-            ticket = ep.engine_wait.ticket()     # the engine reports the call's queue time (ajet/engine.py)
-            reset = set_queue_ticket(ticket)
             try:
                 completion = await self.engine.generate(prompt_ids, params, on_tokens)
             except ValueError as exc:
@@ -416,22 +412,35 @@ class ProxyServer:
                 raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {cut(str(exc), 200)}); "
                                       "retry later", "server_error", code="engine_error",
                                  retry_after=self.retry_after_s) from exc
-            finally:
-                ticket.admitted()                # a call that failed or was cancelled in the queue stops counting
-                reset_queue_ticket(reset)
-            choice = self._to_choice(i, completion, turn, params, t1, ticket.waited_s)
-            if turn.events is not None:
-                turn.events.put_nowait((i, choice))
+            choice = self._to_choice(i, completion, turn, params, t1)
+            if events is not None:
+                events.put_nowait((i, choice))
             return choice
 
         async def run() -> list[Choice]:
-            choices = await asyncio.gather(*(generate(i) for i in range(turn.n)))
+            choices = others = await asyncio.gather(*(generate(i) for i in range(max(turn.n, best_of))))
+            if best_of > 1 and ep.open:                 # the chosen one is answered as choice 0
+                pick = await self.choose(ep, turn, prep, choices)
+                choices, others = [replace(choices[pick], index=0)], [c for c in choices if c.index != pick]
+                if turn.events is not None:
+                    turn.events.put_nowait((0, choices[0]))
             if not ep.open:
                 raise episode_closed()
+            for c in others if best_of > 1 else ():   # each its own call: `on_recorded` says where it belongs
+                c.call = call_of(c, f"call-{ep.episode_id}-{len(ep.calls)}.{c.index}", len(ep.calls))
             for c in choices:
-                c.call = LLMCall(
-                    call_id=f"call-{ep.episode_id}-{len(ep.calls)}", episode_id=ep.episode_id, agent_tag=agent_tag,
-                    index=len(ep.calls), messages=messages, tools=tools, prompt_ids=prompt_ids,
+                c.call = call_of(c, f"call-{ep.episode_id}-{len(ep.calls)}", len(ep.calls))
+                ep.calls.append(c.call)
+                ep.rendered[c.call.call_id] = prompt.text
+            api.recorded(ep, turn, prep, choices)
+            if self.on_recorded is not None:
+                self.on_recorded(ep, turn, choices, others if best_of > 1 else [])
+            return choices
+
+        def call_of(c: Choice, call_id: str, index: int) -> LLMCall:
+            return LLMCall(
+                    call_id=call_id, episode_id=ep.episode_id, agent_tag=agent_tag,
+                    index=index, messages=messages, tools=tools, prompt_ids=prompt_ids,
                     completion_ids=c.completion.token_ids, completion_logprobs=c.completion.logprobs,
                     finish_reason=c.finish_reason, response_message=c.message, sampling=c.params,
                     policy_version=c.completion.policy_version, prompt_parent=prompt.parent_call_id,
@@ -439,13 +448,7 @@ class ProxyServer:
                     strict_violations=c.strict_violations, api=api.name,
                     token_versions=c.completion.token_versions,
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
-                             "queued_s": c.queued_s, "total_s": time.perf_counter() - t0})
-                ep.calls.append(c.call)
-                ep.rendered[c.call.call_id] = prompt.text
-            api.recorded(ep, turn, prep, choices)
-            if self.on_recorded is not None:
-                self.on_recorded(ep, turn, choices)
-            return choices
+                             "total_s": time.perf_counter() - t0})
 
         turn.task = asyncio.ensure_future(run())
         if turn.events is not None:
@@ -453,7 +456,7 @@ class ProxyServer:
         return turn
 
     def _to_choice(self, i: int, completion: Completion, turn: Turn, params: SamplingParams,
-                   started: float, queued_s: float = 0.0) -> Choice:
+                   started: float) -> Choice:
         """The assistant message for a finished completion: decoded text (stop string cut, as OpenAI does),
         tool calls parsed out when the request has tools."""
         text = turn.forced + self.decode(completion.token_ids)
@@ -465,8 +468,7 @@ class ProxyServer:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else completion.finish_reason
         violations = turn.strict.violations(tool_calls) if turn.strict is not None else []
-        return Choice(i, completion, params, message, finish, started, time.perf_counter(), violations,
-                      queued_s=queued_s)
+        return Choice(i, completion, params, message, finish, started, time.perf_counter(), violations)
 
     def decode(self, ids: list[int]) -> str:
         """Completion ids to text, special tokens dropped (what the client is answered)."""
