@@ -372,6 +372,10 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling threshold of evaluation episodes, in (0, 1]")
     pass_threshold: float = Field(1.0, description="reward at or above which an episode counts as solved")
+    max_failed_frac: float = Field(
+        0.05, ge=0, le=1, description="an evaluation in which a larger share of the episodes failed (raised or timed "
+                                      "out) is reported as invalid: val/valid 0 (`valid` in eval_metrics.json), no "
+                                      "score logged, the console says why; `ajet eval` exits with status 1")
 
 
 class LLMJudgeConfig(_Section):

@@ -12,9 +12,18 @@ during training. Nothing here is trained on. Reported (prefix `eval/`, or `val/`
                   (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1)
     <metric>      every workflow metric (WorkflowOutput.metrics), averaged over episodes
     failed        episodes that raised or timed out (they count as not passed, reward 0)
+    failed_frac   failed / episodes
+    failed/<kind> failed episodes by kind (`TimeoutError`, `RuntimeError`, ...: ajet/failures.py)
+    valid         1, or 0 when failed_frac exceeds `eval.max_failed_frac`
 
 and a per-task table `eval.jsonl` (one row per task) beside `eval_trajectories.jsonl` (every episode
 with its recorded calls).
+
+An evaluation that lost more than `eval.max_failed_frac` of its episodes (default 5%) is not a score: its
+failures, not the policy, would set the figures. It is reported as invalid: `valid` 0, and the scores
+(reward_mean, pass@1, pass@k, the workflow metrics) are left out of its metrics (`metrics.jsonl`'s `val/*`,
+`eval_metrics.json`), so no plot or table shows them as a point; the console says why (counts by kind of
+failure); `ajet eval` exits with status 1. The per-task table is written all the same.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any, Callable
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
+from ajet.failures import failure_counts, failure_summary
 from ajet.llm_call import SamplingParams
 from ajet.task import Task
 
@@ -55,14 +65,42 @@ def eval_sampling(temperature: float, top_p: float, max_tokens: int) -> Sampling
     return SamplingParams(temperature=temperature, top_p=1.0 if temperature == 0 else top_p, max_tokens=max_tokens)
 
 
+# the figures an invalid evaluation leaves out (besides every `workflow/*` metric)
+SCORE_KEYS = ("reward_mean", "pass@1")
+
+
 @dataclass
 class EvalResult:
-    """metrics: summary figures without prefix (reward_mean, pass@1, pass@<n>, failed, workflow metrics);
-    rows: one dict per task (the eval.jsonl table); episodes: every episode, grouped by task."""
+    """metrics: summary figures without prefix (reward_mean, pass@1, pass@<n>, failed, workflow metrics, valid;
+    an invalid evaluation has no scores, see the module docstring); rows: one dict per task (the eval.jsonl
+    table); episodes: every episode, grouped by task; valid: whether the failed share is within the bound;
+    failures: the one-line summary of why episodes failed ("" when none did)."""
 
     metrics: dict[str, float]
     rows: list[dict[str, Any]]
     episodes: list[Episode]
+    valid: bool = True
+    failures: str = ""
+
+    def invalid_reason(self, max_failed_frac: float) -> str:
+        """What the console says of an invalid evaluation ("" for a valid one)."""
+        if self.valid:
+            return ""
+        return (f"INVALID: {self.failures} ({self.metrics['failed_frac']:.0%} > eval.max_failed_frac "
+                f"{max_failed_frac:.0%}); no score is reported for it")
+
+
+def apply_validity(metrics: dict[str, float], episodes: list[Episode], max_failed_frac: float) -> bool:
+    """Mark `metrics` (`summarize`'s) valid or not, in place: `valid` (1.0 / 0.0) and `failed/<kind>` counts;
+    when more than `max_failed_frac` of `episodes` failed, the scores (`SCORE_KEYS`, `pass@<n>`, `workflow/*`)
+    are removed. Returns whether it is valid."""
+    valid = metrics["failed_frac"] <= max_failed_frac
+    metrics.update({f"failed/{kind}": float(n) for kind, n in failure_counts(episodes).items()})
+    metrics["valid"] = 1.0 if valid else 0.0
+    if not valid:
+        for k in [k for k in metrics if k in SCORE_KEYS or k.startswith(("pass@", "workflow/"))]:
+            del metrics[k]
+    return valid
 
 
 def summarize(episodes: list[Episode], n: int, pass_threshold: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -82,6 +120,7 @@ def summarize(episodes: list[Episode], n: int, pass_threshold: float) -> tuple[d
         "tasks": float(len(rows)),
         "episodes": float(len(episodes)),
         "failed": float(sum(r["failed"] for r in rows)),
+        "failed_frac": sum(r["failed"] for r in rows) / len(episodes) if episodes else 0.0,
         "reward_mean": statistics.fmean(r["reward_mean"] for r in rows),
         "pass@1": statistics.fmean(r["pass@1"] for r in rows),
     }
@@ -104,7 +143,8 @@ def evaluate(cfg: AjetConfig, engine, tokenizer, workflow, judge, tasks: list[Ta
     The proxy gets the evaluation's sampling parameters (`cfg.eval`, sampling_policy "config": the
     workflow's own temperature is overridden, so before/after figures use the same sampling). `tools`: the
     run's MCP servers (`McpHub`), for workflows that call them.
-    Returns an `EvalResult`; never raises for a failing workflow (its episodes count as failed).
+    Returns an `EvalResult`, invalid (no scores) when more than `cfg.eval.max_failed_frac` of its episodes
+    failed; never raises for a failing workflow (its episodes count as failed).
     """
     from ajet.proxy.server import ProxyServer
     from ajet.rollout.episodes import rollout
@@ -119,7 +159,8 @@ def evaluate(cfg: AjetConfig, engine, tokenizer, workflow, judge, tasks: list[Ta
     finally:
         proxy.stop()
     metrics, rows = summarize(episodes, e.n, e.pass_threshold)
-    return EvalResult(metrics, rows, episodes)
+    valid = apply_validity(metrics, episodes, e.max_failed_frac)
+    return EvalResult(metrics, rows, episodes, valid, failure_summary(episodes))
 
 
 def write_result(result: EvalResult, out_dir: Path) -> None:
@@ -137,16 +178,18 @@ def write_result(result: EvalResult, out_dir: Path) -> None:
 class Validator:
     """Validation during training (`trainer.val_freq` with `data.val_path`): at step 0, every `val_freq`
     steps and at the last step, `validator(step)` evaluates the current policy and returns `val/*` metrics
-    (an empty dict when no validation is due). Episodes go to `exp_dir/val/step_<N>/`.
+    (an empty dict when no validation is due). Episodes go to `exp_dir/val/step_<N>/`. An invalid evaluation
+    (see the module docstring) is said so on `console`, and its `val/*` carry `val/valid` 0 and no score.
 
     Raises:
         ConfigError: `trainer.val_freq` is set without `data.val_path` (or the file cannot be read).
     """
 
-    def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None):
+    def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None, console=None):
         """`workflow`/`judge`: the training rollout's (None: loaded from the config when validation is on);
-        `tools`: the run's MCP servers, if any."""
+        `tools`: the run's MCP servers, if any; `console`: a rich console for the invalid-evaluation line."""
         self.cfg, self.backbone, self.workflow, self.judge, self.tools = cfg, backbone, workflow, judge, tools
+        self.console = console
         self.freq = cfg.trainer.val_freq
         self.tasks: list[Task] = []
         if self.freq:
@@ -167,6 +210,10 @@ class Validator:
         result = evaluate(self.cfg, self.backbone.engine, self.backbone.tokenizer, self.workflow, self.judge,
                           self.tasks, step=step, tools=self.tools)
         write_result(result, self.cfg.exp_path() / "val" / f"step_{step}")
+        if not result.valid and self.console is not None:
+            self.console.print(f"[bold red]held-out evaluation at step {step} "
+                               f"{result.invalid_reason(self.cfg.eval.max_failed_frac)}[/] "
+                               f"(episodes: {self.cfg.exp_path() / 'val' / f'step_{step}'})")
         metrics = {f"val/{k}": v for k, v in result.metrics.items()}
         metrics["val/time_s"] = time.perf_counter() - t0
         return metrics
@@ -194,7 +241,9 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
 
     The policy is the config's `model.path`, or `model` (any model path), or the weights of
     `checkpoint_dir`. Tasks: `data`, else `data.val_path`. Output (default `<exp_dir>/eval/<model name>`):
-    eval.jsonl, eval_trajectories.jsonl, eval_metrics.json; the summary is printed.
+    eval.jsonl, eval_trajectories.jsonl, eval_metrics.json; the summary is printed, and for an invalid
+    evaluation (more than `eval.max_failed_frac` of the episodes failed) why, without scores (`valid` 0 in
+    eval_metrics.json: the CLI then exits with status 1).
 
     Raises:
         ConfigError: both a checkpoint and a model, no task file, a bad checkpoint folder, bad config.
@@ -240,5 +289,7 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     for k, v in result.metrics.items():
         table.add_row(k, f"{v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")
     console.print(table)
+    if not result.valid:
+        console.print(f"[bold red]{result.invalid_reason(cfg.eval.max_failed_frac)}[/]")
     console.print(f"per-task table: {out_dir / 'eval.jsonl'}")
     return out_dir

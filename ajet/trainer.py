@@ -29,6 +29,7 @@ from ajet.algorithm.sampling import zero_std_groups
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
+from ajet.failures import failure_counts, failure_summary
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
 from ajet.task import Task
@@ -139,7 +140,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             ctx.tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
             log.console.print(f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
         # held-out val/* at step 0 and every trainer.val_freq steps (never trained on)
-        validate = Validator(cfg, backbone, getattr(source, "workflow", None), getattr(source, "judge", None), ctx.tools)
+        validate = Validator(cfg, backbone, getattr(source, "workflow", None), getattr(source, "judge", None), ctx.tools,
+                             log.console)
         if first_step == 1 and (val := validate(0)):
             log.log(0, val)
         for step in range(first_step, total + 1):
@@ -152,6 +154,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
             usable = _trainable(episodes, r.failed_episode_policy)
+            if lost := failure_summary(episodes, more_than=0.5):    # most of the step lost: say why
+                log.console.print(f"[bold red]step {step}: {lost}[/] (every error is in {exp_dir / 'trajectories.sqlite'})")
             failed_in_a_row = 0 if usable else failed_in_a_row + 1
             if failed_in_a_row >= cfg.trainer.max_failed_steps:
                 raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
@@ -369,6 +373,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         "merge/parent_by_text": sum(1 for c in calls if c.prompt_parent_by == "text"),
     }
     m.update({f"merge/fork_reasons/{reason}": n for reason, n in sorted(forks.items())})
+    m.update({f"rollout/failed/{kind}": n for kind, n in failure_counts(episodes).items()})
     keys = sorted({k for e in ok if e.output for k in e.output.metrics})
     for k in keys:
         vals = [float(e.output.metrics[k]) for e in ok if e.output and k in e.output.metrics]

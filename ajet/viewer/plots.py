@@ -6,7 +6,8 @@
     ratios.png          context-tracker token ratio (one sample per call / merged) and merge ratio (calls/sample)
     time.png            update time vs rollout time per step, seconds
     train.png           KL, clip fraction, entropy, grad norm per step (those the backbone logged)
-    val.png             held-out evaluation (`trainer.val_freq`): val/pass@1 and val/reward_mean per evaluation
+    val.png             held-out evaluation (`trainer.val_freq`): val/pass@1 and val/reward_mean per evaluation; an
+                        invalid one (`val/valid` 0: too many episodes failed) is a dashed line, never a point
 
 Inputs are `metrics.jsonl` (one line per step) and, for the shares, `trajectories.sqlite` (read-only).
 `python -m ajet.viewer.plots EXP_DIR` redraws them for any finished or running experiment.
@@ -162,8 +163,13 @@ def write_plots(exp_dir: str | Path, window: int = 3) -> list[Path]:
 
     # held-out evaluation: one point per evaluation (step 0 = before training)
     val = [r for r in rows if "val/pass@1" in r]
-    if val:
+    invalid = [r for r in rows if r.get("val/valid") == 0]     # no score: its failures would have set it
+    if val or invalid:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for r in invalid:
+            frac = r.get("val/failed_frac")
+            ax.axvline(r["step"], color="tab:red", ls="--", lw=1,
+                       label=f"step {r['step']}: invalid" + (f", {frac:.0%} of episodes failed" if frac is not None else ""))
         for key, marker in (("val/pass@1", "o-"), ("val/reward_mean", "s--")):
             ax.plot([r["step"] for r in val], _series(val, key), marker, label=key)
         for r in val:
