@@ -553,6 +553,13 @@ class GatewayConfig(_Section):
                    "batch, the config's judge scores each and the highest is answered (streams get it once all are "
                    "sampled); the session and its unchosen candidates (rewarded with their judge scores) form one "
                    "GRPO group. 1: one sample, no judge")
+    rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each api key (or, without "
+                                         "one, each client address) may send, sustained; over it a 429 with "
+                                         "Retry-After. None: no limit")
+    rate_limit_burst: int | None = Field(None, ge=1, description="requests a key may send at once after a quiet "
+                                         "spell (its token bucket's size); None: rate_limit_rps rounded up")
+    retention_days: float | None = Field(None, gt=0, description="trained or dropped sessions closed longer ago "
+                                         "than this are deleted from gateway.sqlite, days; None: kept forever")
 
 
 class McpServerConfig(_Section):

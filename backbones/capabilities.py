@@ -177,6 +177,9 @@ DEBUG: dict[str, Support] = {
     "gateway.feedback_deadline_s": HONOURED,
     "gateway.on_no_feedback": HONOURED,
     "gateway.n": HONOURED,
+    "gateway.rate_limit_rps": HONOURED,
+    "gateway.rate_limit_burst": HONOURED,
+    "gateway.retention_days": HONOURED,
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -223,6 +226,9 @@ VERL: dict[str, Support] = {
     "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
     "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
     "gateway.n": refused(_GATEWAY_UNTESTED),
+    "gateway.rate_limit_rps": refused(_GATEWAY_UNTESTED),
+    "gateway.rate_limit_burst": refused(_GATEWAY_UNTESTED),
+    "gateway.retention_days": refused(_GATEWAY_UNTESTED),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -270,6 +276,9 @@ TRINITY: dict[str, Support] = {
     "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
     "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
     "gateway.n": refused(_GATEWAY_UNTESTED),
+    "gateway.rate_limit_rps": refused(_GATEWAY_UNTESTED),
+    "gateway.rate_limit_burst": refused(_GATEWAY_UNTESTED),
+    "gateway.retention_days": refused(_GATEWAY_UNTESTED),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }

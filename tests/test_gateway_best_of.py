@@ -86,6 +86,8 @@ def test_one_request_is_n_candidates_the_judge_picks_and_one_group(best_of):
         first.prompt_ids + first.completion_ids
     assert len(s.candidates) == 4                        # two per request
 
+    before = book.get(sid)
+    cand_ids = [c.call.completion_ids for c in s.candidates]
     # the trainer's view: one group = the session + its 4 candidates, rewards = feedback, judge scores
     recorded = []
     cfg = SimpleNamespace(rollout=SimpleNamespace(num_repeat=4), trainer=SimpleNamespace(tasks_per_step=1, resume=False))
@@ -105,10 +107,10 @@ def test_one_request_is_n_candidates_the_judge_picks_and_one_group(best_of):
     stored = GatewayStore(tmp_path / "gateway.sqlite")
     again = SessionBook(None, stored, 60, 600, "drop", judge=prefers_twelve, n=3)
     again.load(stored.sessions(), set())
-    assert again.get(sid)["candidates"] == book.get(sid)["candidates"]
-    assert again.get(sid)["picks"] == book.get(sid)["picks"] and len(book.get(sid)["picks"]) == 2
-    assert [c.call.completion_ids for c in again._sessions[sid].candidates] == \
-        [c.call.completion_ids for c in s.candidates]
+    assert again.get(sid)["candidates"] == before["candidates"]
+    assert again.get(sid)["picks"] == before["picks"] and len(before["picks"]) == 2
+    assert [c.call.completion_ids for c in again._sessions[sid].candidates] == cand_ids
+    assert book.get(sid)["candidates"] == [] and book._sessions[sid].calls == []   # trained: released from memory
     stored.close()
 
 

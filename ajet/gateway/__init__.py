@@ -4,6 +4,7 @@
     ajet gateway --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8766] [--resume]
 
     app.py       the HTTP front: the proxy's four dialects without per-episode URLs, feedback, /healthz
+    ops.py       /metrics (Prometheus text) and per-key rate limits
     sessions.py  sessions: found by header or by prefix, closed when idle, rated by feedback or the judge
     store.py     gateway.sqlite: sessions, calls, responses, feedback (durable before the client hears back)
     source.py    rated sessions as episodes: the rollout source of the one training loop (ajet/trainer.py)
@@ -14,6 +15,7 @@ lists; no episode runs it). `data.val_path` still gives held-out validation (`tr
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,6 +57,7 @@ def gateway(cfg: AjetConfig) -> Path:
             problem `ajet.trainer.run` raises.
     """
     from ajet.gateway.app import GatewayApp
+    from ajet.gateway.ops import RateLimiter
     from ajet.gateway.sessions import SessionBook
     from ajet.gateway.source import GatewaySource
     from ajet.gateway.store import GatewayStore
@@ -90,10 +93,12 @@ def gateway(cfg: AjetConfig) -> Path:
 
         def book(proxy) -> SessionBook:
             return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,
-                               n=g.n)
+                               n=g.n, retention_s=None if g.retention_days is None else g.retention_days * 86400)
 
         def app(proxy, book_):
-            return GatewayApp(proxy, book_, secret, lambda: proxy.engine.policy_version)
+            limiter = None if g.rate_limit_rps is None else RateLimiter(
+                g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
+            return GatewayApp(proxy, book_, secret, lambda: proxy.engine.policy_version, limiter)
 
         return GatewaySource(ctx, book, app)
 

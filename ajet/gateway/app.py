@@ -7,13 +7,15 @@
     GET  /v1/sessions/{id}     a session's state, reward and responses (with their policy versions)
     POST /v1/sessions/{id}/close   the conversation is over: close the session now
     GET  /healthz              {"status": "ok", "policy_version"} (no secret needed)
+    GET  /metrics              Prometheus text (ajet/gateway/ops.py)
 
 Nothing of the proxy is re-implemented: a model call's body is read once, its session is resolved
 (`SessionBook.resolve`), and the request goes to the proxy's own route of that session's episode
 (`/ep/<token>/...`) with the body replayed. Every answer carries `X-Ajet-Session` and `X-Ajet-Response-Id` (the
 body's `id`); a non-streamed one also `X-Ajet-Policy-Version`. With a secret, every request but /healthz must
 carry it (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or `?key=`: whatever the client's SDK sends as
-its api key), else 401. Refusals use the proxy's error contract (a 4xx in the dialect's error shape naming the
+its api key), else 401. With a rate limit, a key (or, without one, a client address) over it gets a 429 with
+`Retry-After` (not /healthz, /metrics). Refusals use the proxy's error contract (a 4xx in the dialect's error shape naming the
 field); the proxy's per-episode paths (`/ep/...`) are not served.
 """
 
@@ -21,13 +23,16 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Match, Route
 
+from ajet.gateway.ops import RateLimiter, RequestMetrics
 from ajet.gateway.sessions import GatewayError, Session, SessionBook
 from ajet.proxy.server import RESPONSE_ID_HEADER
 from ajet.proxy.turn import Episode as ProxyEpisode
@@ -63,10 +68,14 @@ class GatewayApp:
         book: the sessions.
         secret: the bearer token every request must carry; None: none is asked for.
         policy_version: `() -> int`, the engine's current version (for /healthz).
+        limiter: per-key rate limits (`RateLimiter`), or None.
     """
 
-    def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version):
+    def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version,
+                 limiter: RateLimiter | None = None):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
+        self.limiter, self.metrics = limiter, RequestMetrics()
+        self.first_version = policy_version()
         self.proxy_app = proxy.app
         self.util = proxy.open_episode("gateway")   # answers /v1/models, count_tokens and unparseable bodies
         self.api_routes = [(Route(path, _nothing, methods=[method]), api, kind)
@@ -76,11 +85,12 @@ class GatewayApp:
         if scope["type"] != "http":                   # lifespan: the proxy records its event loop there
             return await self.proxy_app(scope, receive, send)
         path = scope["path"]
-        started = False
+        started, status, t0 = False, 0, time.perf_counter()
 
         async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
             await send(message)
 
         try:
@@ -92,7 +102,21 @@ class GatewayApp:
                       exc_info=exc)
             err = ProxyError(500, f"internal error in the ajet gateway ({type(exc).__name__}); see its log",
                              "server_error", code="internal_error")
-            return await self._error(path, err)(scope, receive, send)
+            return await self._error(path, err)(scope, receive, tracking_send)
+        finally:
+            self.metrics.observe(self._route_label(scope), status, time.perf_counter() - t0)
+
+    def _route_label(self, scope) -> str:
+        """The route template of a request (its metrics label: never the raw path, whose ids are unbounded)."""
+        path = scope["path"]
+        if path in ("/healthz", "/metrics", "/v1/feedback"):
+            return path
+        if path.startswith("/v1/sessions/"):
+            return "/v1/sessions/{id}/close" if path.endswith("/close") else "/v1/sessions/{id}"
+        for route, _api, _kind in self.api_routes:
+            if route.matches(scope)[0] == Match.FULL:
+                return route.path
+        return "other"
 
     async def _route(self, scope, receive, send):
         path = scope["path"]
@@ -103,7 +127,19 @@ class GatewayApp:
             if path.startswith("/ep/"):
                 raise ProxyError(404, "this gateway has no per-episode URLs: call /v1/... (the session is the "
                                  f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")
-            self._check_secret(scope)
+            key = self._check_secret(scope)
+            if path == "/metrics":
+                text = self.metrics.render(self.book.counts_snapshot(), self.book.states(), self.policy_version(),
+                                           self.first_version)
+                return await Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")(
+                    scope, receive, send)
+            if self.limiter is not None:
+                client = scope.get("client")
+                wait = self.limiter.take(key or f"addr:{client[0] if client else '?'}")
+                if wait is not None:
+                    raise ProxyError(429, f"rate limit exceeded ({self.limiter.rps:g} requests/s, bursts of "
+                                     f"{self.limiter.burst}): retry after {wait}s", "rate_limit_error",
+                                     code="rate_limit_exceeded", retry_after=wait)
             if path == "/v1/feedback" or path.startswith("/v1/sessions/"):
                 return await self._own(scope, receive, send)
             for route, api, kind in self.api_routes:
@@ -195,17 +231,19 @@ class GatewayApp:
                          f"no route {method} {path[:200]}: see /v1/feedback, GET /v1/sessions/ID, "
                          "POST /v1/sessions/ID/close", code="not_found")
 
-    def _check_secret(self, scope) -> None:
-        if self.secret is None:
-            return
+    def _check_secret(self, scope) -> str:
+        """The api key the request carries ("" for none); raises ProxyError 401 when it is not the secret."""
         request = Request(scope)
         auth = request.headers.get("authorization", "")
         given = (auth[7:].strip() if auth.lower().startswith("bearer ") else None) or request.headers.get("x-api-key") \
             or request.headers.get("x-goog-api-key") or request.query_params.get("key") or ""
+        if self.secret is None:
+            return given
         if not secrets.compare_digest(given.encode(), self.secret.encode()):
             raise ProxyError(401, "missing or wrong secret: send the gateway's secret as your SDK's api key "
                              "(Authorization: Bearer, x-api-key or x-goog-api-key)", "authentication_error",
                              code="invalid_api_key")
+        return given
 
     def _error(self, path: str, err: ProxyError):
         """`err` in the error shape of the dialect `path` belongs to (OpenAI's for the gateway's own routes)."""

@@ -152,14 +152,19 @@ class SessionBook:
         on_no_feedback: "judge" or "drop".
         judge: `judge(task, WorkflowOutput) -> float` (sync or async) for "judge", else None.
         clock: wall-clock seconds (`time.time`; durable times survive a restart).
+        n: best-of-N samples per request (1: none; > 1 needs `judge`).
+        retention_s: a trained or dropped session closed longer ago than this is deleted from gateway.sqlite
+            and forgotten (its responses' feedback then gets 404), seconds; None keeps every session.
     """
 
     def __init__(self, proxy, store: GatewayStore, idle_s: float, deadline_s: float, on_no_feedback: str,
-                 judge: Callable | None = None, clock: Callable[[], float] = time.time, n: int = 1):
+                 judge: Callable | None = None, clock: Callable[[], float] = time.time, n: int = 1,
+                 retention_s: float | None = None):
         if n > 1 and judge is None:
             raise ValueError("best-of-N (n > 1) needs a judge to choose the answer")
         self.proxy, self.store, self.idle_s, self.deadline_s = proxy, store, idle_s, deadline_s
         self.on_no_feedback, self.judge, self._clock, self.n = on_no_feedback, judge, clock, n
+        self.retention_s = retention_s
         self._judged: dict[str, tuple[int, list[float | None]]] = {}   # response id -> (pick, scores), until recorded
         self._sessions: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}       # open sessions by their proxy api_key
@@ -168,7 +173,7 @@ class SessionBook:
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)   # notified when a session becomes ready for training
         self.counts = {"opened": 0, "closed": 0, "feedback": 0, "judged": 0, "dropped": 0, "judge_failed": 0,
-                       "best_of_requests": 0, "best_of_judge_failed": 0}
+                       "best_of_requests": 0, "best_of_judge_failed": 0, "deleted": 0}
 
     # ---- restart -----------------------------------------------------------------------------------
     def load(self, stored: dict[str, StoredSession], trained: set[str]) -> None:
@@ -416,6 +421,29 @@ class SessionBook:
                 self._judge(s)
             else:
                 self._drop(s, f"no feedback within {self.deadline_s:g}s of its close")
+        if self.retention_s is not None:
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Delete trained and dropped sessions closed more than `retention_s` ago, from gateway.sqlite and memory."""
+        with self._lock:
+            old = [s for s in self._sessions.values() if (s.taken or s.dropped) and s.closed_at is not None
+                   and now - s.closed_at > self.retention_s]
+            if not old:
+                return
+            self.store.delete_sessions([s.session_id for s in old])
+            for s in old:
+                del self._sessions[s.session_id]
+                for rid in s.responses:
+                    self._by_response.pop(rid, None)
+            self.counts["deleted"] += len(old)
+
+    def release(self, sessions: list[Session]) -> None:
+        """Forget the calls of sessions the trainer has recorded (trajectories.sqlite holds them now; gateway.sqlite
+        until retention deletes them): a long-running gateway's memory does not grow with what it trained."""
+        with self._lock:
+            for s in sessions:
+                s.calls, s.live_calls, s.candidates = [], [], []
 
     def _end(self, s: Session, reason: str):
         """Mark `s` closed (lock held); returns its endpoint for `_finish_close`, None when already closed."""
@@ -478,6 +506,18 @@ class SessionBook:
     def task_of(self, s: Session) -> Task:
         """The task of a session's episode: its first user message, no reference answer."""
         return Task(task_id=s.session_id, query=s.query, metadata={"session": s.session_id, "found_by": s.found_by})
+
+    def counts_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+    def states(self) -> dict[str, int]:
+        """How many sessions are in each state (see `Session.state`)."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for s in self._sessions.values():
+                out[s.state] = out.get(s.state, 0) + 1
+            return out
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:

@@ -93,7 +93,9 @@ class GatewaySource:
                 self.book.changed.wait(timeout=TICK_S)
             sessions = self.book.take(need)
         if self.book.n > 1:
-            return self._best_of_groups(step, sessions)
+            episodes = self._best_of_groups(step, sessions)
+            self.book.release(sessions)
+            return episodes
         episodes = []
         for g in range(self.tasks_per_step):
             group_id = f"live{step}-{g}"
@@ -104,6 +106,7 @@ class GatewaySource:
                              attempt=self.ctx.attempt)
                 self.ctx.record(step, ep)
                 episodes.append(ep)
+        self.book.release(sessions)
         return episodes
 
     def _best_of_groups(self, step: int, sessions) -> list[Episode]:

@@ -1,5 +1,6 @@
 """Durable record of the gateway's live sessions (SQLite in WAL mode, `EXP_DIR/gateway.sqlite`), with the
-conventions of `ajet/trajectory_store.py`: rows are only ever inserted, each write is one transaction under one
+conventions of `ajet/trajectory_store.py`: rows are only ever inserted (but for `gateway.retention_days`, which
+deletes a trained or dropped session's rows), each write is one transaction under one
 lock, records are JSON. What training used lives in trajectories.sqlite (its ledger); this file holds what the
 trainer has not seen yet, so that `kill -9` loses no acknowledged feedback and no recorded call:
 
@@ -130,6 +131,13 @@ class GatewayStore:
 
     def drop_session(self, session_id: str, reason: str) -> None:
         self._tx(("INSERT OR IGNORE INTO drops VALUES (?, ?, ?)", [(session_id, reason, time.time())]))
+
+    def delete_sessions(self, session_ids: list[str]) -> None:
+        """Delete every row of these sessions (`gateway.retention_days`: the one exception to insert-only)."""
+        rows = [(sid,) for sid in session_ids]
+        self._tx(*((f"DELETE FROM {table} WHERE session_id = ?", rows)
+                   for table in ("sessions", "calls", "responses", "closes", "feedback", "drops", "candidates",
+                                 "picks")))
 
     def sessions(self) -> dict[str, StoredSession]:
         """Every stored session with its calls, responses, close, feedback and drop, in opening order."""
