@@ -43,7 +43,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
-from ajet.engine import Engine
+from ajet.engine import Engine, EngineWait, reset_queue_ticket, set_queue_ticket
 from ajet.llm_call import Completion, LLMCall, SamplingParams, call_seed
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
@@ -76,11 +76,14 @@ class EpisodeEndpoint:
         episode_id: the episode's id.
         base_url: the OpenAI base_url (`.../ep/<token>/v1`: Chat Completions and Responses).
         api_key: the episode's token (any SDK's api key: Bearer or `x-api-key`).
+        engine_wait: how long the episode's calls have waited in the engine's queue (`ajet.engine.EngineWait`;
+            the episode's timeout does not count it).
     """
 
     episode_id: str
     base_url: str
     api_key: str
+    engine_wait: EngineWait | None = None
 
     @property
     def anthropic_base_url(self) -> str:
@@ -200,9 +203,16 @@ class ProxyServer:
         """Register an episode; its calls are recorded until `close_episode`. `seed_key` names the episode in
         its calls' sampler seeds (see `call_seed`; default: `episode_id`)."""
         token = "ajet-" + secrets.token_urlsafe(24)
+        ep = Episode(episode_id, token, seed_key=seed_key or episode_id)
         with self._lock:
-            self._episodes[token] = Episode(episode_id, token, seed_key=seed_key or episode_id)
-        return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token)
+            self._episodes[token] = ep
+        return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token, ep.engine_wait)
+
+    def engine_wait(self, api_key: str) -> EngineWait | None:
+        """The queue time of the open episode whose token is `api_key` (None when there is no such episode)."""
+        with self._lock:
+            ep = self._episodes.get(api_key)
+        return ep.engine_wait if ep is not None else None
 
     def close_episode(self, endpoint: EpisodeEndpoint) -> list[LLMCall]:
         """Stop accepting calls for the episode and return its calls in order.
@@ -403,6 +413,8 @@ class ProxyServer:
             params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             on_tokens = (lambda d: events.put_nowait((i, d))) if events is not None else None
             t1 = time.perf_counter()
+            ticket = ep.engine_wait.ticket()     # the engine reports the call's queue time (ajet/engine.py)
+            reset = set_queue_ticket(ticket)
             try:
                 completion = await self.engine.generate(prompt_ids, params, on_tokens)
             except ValueError as exc:
@@ -412,7 +424,10 @@ class ProxyServer:
                 raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {cut(str(exc), 200)}); "
                                       "retry later", "server_error", code="engine_error",
                                  retry_after=self.retry_after_s) from exc
-            choice = self._to_choice(i, completion, turn, params, t1)
+            finally:
+                ticket.admitted()                # a call that failed or was cancelled in the queue stops counting
+                reset_queue_ticket(reset)
+            choice = self._to_choice(i, completion, turn, params, t1, ticket.waited_s)
             if events is not None:
                 events.put_nowait((i, choice))
             return choice
@@ -448,7 +463,7 @@ class ProxyServer:
                     strict_violations=c.strict_violations, api=api.name,
                     token_versions=c.completion.token_versions,
                     timings={"prepare_s": c.started - t0, "generate_s": c.ended - c.started,
-                             "total_s": time.perf_counter() - t0})
+                             "queued_s": c.queued_s, "total_s": time.perf_counter() - t0})
 
         turn.task = asyncio.ensure_future(run())
         if turn.events is not None:
@@ -456,7 +471,7 @@ class ProxyServer:
         return turn
 
     def _to_choice(self, i: int, completion: Completion, turn: Turn, params: SamplingParams,
-                   started: float) -> Choice:
+                   started: float, queued_s: float = 0.0) -> Choice:
         """The assistant message for a finished completion: decoded text (stop string cut, as OpenAI does),
         tool calls parsed out when the request has tools."""
         text = turn.forced + self.decode(completion.token_ids)
@@ -468,7 +483,8 @@ class ProxyServer:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else completion.finish_reason
         violations = turn.strict.violations(tool_calls) if turn.strict is not None else []
-        return Choice(i, completion, params, message, finish, started, time.perf_counter(), violations)
+        return Choice(i, completion, params, message, finish, started, time.perf_counter(), violations,
+                      queued_s=queued_s)
 
     def decode(self, ids: list[int]) -> str:
         """Completion ids to text, special tokens dropped (what the client is answered)."""
