@@ -10,6 +10,7 @@ command runs, so `ajet --help` is instant.
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
     ajet show EXP_DIR [--step N] [--episode ID]                                       trajectories in the terminal
     ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
+    ajet init [DIR] [--kind chat|command|harness|mcp] [--force]                       a new project
 
 To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS`.
 """
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
+               "New project: ajet init DIR --kind chat|command|harness|mcp\n"
                "Also: ajet serve --conf X.yaml (train agents that run anywhere; docs/serve.md)\n"
                "      ajet doctor --model MODEL (checks the chat template)\n"
                "      ajet eval --conf YAML [--checkpoint DIR] (held-out evaluation)\n"
@@ -147,6 +149,25 @@ def _harnesses_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _init_parser() -> argparse.ArgumentParser:
+    from ajet.init_project import DEFAULT_KIND, kinds
+
+    p = argparse.ArgumentParser(prog="ajet init", description="Write a small project that trains as written on the "
+                                "bundled model: a config, the code of one episode, a few tasks and a reward.")
+    p.add_argument("directory", nargs="?", default=".", metavar="DIR", help="the project folder (default: here)")
+    p.add_argument("--kind", choices=kinds(), default=DEFAULT_KIND,
+                   help="chat: a Workflow class; command: a program run per episode; harness: a coding agent on "
+                        "repository tasks; mcp: the built-in tool agent over an MCP server (default: chat)")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+    return p
+
+
+def _init(args: argparse.Namespace) -> int:
+    from ajet.init_project import main as init
+
+    return init(args.directory, args.kind, args.force)
+
+
 def _harnesses(args: argparse.Namespace) -> int:
     from ajet.config import load_config
     from ajet.harnesses.registry import HarnessInstallError, get_harness, install, listing
@@ -226,7 +247,7 @@ def _show(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway), "doctor": (doctor_parser, _doctor),
                "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
-               "harnesses": (_harnesses_parser, _harnesses)}
+               "harnesses": (_harnesses_parser, _harnesses), "init": (_init_parser, _init)}
 
 
 def main(argv: list[str] | None = None) -> int:
