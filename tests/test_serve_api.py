@@ -1,7 +1,9 @@
 """The episode API on a real server on 127.0.0.1 (the real proxy and episode queue behind uvicorn, a scripted
 engine instead of a model, so each test takes about a second): bad input on every route gets a JSON 4xx
 naming the field and begins nothing; only the client that began an episode can end it; a stalled upload
-does not keep its episode alive; clients wait for a server whose trainer stopped instead of exiting."""
+does not keep its episode alive; clients wait for a server whose trainer stopped instead of exiting.
+Where the queue's timing matters (idle episodes, clients heard from lately) it runs on a `ManualClock` that
+only the test moves, so that the outcome does not depend on the machine's load."""
 
 from __future__ import annotations
 
@@ -24,21 +26,23 @@ from ajet.serve.api import MAX_DEPTH, build_api, compose
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
 from tests.local_servers import free_port
+from tests.manual_clock import ManualClock, waits_on
 from tests.scripted_engine import ScriptedEngine
 
 SECRET = "test-secret-0123456789abcdef"
 
 
 @contextmanager
-def served(tokenizer, idle_timeout_s: float = 300.0, port: int = 0, attempt: int = 0, total_steps: int = 3):
-    """A started server: the proxy over a scripted engine with the episode API mounted, as `ajet serve`
-    composes them; yields (queue, httpx client with the secret, stored episodes)."""
+def served(tokenizer, idle_timeout_s: float = 300.0, port: int = 0, attempt: int = 0, total_steps: int = 3,
+           clock=time.monotonic, engine=None):
+    """A started server: the proxy over a scripted engine (or `engine`) with the episode API mounted, as `ajet
+    serve` composes them, its queue on `clock`; yields (queue, httpx client with the secret, stored episodes)."""
     stored = []
-    proxy = ProxyServer(ScriptedEngine(tokenizer, ["7"]), tokenizer, SamplingParams(max_tokens=8))
+    proxy = ProxyServer(engine or ScriptedEngine(tokenizer, ["7"]), tokenizer, SamplingParams(max_tokens=8))
     proxy.port = port
     queue = EpisodeQueue(MultiTaskSampler({"train": [Task(f"t{i}", f"What is {i} + 1?", str(i + 1)) for i in range(8)]}),
                          num_repeat=2, tasks_per_step=2, total_steps=total_steps, first_step=1, attempt=attempt,
-                         record=lambda step, ep: stored.append(ep), idle_timeout_s=idle_timeout_s)
+                         record=lambda step, ep: stored.append(ep), idle_timeout_s=idle_timeout_s, clock=clock)
     queue.bind(proxy)
     proxy.app = compose(proxy.app, build_api(queue, SECRET), queue.activity)
     proxy.start()
@@ -156,19 +160,24 @@ def test_only_the_client_that_began_an_episode_can_end_it(tokenizer):
 
 def test_a_stalled_upload_does_not_keep_its_episode_alive(tokenizer):
     """Headers and a few bytes of a model call, then nothing: the episode idles out like any other."""
-    with served(tokenizer, idle_timeout_s=1.0) as (queue, http, stored):
+    clock = ManualClock()
+    with served(tokenizer, idle_timeout_s=1.0, clock=clock) as (queue, http, stored):
         ep = http.post("/ajet/v1/episodes", json={"client_id": "stalls"}).json()
+        clock.advance(0.5)
         host, port = http.base_url.host, http.base_url.port
         sock = socket.create_connection((host, port))
         path = ep["base_url"].split(f":{port}", 1)[1] + "/chat/completions"
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Authorization: Bearer {ep['api_key']}\r\nContent-Length: 1000\r\n\r\n{{\"mod".encode())
         try:
-            deadline = time.monotonic() + 20                          # a bound on the wait, not a speed target
-            while not stored and time.monotonic() < deadline:
-                time.sleep(0.5)
-                http.post("/ajet/v1/episodes", json={"client_id": "poke"})   # begin reaps idle episodes
-            assert [e.episode_id for e in stored][:1] == [ep["episode_id"]], queue.status()
+            deadline = time.monotonic() + 120                 # a bound on the wait, not a speed target
+            while queue.status()["clients"]["stalls"]["idle_s"] > 0:     # the server saw the upload start ...
+                assert time.monotonic() < deadline, queue.status()
+                time.sleep(0.05)
+            clock.advance(1.5)                                # ... and nothing after it for longer than 1 s
+            http.post("/ajet/v1/episodes", json={"client_id": "poke"})   # begin reaps idle episodes
+            queue.flush()
+            assert [e.episode_id for e in stored] == [ep["episode_id"]], queue.status()
             assert stored[0].error.startswith("abandoned: no call or heartbeat for 1s (client stalls)")
         finally:
             sock.close()
@@ -203,51 +212,106 @@ def test_a_run_that_trained_every_step_still_says_run_finished(tokenizer):
             AjetClient(str(http.base_url), secret=SECRET, retry_for_s=5).begin()
 
 
+def _chat(ep: dict) -> httpx.Response:
+    """One model call of the episode `ep` (its wire form) through the proxy."""
+    return httpx.post(ep["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {ep['api_key']}"},
+                      json={"model": ep["model"], "messages": [{"role": "user", "content": "hi"}]}, timeout=120)
+
+
+def _waiting(queue: EpisodeQueue, *args, **kwargs) -> tuple[threading.Thread, list[list[str]]]:
+    """`queue.wait_until_clients_told(*args, **kwargs)` in a started thread; returns (thread, [its result])."""
+    result: list[list[str]] = []
+    waiter = threading.Thread(target=lambda: result.append(queue.wait_until_clients_told(*args, **kwargs)), daemon=True)
+    waiter.start()
+    return waiter, result
+
+
 def test_the_finished_server_answers_until_a_busy_client_is_told(tokenizer):
     """The last step is trained while a client is still in an episode: the server answers on (its proxy calls,
     its finish) until that client's next `begin` hears 410 `run_finished`; a client silent for longer than
     `active_s` is not waited for. (A server that stopped at once left such a client retrying a refused
     connection for its whole `retry_for_s`, then failing with "unreachable".)"""
-    with served(tokenizer, total_steps=1) as (queue, http, _):
+    clock = ManualClock()
+    with served(tokenizer, total_steps=1, clock=clock) as (queue, http, _):
         http.post("/ajet/v1/episodes", json={"client_id": "gone"})            # then never heard from again
-        time.sleep(3.5)
+        clock.advance(3.5)
         ep = http.post("/ajet/v1/episodes", json={"client_id": "busy"}).json()
         queue.step_done(1)
         queue.close()
-        result: list[list[str]] = []
-        waiter = threading.Thread(target=lambda: result.append(queue.wait_until_clients_told(timeout_s=30, active_s=3.0)))
-        t0 = time.monotonic()
-        waiter.start()
+        waiter, result = _waiting(queue, timeout_s=30, active_s=3.0)
         for _ in range(8):                                     # 4 s of proxy calls, longer than active_s
-            chat = httpx.post(ep["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {ep['api_key']}"},
-                              json={"model": ep["model"], "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
-            assert chat.status_code == 200, chat.text
-            time.sleep(0.5)
-        assert waiter.is_alive() and not result                # still answering the busy client
+            assert (chat := _chat(ep)).status_code == 200, chat.text
+            clock.advance(0.5)
+        assert waits_on(clock, waiter), result                 # still answering the busy client
         auth = {"X-Ajet-Episode-Token": ep["episode_token"]}
         assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0},
                          headers=auth).status_code == 200
-        assert waiter.is_alive() and not result                # finished, but not yet told
+        clock.advance(2.5)
+        assert waits_on(clock, waiter), result                 # finished, but not yet told
         _refused(http.post("/ajet/v1/episodes", json={"client_id": "busy"}), 410, "run_finished", "1 steps")
-        waiter.join(1.0)                                       # told: done at once (not when it falls silent)
-        assert result == [[]] and time.monotonic() - t0 < 10   # ... and "gone" was not waited for
+        waiter.join(60)                                        # told: done without the clock moving on (not when
+        assert not waiter.is_alive() and result == [[]]        # it falls silent), and "gone" was not waited for
+
+
+class HeldEngine(ScriptedEngine):
+    """A scripted engine whose calls are answered only once `release` is set (a slow generation); `started`
+    is set when a call reaches it."""
+
+    def __init__(self, tokenizer, replies):
+        super().__init__(tokenizer, replies)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    async def generate(self, prompt_ids, params, on_tokens=None):
+        import asyncio
+
+        self.started.set()
+        await asyncio.to_thread(self.release.wait, 120)
+        return await super().generate(prompt_ids, params, on_tokens)
+
+
+def test_a_client_whose_model_call_outlasts_active_s_is_still_waited_for(tokenizer):
+    """A generation longer than `active_s` (a long answer, a loaded engine): the client is busy while its call is
+    in flight, however long since it was last heard from, so the server does not stop under it."""
+    clock, engine = ManualClock(), HeldEngine(tokenizer, ["7"])
+    with served(tokenizer, total_steps=1, clock=clock, engine=engine) as (queue, http, _):
+        ep = http.post("/ajet/v1/episodes", json={"client_id": "busy"}).json()
+        calls: list[httpx.Response] = []
+        caller = threading.Thread(target=lambda: calls.append(_chat(ep)), daemon=True)
+        caller.start()
+        try:
+            assert engine.started.wait(120)                    # the call is being generated
+            queue.step_done(1)
+            queue.close()
+            waiter, result = _waiting(queue, timeout_s=30, active_s=3.0)
+            clock.advance(10.0)                                # ... for longer than active_s
+            assert waits_on(clock, waiter), result
+        finally:
+            engine.release.set()
+        caller.join(120)
+        assert calls and calls[0].status_code == 200, calls
+        auth = {"X-Ajet-Episode-Token": ep["episode_token"]}
+        assert http.post(f"/ajet/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0},
+                         headers=auth).status_code == 200
+        _refused(http.post("/ajet/v1/episodes", json={"client_id": "busy"}), 410, "run_finished", "1 steps")
+        waiter.join(60)
+        assert not waiter.is_alive() and result == [[]]
 
 
 def test_a_resumed_server_with_nothing_left_to_train_answers_the_waiting_clients(tokenizer):
     """Killed after its last checkpoint and resumed: the server has no step left, knows none of the clients
     retrying its port, and still answers for `listen_s` after it began serving, so each hears 410."""
-    with served(tokenizer, attempt=1, total_steps=1) as (queue, http, _):
+    clock = ManualClock()
+    with served(tokenizer, attempt=1, total_steps=1, clock=clock) as (queue, http, _):
         queue.step_done(1)
         queue.close()
-        t0 = time.monotonic()
-        result: list[list[str]] = []
-        waiter = threading.Thread(target=lambda: result.append(queue.wait_until_clients_told(30, 3.0, listen_s=2.5)))
-        waiter.start()
-        time.sleep(1.0)
-        assert waiter.is_alive()                               # no client known, but still listening
+        waiter, result = _waiting(queue, 30, 3.0, listen_s=2.5)
+        clock.advance(1.0)
+        assert waits_on(clock, waiter), result                 # no client known, but still listening
         _refused(http.post("/ajet/v1/episodes", json={"client_id": "retrying"}), 410, "run_finished", "1 steps")
-        waiter.join(10)
-        assert result == [[]] and 1.5 < time.monotonic() - t0 < 5
+        assert waits_on(clock, waiter), result                 # every client told, but listen_s is not over
+        clock.advance(1.6)                                     # 2.6 s after the server began serving
+        waiter.join(60)
+        assert not waiter.is_alive() and result == [[]]
 
 
 def test_nan_and_infinite_metrics_never_reach_metrics_jsonl(tmp_path):

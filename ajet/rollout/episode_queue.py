@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ajet.episode import Episode
+from ajet.progress import active
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
 from ajet.workflow import WorkflowOutput
@@ -114,14 +115,17 @@ class EpisodeQueue:
         record: `record(step, episode)`: commits a finished or abandoned episode to the store.
         judge: `judge(task, WorkflowOutput) -> float` for episodes finished without a reward, or None.
         idle_timeout_s: abandon an episode after this long without a call or heartbeat, seconds.
+        clock: the queue's time source, seconds (`time.monotonic`; a test passes a clock it advances itself,
+            so that what "idle" and "heard from lately" mean does not depend on the machine's load).
     """
 
     def __init__(self, sampler: MultiTaskSampler, num_repeat: int, tasks_per_step: int, total_steps: int,
                  first_step: int, attempt: int, record: Callable[[int, Episode], None], judge: Callable | None = None,
-                 idle_timeout_s: float = 300.0):
+                 idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
         self.num_repeat, self.tasks_per_step, self.total_steps = num_repeat, tasks_per_step, total_steps
         self.attempt, self.record, self.judge, self.idle_timeout_s = attempt, record, judge, idle_timeout_s
         self.sampler = sampler
+        self._clock = clock
         self.multi = len(sampler.samplers) > 1
         self.proxy = None
         self.collecting_step = first_step                # the step new episodes are stored under
@@ -137,7 +141,7 @@ class EpisodeQueue:
         self._tokens: dict[str, str] = {}                # episode id -> its token (running and ended episodes)
         self._adoptable: dict[str, list[Episode]] = {}   # finished, untrained episodes of an earlier attempt
         self._clients: dict[str, _Client] = {}
-        self._serving_since = time.monotonic()           # (reset by `bind`)
+        self._serving_since = clock()                    # (reset by `bind`)
         self.counts = {"begun": 0, "finished": 0, "failed": 0, "abandoned": 0, "aborted": 0, "adopted": 0}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -149,7 +153,7 @@ class EpisodeQueue:
     def bind(self, proxy) -> None:
         """Use `proxy` (a `ProxyServer`) to open and close episode endpoints."""
         self.proxy = proxy
-        self._serving_since = time.monotonic()
+        self._serving_since = self._clock()
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after `step` needs to hand out the same groups again: the sampler position, the
@@ -196,7 +200,7 @@ class EpisodeQueue:
             with self._lock:
                 reaped = [] if self.finished_run else self._reap_idle()
                 client = self._clients.setdefault(client_id, _Client())
-                client.last_seen = time.monotonic()
+                client.last_seen = self._clock()
                 self._refuse_if_stopping(client_id)
                 if self.finished_run:
                     self._tell(client_id)
@@ -207,13 +211,15 @@ class EpisodeQueue:
                 if eid in self._ended:                       # this place was handed out before and abandoned
                     eid += f"-h{group.handouts}"
                 endpoint = self.proxy.open_episode(eid)
-                now = time.monotonic()
+                now = self._clock()
                 token = secrets.token_urlsafe(24)
                 run = _Running(eid, group, repeat, endpoint, token, client_id, now, now)
                 group.running[repeat] = eid
                 self._running[eid], self._by_token[endpoint.api_key], self._tokens[eid] = run, run, token
                 client.begun += 1
                 self.counts["begun"] += 1
+                if (bar := active("step")) is not None:   # the step's progress display: episodes in flight
+                    bar.set(in_flight=len(self._running), clients=len(self._clients))
                 return {"episode_id": eid, "episode_token": token, "base_url": endpoint.base_url,
                         "api_key": endpoint.api_key, "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
                         "dataset": group.dataset,
@@ -242,10 +248,10 @@ class EpisodeQueue:
             self._refuse_if_stopping(self._client_of(episode_id))
             self._check_token(episode_id, token)
             run = self._take(episode_id)
-            self._clients[run.client_id].last_seen = time.monotonic()
+            self._clients[run.client_id].last_seen = self._clock()
         calls = self.proxy.close_episode(run.endpoint)
         ep = Episode(episode_id, run.group.task, run.group.group_id, run.repeat, calls=calls, attempt=self.attempt,
-                     duration_s=time.monotonic() - run.began)
+                     duration_s=self._clock() - run.began)
         if error is not None:
             ep.error = f"the client reported an error:\n{error}"
         else:
@@ -289,7 +295,7 @@ class EpisodeQueue:
             run = self._running.get(episode_id)
             if run is None:
                 self._raise_ended(episode_id)
-            run.last_seen = self._clients[run.client_id].last_seen = time.monotonic()
+            run.last_seen = self._clients[run.client_id].last_seen = self._clock()
             return {"episode_id": episode_id, "status": "running"}
 
     def activity(self, token: str, delta: int) -> None:
@@ -298,11 +304,11 @@ class EpisodeQueue:
             run = self._by_token.get(token)
             if run is not None:
                 run.in_flight += delta
-                run.last_seen = self._clients[run.client_id].last_seen = time.monotonic()
+                run.last_seen = self._clients[run.client_id].last_seen = self._clock()
 
     def status(self) -> dict[str, Any]:
         """The run's state for dashboards and waiting clients."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             return {"policy_version": self.proxy.engine.policy_version if self.proxy else 0,
                     "step": self.trained_step, "total_steps": self.total_steps, "finished": self.finished_run,
@@ -368,15 +374,18 @@ class EpisodeQueue:
         410 `run_finished` or 503 `server_restarting`, at most `timeout_s` seconds. A client finishing its last
         episode, or sleeping between retries (up to 5 s), then learns that the run is over instead of finding
         the server gone (a refused connection, which a client retries for its whole `retry_for_s`). Clients
-        silent for longer than `active_s` are taken for gone. `listen_s`: answer at least until this many
+        silent for longer than `active_s` are taken for gone, except one with a model call in flight, however
+        long its generation takes (a loaded engine, a long answer). `listen_s`: answer at least until this many
         seconds after `bind` (a resumed server that had nothing left to train: the killed attempt's clients
         are retrying, unknown to it). Returns the ids of the clients still untold."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self._clock() + timeout_s
         listen_until = min(self._serving_since + listen_s, deadline)
         with self._changed:
             while True:
-                now = time.monotonic()
-                untold = [cid for cid, c in self._clients.items() if not c.told and now - c.last_seen <= active_s]
+                now = self._clock()
+                calling = {r.client_id for r in self._running.values() if r.in_flight > 0}   # however long it takes
+                untold = [cid for cid, c in self._clients.items()
+                          if not c.told and (cid in calling or now - c.last_seen <= active_s)]
                 if (not untold and now >= listen_until) or now >= deadline:
                     return untold
                 self._changed.wait(timeout=min(0.2, deadline - now))
@@ -483,7 +492,7 @@ class EpisodeQueue:
         """Abandon every idle episode at once (lock held, never released in between: a second reaper in
         another thread finds them gone, not half gone) and free their places; returns (run, reason) for
         `_store_dropped`, which the caller runs without the lock."""
-        now = time.monotonic()
+        now = self._clock()
         reaped = []
         for run in [r for r in self._running.values() if r.in_flight == 0 and now - r.last_seen > self.idle_timeout_s]:
             reason = f"abandoned: no call or heartbeat for {self.idle_timeout_s:g}s (client {run.client_id})"
