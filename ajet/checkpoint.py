@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ajet import progress
 from ajet.faults import kill_point
 
 TRAINER_STATE = "trainer_state.pt"
@@ -32,8 +33,9 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any]) -> P
     _recover(root)
     tmp, final, old = root / f".step_{step}.tmp", root / f"step_{step}", root / f".step_{step}.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    backbone.save_checkpoint(tmp)
-    torch.save(trainer_state, tmp / TRAINER_STATE)
+    with progress.phase(f"checkpoint step {step}"):   # the weights may take minutes to write
+        backbone.save_checkpoint(tmp)
+        torch.save(trainer_state, tmp / TRAINER_STATE)
     kill_point("checkpoint", step)
     if final.exists():
         os.replace(final, old)

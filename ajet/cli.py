@@ -32,6 +32,12 @@ def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--with-ray", nargs="?", const=2, type=int, metavar="N",
                    help="run episodes on N Ray actors (default 2; rollout.ray_workers); needs pip install 'ajet[ray]'")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
+    return _quiet_flag(p)
+
+
+def _quiet_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress display and no status lines: only the "
+                                                              "step lines (or the evaluation's result) and errors")
     return p
 
 
@@ -108,7 +114,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, metavar="T", help="0 = greedy; default eval.temperature")
     p.add_argument("--out", metavar="DIR", help="output folder (default <exp_dir>/eval/<model>)")
     p.add_argument("--backbone", choices=["debug", "verl", "trinity"], help="engine to serve the policy with")
-    return p
+    return _quiet_flag(p)
 
 
 def _view_parser() -> argparse.ArgumentParser:
@@ -261,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         command, args = _train, build_parser().parse_args(argv)
     from ajet.errors import AjetError
 
+    if getattr(args, "quiet", False):
+        from ajet.progress import set_quiet
+
+        set_quiet()
     try:
         return command(args)
     except AjetError as exc:

@@ -339,6 +339,12 @@ class TrainerConfig(_Section):
     save_trajectories: bool = Field(True, description="write every episode (calls with token ids and logprobs, "
                                                       "samples, reward) to exp_dir/trajectories.jsonl")
     resume: bool = Field(False, description="continue from the newest checkpoint in exp_dir (CLI: --resume)")
+    progress: bool = Field(True, description="show the progress of evaluations, rollouts, updates and checkpoint "
+                                             "writes: a live display on a terminal, else one line per phase every "
+                                             "progress_interval_s; false (or the CLI's --quiet) shows none")
+    progress_interval_s: float = Field(30.0, gt=0, description="seconds between two progress lines of a phase when "
+                                                               "stdout is not a terminal (the environment variable "
+                                                               "AJET_PROGRESS_INTERVAL_S overrides it)")
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
     val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
                                                "last step (logged as val/*); 0 = never")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ajet import progress
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
@@ -154,8 +155,10 @@ def evaluate(cfg: AjetConfig, engine, tokenizer, workflow, judge, tasks: list[Ta
                         max_model_len=cfg.model.max_model_len, host=cfg.proxy.host,
                         max_body_bytes=cfg.proxy.max_body_bytes, accepted_models=cfg.proxy.accepted_models).start()
     try:
-        episodes = asyncio.run(rollout(workflow, tasks, e.n, proxy, judge, step, r.max_concurrency,
-                                       r.episode_timeout_s, on_episode_done=on_episode_done, tools=tools))
+        with progress.phase(f"eval (step {step})" if step else "eval", len(tasks) * e.n) as bar:   # ajet/progress.py
+            on_episode_done = progress.episode_counter(bar, e.pass_threshold, on_episode_done)
+            episodes = asyncio.run(rollout(workflow, tasks, e.n, proxy, judge, step, r.max_concurrency,
+                                           r.episode_timeout_s, on_episode_done=on_episode_done, tools=tools))
     finally:
         proxy.stop()
     metrics, rows = summarize(episodes, e.n, e.pass_threshold)
@@ -272,8 +275,9 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     judge = load_judge(cfg)
     out_dir = Path(out) if out else cfg.exp_path() / "eval" / Path(cfg.model.path).name
     console = Console(highlight=False)
-    console.print(f"[bold]ajet eval[/] {cfg.experiment_name}: model={cfg.model.path} tasks={len(tasks)} "
-                  f"n={cfg.eval.n} temperature={cfg.eval.temperature}{' (greedy)' if cfg.eval.temperature == 0 else ''}")
+    progress.configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)
+    progress.note(console, f"[bold]ajet eval[/] {cfg.experiment_name}: model={cfg.model.path} tasks={len(tasks)} "
+                           f"n={cfg.eval.n} temperature={cfg.eval.temperature}{' (greedy)' if cfg.eval.temperature == 0 else ''}")
     bb = load_backbone(cfg.backbone)(cfg)
     tools = McpHub(cfg.tools, cfg.config_dir, out_dir).start() if cfg.tools.mcp_servers else None
     try:

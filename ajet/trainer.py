@@ -32,6 +32,7 @@ from ajet.errors import AjetError, ConfigError
 from ajet.failures import failure_counts, failure_summary
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
+from ajet.progress import fmt_duration
 from ajet.task import Task
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
@@ -60,6 +61,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     from ajet.backbones import load_backbone
     from ajet.eval import Validator
     from ajet.metrics_log import MetricsLogger
+    from ajet.progress import RunEta, configure, note, phase, quiet, reporter
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext
     from ajet.rollout.dynamic_sampling import DynamicSampling
@@ -90,6 +92,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         for name in ("metrics.jsonl", "trajectories.jsonl"):
             checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
     log = MetricsLogger(exp_dir, first_step=first_step, loggers=cfg.trainer.active_loggers(), run_config=cfg)
+    configure(log.console, cfg.trainer.progress, cfg.trainer.progress_interval_s)   # ajet/progress.py
     progress: list[Callable[..., None]] = [lambda status=None: None]
     collecting = [first_step]                     # the step whose progress bar is shown
 
@@ -114,14 +117,14 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         torch.set_rng_state(state["torch_rng"])
     (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
-    log.console.print(f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
+    note(log.console, f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
                       f"tasks={' + '.join(f'{len(t)} ({n})' for n, t in datasets.items())} -> {exp_dir}")
     t_load = time.perf_counter()
     backbone = backbone_cls(cfg)
     if resume_from is not None:
         backbone.load_checkpoint(resume_from)
     if cfg.trainer.resume:
-        log.console.print(f"resumed from {resume_from or 'the start (no checkpoint yet)'} (attempt {attempt}); "
+        note(log.console, f"resumed from {resume_from or 'the start (no checkpoint yet)'} (attempt {attempt}); "
                           f"next step {first_step}")
     r = cfg.rollout
     proxy = ProxyServer(backbone.engine, backbone.tokenizer,
@@ -133,22 +136,25 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     proxy.port = port
     source.bind(proxy)
     proxy.start()
-    log.console.print(f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    note(log.console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
     failed_in_a_row = 0
     try:
         if cfg.tools.mcp_servers:   # started once per run; stopped below
             ctx.tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
-            log.console.print(f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
+            note(log.console, f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
         # held-out val/* at step 0 and every trainer.val_freq steps (never trained on)
         validate = Validator(cfg, backbone, getattr(source, "workflow", None), getattr(source, "judge", None), ctx.tools,
                              log.console)
         if first_step == 1 and (val := validate(0)):
             log.log(0, val)
+        eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
             gen0 = getattr(backbone.engine, "generated_tokens", 0)
-            with log.progress(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as advance:
-                progress[0], collecting[0] = advance, step
+            with phase(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as bar:
+                progress[0] = lambda status=None, bar=bar, gen0=gen0: bar.advance(
+                    1, status=status, tokens=getattr(backbone.engine, "generated_tokens", 0) - gen0)
+                collecting[0] = step
                 episodes = source.collect(step)
                 progress[0] = lambda status=None: None
             kill_point("stored", step)
@@ -206,7 +212,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 for e in episodes:
                     log.write_episode(step, e.to_dict())
                 log.flush()
-            log.console.print(_console_line(step, total, metrics))
+            log.console.print(_console_line(step, total, metrics, eta.step_done(step)))
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
                 checkpoint.save(exp_dir, step, backbone, {
                     "step": step, "attempt": attempt, "rollout": source.state_dict(step),
@@ -219,9 +225,10 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         backbone.close()
         store.close()
         log.close()
+        reporter().close()   # a phase an error left open: its live display stops
         from ajet.viewer.plots import write_plots_safely
 
-        write_plots_safely(exp_dir, log.console)   # EXP_DIR/plots/*.png, also after a failed run
+        write_plots_safely(exp_dir, None if quiet() else log.console)   # EXP_DIR/plots/*.png, also after a failed run
     return exp_dir
 
 
@@ -398,13 +405,15 @@ def _sig3(x: float) -> str:
     return f"{x:.0f}" if "e+" in text else text
 
 
-def _console_line(step: int, total: int, m: dict[str, Any]) -> str:
-    """The one console line a finished step prints (counts, reward, merge, generation speed, timings)."""
+def _console_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:
+    """The one console line a finished step prints (counts, reward, merge, generation speed, timings), ending with
+    the run's time left `eta_s` (`ajet.progress.RunEta`; None: not shown)."""
     return (f"step {step}/{total} | episodes {m['rollout/episodes']} ({m['rollout/failed']} failed) | "
             f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f} | calls {m['rollout/calls']} -> samples "
             f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x, {m['tracker/forks']} forks, tokens "
             f"{m['tracker/token_ratio']:.2f}x fewer) | gen {_sig3(m['rollout/tokens_per_s'])} tok/s | "
             f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s"
             + (f" | clients {m['serve/clients']}, running {m['serve/running']}, abandoned {m['serve/abandoned']}"
-               if "serve/clients" in m else ""))
+               if "serve/clients" in m else "")
+            + (f" | ETA {fmt_duration(eta_s)}" if eta_s is not None else ""))
 

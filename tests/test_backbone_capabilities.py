@@ -85,7 +85,7 @@ def test_the_declarations_are_well_formed():
 
 
 class _TrainerWithANewField(TrainerConfig):
-    progress: bool = True
+    new_knob: bool = True
 
 
 class _ConfigWithANewField(AjetConfig):
@@ -96,14 +96,14 @@ def test_a_new_field_without_a_declaration_fails_the_walk_and_is_refused_when_se
     """A field added to a section without a declaration is reported by the walk for every backbone; at run time
     it is refused once set to a non-default value (never ignored)."""
     for b in BACKBONES:
-        assert _not_declared(b, _ConfigWithANewField) == ["trainer.progress"]
-    assert [cap.undeclared(b, _ConfigWithANewField) for b in BACKBONES] == [["trainer.progress"]] * 3
+        assert _not_declared(b, _ConfigWithANewField) == ["trainer.new_knob"]
+    assert [cap.undeclared(b, _ConfigWithANewField) for b in BACKBONES] == [["trainer.new_knob"]] * 3
     cfg = _ConfigWithANewField.model_validate({"data": {"train_path": "t.jsonl"}})
     assert [cap.refusals(cfg, b) for b in BACKBONES] == [[], [], []]    # at its default: nothing to refuse
-    cfg.trainer.progress = False
+    cfg.trainer.new_knob = False
     for b in BACKBONES:
         (r,) = cap.refusals(cfg, b)
-        assert (r.path, r.value, r.honoured_by) == ("trainer.progress", False, ())
+        assert (r.path, r.value, r.honoured_by) == ("trainer.new_knob", False, ())
         assert "no declaration" in r.message() and f"the {b} backbone" in r.message()
     # a declaration removed: the walk names that field
     monkeypatch.delitem(cap.TRINITY, "trainer.async.max_staleness")

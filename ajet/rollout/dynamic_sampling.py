@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ajet.algorithm.sampling import ZERO_STD_REASON, groups_with_signal, zero_std_groups
 from ajet.errors import ConfigError
+from ajet.progress import active
 
 if TYPE_CHECKING:
     from ajet.config import AjetConfig
@@ -41,6 +42,7 @@ class DynamicSampling:
         self.source, self.tasks_per_step = source, cfg.trainer.tasks_per_step
         self.max_oversample = cfg.algorithm.dynamic_sampling.max_oversample
         self.failed_episode_policy = cfg.rollout.failed_episode_policy
+        self.num_repeat = cfg.rollout.num_repeat
         self.oversampled = 0
 
     def collect(self, step: int) -> list[Episode]:
@@ -52,6 +54,8 @@ class DynamicSampling:
         while (missing := self.tasks_per_step - len(groups_with_signal(episodes, self.failed_episode_policy))) > 0 \
                 and self.oversampled < self.max_oversample:
             n = min(missing, self.max_oversample - self.oversampled)
+            if (bar := active("step")) is not None and bar.total is not None:   # the rollout display waits for more
+                bar.set(total=bar.total + n * self.num_repeat, extra_tasks=self.oversampled + n)
             episodes += self.source.collect_more(step, n)
             self.oversampled += n
         flat = set(zero_std_groups(episodes))

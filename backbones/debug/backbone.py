@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ajet import progress
 from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, truncated_is_weights
 from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
@@ -96,14 +97,18 @@ class DebugBackbone:
             before = None if one_step else self.measure(trainable)
             self._prox = self._proximal_logprobs(trainable) if self.is_cap is not None and not one_step else None
             self.model.train()
+            bar = progress.phase("update", alg.ppo_epochs * len(_split(episodes, alg.mini_batches)))  # mini-batches
             for epoch in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
                 for mb_eps in _split(episodes, alg.mini_batches):
+                    bar.advance(0, epoch=epoch + 1)
                     chosen = set(mb_eps)
                     stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
                     for k, v in stats.items():
                         totals[k] = totals.get(k, 0.0) + v
                     steps += 1
+                    bar.advance(1)
+            bar.close()
             self.model.eval()
             self.engine.policy_version += 1
         self._prox = self._teacher_lp = None
