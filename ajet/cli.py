@@ -9,6 +9,8 @@ command runs, so `ajet --help` is instant.
     ajet eval --conf X.yaml [--checkpoint DIR | --model M] [--n K] ...                 held-out evaluation
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
     ajet show EXP_DIR [--step N] [--episode ID]                                       trajectories in the terminal
+    ajet sft --from EXP_DIR --conf X.yaml [--min-reward R] [--agent NAME] ...         fine-tune on recorded traces
+    ajet export --format hf EXP_DIR OUT [--min-reward R] [--agent NAME]               recorded samples as a dataset
     ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
     ajet init [DIR] [--kind chat|command|harness|mcp] [--force]                       a new project
 
@@ -92,6 +94,51 @@ def _gateway_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="bind address (gateway.host; default 127.0.0.1; other hosts need gateway.secret)")
     p.add_argument("--port", type=int, help="port (gateway.port; 0 picks a free one)")
     return p
+
+
+def _sft_parser() -> argparse.ArgumentParser:
+    p = _run_flags(argparse.ArgumentParser(
+        prog="ajet sft", description="Fine-tune on a finished run's recorded samples, with their exact tokens and "
+                                     "loss masks (rejection sampling with --min-reward); docs/sft.md."))
+    _trace_filters(p)
+    p.add_argument("--from", dest="from_dir", required=True, metavar="EXP_DIR",
+                   help="the finished run's experiment folder (sft.from_dir)")
+    return p
+
+
+def _trace_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-reward", type=float, metavar="R", help="keep episodes with reward >= R (sft.min_reward)")
+    p.add_argument("--agent", metavar="NAME", help="keep only this agent tag's samples (sft.agent)")
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet export", description="Write a finished run's recorded samples as a "
+                                "Hugging Face `datasets` folder (save_to_disk) that TRL's SFTTrainer reads; "
+                                "docs/sft.md.")
+    p.add_argument("--format", choices=["hf"], default="hf", help="hf: a datasets folder (load_from_disk)")
+    _trace_filters(p)
+    p.add_argument("exp_dir", metavar="EXP_DIR", help="the finished run's experiment folder")
+    p.add_argument("out", metavar="OUT", help="the folder to write (must not exist)")
+    return p
+
+
+def _gateway_rollback_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet gateway rollback", description="Make the gateway of an experiment serve "
+                                "an earlier policy version (a running one within a second of its trainer being free; "
+                                "else when it is started with --resume); docs/gateway.md.")
+    p.add_argument("--conf", required=True, metavar="YAML", help="the gateway's config file")
+    p.add_argument("--exp-dir", metavar="DIR", help="the gateway's experiment folder (if it was started with one)")
+    p.add_argument("--to", type=int, metavar="VERSION", help="the version to serve (default: the one served before "
+                                                             "the current one)")
+    p.add_argument("--wait", type=float, default=30.0, metavar="S", help="seconds to wait for a running gateway "
+                                                                         "to do it (default 30)")
+    return p
+
+
+def _gateway_rollback(args: argparse.Namespace) -> int:
+    from ajet.gateway.gate import rollback_main
+
+    return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
 
 
 def doctor_parser() -> argparse.ArgumentParser:
@@ -215,6 +262,21 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from ajet.trainer import run
+
+    run(_load(args, **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward, "sft.agent": args.agent}))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ajet.export import export_hf
+
+    out, rows = export_hf(args.exp_dir, args.out, args.min_reward, args.agent)
+    print(f"{rows} samples -> {out} (datasets.load_from_disk)")
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from ajet.doctor import main as doctor
 
@@ -253,7 +315,8 @@ def _show(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway), "doctor": (doctor_parser, _doctor),
                "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
-               "harnesses": (_harnesses_parser, _harnesses), "init": (_init_parser, _init)}
+               "harnesses": (_harnesses_parser, _harnesses),
+               "sft": (_sft_parser, _sft), "export": (_export_parser, _export), "init": (_init_parser, _init)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -568,6 +568,25 @@ class GatewayConfig(_Section):
                                          "than this are deleted from gateway.sqlite, days; None: kept forever")
 
 
+class SftConfig(_Section):
+    """Supervised fine-tuning on a finished run's recorded samples (`ajet sft`; docs/sft.md): the trainer replays
+    the samples of `from_dir` (their exact tokens and loss masks; no generation) and the backbone's update
+    minimises the token-level cross-entropy on their loss-mask-1 tokens (mean over tokens) instead of the RL loss.
+    With `min_reward` it is rejection-sampling fine-tuning. `algorithm.lr`, `mini_batches`, `micro_batch_tokens`
+    and `max_grad_norm` apply; `trainer.total_steps` counts updates."""
+
+    from_dir: str = Field(description="the finished run's experiment folder (its trajectories.sqlite, else "
+                                      "trajectories.jsonl), relative to the working directory; CLI: --from")
+    min_reward: float | None = Field(None, description="keep only the episodes whose reward is at least this "
+                                                       "(rejection sampling); None: every successful episode; "
+                                                       "CLI: --min-reward")
+    agent: str | None = Field(None, description="keep only the samples of this agent tag; None: every agent; "
+                                                "CLI: --agent")
+    episodes_per_step: int | None = Field(None, ge=1, description="kept episodes per update, in recorded order, "
+                                          "starting over after the last; None: all of them, so each step is one "
+                                          "pass (epoch) over the kept samples")
+
+
 class McpServerConfig(_Section):
     """One MCP server, in the common `mcpServers` shape: a stdio `command` (+ `args`, `env`, `cwd`) that ajet
     starts, or the `url` of a streamable-HTTP server that ajet connects to (+ `headers`).
@@ -677,6 +696,9 @@ class AjetConfig(_Section):
                                    "endpoint for deployed agents, trained on their sessions' feedback")
     tools: ToolsConfig = Field(
         default_factory=ToolsConfig, description="tools from MCP servers, given to workflows as `tuner.tools`")
+    sft: SftConfig | None = Field(None, description="fine-tune on a finished run's recorded samples instead of "
+                                  "running episodes (the keys below; `ajet sft` sets it); None: reinforcement "
+                                  "learning")
     eval: EvalConfig = Field(
         default_factory=EvalConfig, description="held-out evaluation (`ajet eval`, trainer.val_freq)")
     llm_judge: LLMJudgeConfig = Field(

@@ -104,8 +104,13 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
 
     ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, log.console)
     try:
-        source = (make_source or InProcessRollout.from_context)(ctx)   # loads the workflow: fails before the model
-        if cfg.algorithm.dynamic_sampling.enabled:   # refills the step's groups with signal (DAPO)
+        default_source = InProcessRollout.from_context
+        if cfg.sft is not None:   # fine-tuning on a finished run's recorded samples (ajet/sft.py): nothing is generated
+            from ajet.sft import RecordedSource
+
+            default_source = RecordedSource.from_context
+        source = (make_source or default_source)(ctx)   # loads the workflow: fails before the model
+        if cfg.algorithm.dynamic_sampling.enabled and cfg.sft is None:   # refills the step's groups with signal (DAPO)
             source = DynamicSampling(source, cfg)
     except BaseException:
         store.close()
@@ -167,10 +172,13 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
                                 + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
                                 f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
+            # recorded samples (sft) carry another run's policy versions: no staleness bound applies to them
+            max_staleness = cfg.trainer.async_.max_staleness if cfg.sft is None else None
             guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version,
-                                            cfg.trainer.async_.max_staleness)
+                                            max_staleness)
             for e in usable:
-                if id(e) not in guarded:   # a guarded episode's ids may not even decode: no samples
+                # a guarded episode's ids may not even decode: no samples; recorded samples (sft) train as stored
+                if id(e) not in guarded and (cfg.sft is None or not e.samples):
                     e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
                                             cfg.algorithm.train_greedy_calls)
             trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
@@ -178,8 +186,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             # asynchronous training: a sample with a token older than max_staleness versions is never trained
             # (stale_policy "flag": they are trained, importance-corrected, and only counted by the guard)
             samples, staleness = _drop_stale(samples, backbone.engine.policy_version,
-                                             cfg.trainer.async_.max_staleness
-                                             if cfg.algorithm.guards.stale_policy == "drop" else None)
+                                             max_staleness if cfg.algorithm.guards.stale_policy == "drop" else None)
             # every usable episode is in its group's baseline, with or without a trained sample
             assign_advantages(samples, {e.episode_id: e.reward for e in usable},
                               {e.episode_id: e.group_id for e in usable},

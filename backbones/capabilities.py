@@ -137,6 +137,8 @@ _NO_TOP_P = ("{who} scores a batch at one temperature without nucleus truncation
 _ONLY_VERL = "the `verl:` block configures the verl backbone only"
 _ONLY_TRINITY = "the `trinity:` block configures the trinity backbone only"
 _GATEWAY_UNTESTED = "`ajet gateway` is tested with the debug backbone only so far; use --backbone=debug"
+_SFT_UNTESTED = ("fine-tuning on recorded traces (`ajet sft`) is implemented and tested in the debug backbone's "
+                 "update only so far; use --backbone=debug")
 
 # backbones/debug/backbone.py: ajet's own update, in this process
 DEBUG: dict[str, Support] = {
@@ -180,6 +182,7 @@ DEBUG: dict[str, Support] = {
     "gateway.rate_limit_rps": HONOURED,
     "gateway.rate_limit_burst": HONOURED,
     "gateway.retention_days": HONOURED,
+    "sft": honoured("token-level cross-entropy on the loss-mask-1 tokens, mean over tokens"),
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -229,6 +232,7 @@ VERL: dict[str, Support] = {
     "gateway.rate_limit_rps": refused(_GATEWAY_UNTESTED),
     "gateway.rate_limit_burst": refused(_GATEWAY_UNTESTED),
     "gateway.retention_days": refused(_GATEWAY_UNTESTED),
+    "sft": refused(_SFT_UNTESTED),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -279,6 +283,7 @@ TRINITY: dict[str, Support] = {
     "gateway.rate_limit_rps": refused(_GATEWAY_UNTESTED),
     "gateway.rate_limit_burst": refused(_GATEWAY_UNTESTED),
     "gateway.retention_days": refused(_GATEWAY_UNTESTED),
+    "sft": refused(_SFT_UNTESTED),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }

@@ -234,3 +234,32 @@ def distill_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, teacher_log
     ratio = torch.exp(torch.where(live, logprobs - old_logprobs, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss = torch.where(live, weights * ratio * kl, zero).sum()
     return loss, float(torch.where(live, weights * kl, zero).sum())
+
+
+def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Supervised fine-tuning: the token-level cross-entropy (negative log-likelihood) of the trained tokens,
+
+        loss = - sum_t w_t log pi_theta(x_t)
+
+    With w_t = 1 / N on each of the N loss-mask-1 tokens of the mini-batch (`loss_token_weights` in mode
+    token-mean) this is the mean cross-entropy over those tokens, however the mini-batch is cut into
+    micro-batches: what TRL's `SFTTrainer` minimises with a completion-only loss (labels -100 off the mask,
+    the mean over the remaining tokens of the whole batch). On recorded traces with a reward filter it is
+    rejection-sampling fine-tuning (Yuan et al. 2023, "Scaling Relationship on Learning Mathematical
+    Reasoning with Large Language Models", arXiv:2308.01825).
+
+    Args:
+        logprobs: `[batch, seq]` log pi_theta(token) at temperature 1 (requires grad).
+        weights: `[batch, seq]` per-token weight, 0 where the loss mask is 0; positions of weight 0 contribute
+            exactly 0 to the loss and its gradient, even when their logprobs are -inf or NaN.
+    Returns:
+        a scalar tensor to call backward on.
+    Raises:
+        ValueError: shapes that differ.
+    """
+    if logprobs.shape != weights.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and weights {tuple(weights.shape)} must both be "
+                         f"[batch, seq]")
+    live = weights != 0
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    return -torch.where(live, weights * logprobs, zero).sum()

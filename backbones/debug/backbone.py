@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ajet import progress
-from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, truncated_is_weights
+from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, sft_loss, truncated_is_weights
 from ajet.backbones.debug.engine import HFEngine
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
@@ -78,7 +78,10 @@ class DebugBackbone:
         and logprob_diff (mean |trainer - engine| logprob), token means over the forwarded loss tokens
         measured BEFORE any weight moves in this step (0 up to numerics when rollout and training
         agree); optimizer_steps, update_s.
+        With an `sft:` section the update is supervised instead: see `sft_update`.
         """
+        if self.cfg.sft is not None:   # fine-tuning on recorded traces (ajet/sft.py)
+            return self.sft_update(samples)
         alg = self.cfg.algorithm
         t0 = time.perf_counter()
         trainable = [s for s in samples if s.num_loss_tokens > 0]
@@ -125,6 +128,54 @@ class DebugBackbone:
         out.update({k: v / steps for k, v in totals.items() if not k.startswith("_")}, **before)
         out.update(update_s=time.perf_counter() - t0, optimizer_steps=float(steps))
         return out
+
+    def sft_update(self, samples: list[Sample]) -> dict[str, float]:
+        """Supervised fine-tuning on `samples` (their recorded tokens and loss masks; advantages are not used):
+        `algorithm.ppo_epochs` passes, each split into `algorithm.mini_batches` optimizer steps by episode; each
+        step minimises `sft_loss`, the mean cross-entropy over the mini-batch's loss-mask-1 tokens (tokens scored
+        at temperature 1 without a nucleus, whatever the recorded call sampled with).
+
+        Returns: sft_loss (the mean cross-entropy, nats per token, of the first optimizer step's mini-batch
+        before it moved the weights: with one mini-batch, the loss of the step's samples under the weights
+        the step started from), loss (the mean of every optimizer step's), grad_norm (mean), sft_tokens
+        (loss tokens in the step), optimizer_steps, update_s.
+        """
+        alg = self.cfg.algorithm
+        t0 = time.perf_counter()
+        trainable = [s for s in samples if s.num_loss_tokens > 0]
+        if not trainable:
+            return {"update_s": 0.0, "optimizer_steps": 0.0}
+        episodes = sorted({s.episode_id for s in trainable})
+        losses, norms = [], []
+        with self.engine.weights_lock:
+            self.model.train()
+            for _ in range(alg.ppo_epochs):
+                self._rng.shuffle(episodes)
+                for mb_eps in _split(episodes, alg.mini_batches):
+                    chosen = set(mb_eps)
+                    mb = [s for s in trainable if s.episode_id in chosen]
+                    weights = loss_token_weights(list(range(len(mb))), [s.num_loss_tokens for s in mb], "token-mean")
+                    self.optimizer.zero_grad(set_to_none=True)
+                    total = 0.0
+                    for micro in _micro_batches(list(zip(mb, weights)), alg.micro_batch_tokens):
+                        batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id,
+                                         self.device)
+                        logprobs, _ = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
+                                                     torch.ones_like(batch["temperatures"]),
+                                                     score_mask=batch["loss_mask"])
+                        loss = sft_loss(logprobs, batch["weights"])
+                        loss.backward()
+                        total += float(loss.detach())
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(
+                        [p for p in self.model.parameters() if p.requires_grad], alg.max_grad_norm)))
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    losses.append(total)
+            self.model.eval()
+            self.engine.policy_version += 1
+        return {"sft_loss": losses[0], "loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms),
+                "sft_tokens": float(sum(s.num_loss_tokens for s in trainable)), "optimizer_steps": float(len(losses)),
+                "update_s": time.perf_counter() - t0}
 
     def _optimizer_step(self, samples: list[Sample]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)

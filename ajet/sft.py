@@ -1,0 +1,241 @@
+"""Fine-tuning on recorded traces: the samples a finished run recorded, replayed as a rollout source.
+
+Rejection-sampling fine-tuning (RFT; Yuan et al. 2023, "Scaling Relationship on Learning Mathematical Reasoning
+with Large Language Models"): keep the episodes whose reward is at least `sft.min_reward` and train on their
+samples with the supervised objective (token-level cross-entropy on the loss-mask-1 tokens,
+`ajet.algorithm.loss.sft_loss`). The tokens are the recorded ones, exactly: each sample's `prompt_ids`,
+`response_ids` and `loss_mask` as the run stored them in `trajectories.sqlite` (read through
+`ajet.viewer.run_reader.RunReader`), or inside the records of `trajectories.jsonl` for a run without the
+SQLite store. Nothing is re-tokenized or re-rendered; no call is generated.
+
+    recorded = read_recorded(exp_dir, min_reward=1.0, agent=None)   # [RecordedEpisode], oldest first
+    source = RecordedSource.from_context(ctx)                        # what `ajet sft` trains from
+
+The one training loop (`ajet.trainer.run`) runs SFT when the config has an `sft:` section: this source
+instead of the workflow, the backbone's update with the SFT objective. `ajet export` (ajet/export.py) writes
+the same samples as a Hugging Face `datasets` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ajet.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ajet.episode import Episode
+    from ajet.rollout import RolloutContext
+    from ajet.tracker.sample import Sample
+
+_PAGE = 500   # RunReader's largest page
+
+
+@dataclass
+class RecordedEpisode:
+    """One successful episode of a recorded run and its samples, as stored.
+
+    Attributes:
+        record: the episode's stored record (`Episode.to_dict()`: task, calls, reward, ...).
+        attempt: the trainer attempt that stored it; step: the step it was collected for.
+        reward: its reward (finite: failed episodes are never read).
+        samples: its samples as stored (`Sample.to_dict()` plus `trained`, `advantage`), filtered by agent.
+        samples_source: where they come from: "store" (the samples table), "record" (inside the record) or
+            "rebuilt" (merged again from the calls by the context tracker: a store written before samples were kept).
+    """
+
+    record: dict[str, Any]
+    attempt: int
+    step: int
+    reward: float
+    samples: list[dict[str, Any]]
+    samples_source: str
+
+    @property
+    def episode_id(self) -> str:
+        return self.record["episode_id"]
+
+
+def read_recorded(exp_dir: str | Path, min_reward: float | None = None,
+                  agent: str | None = None) -> list[RecordedEpisode]:
+    """The successful episodes of a finished run with reward >= `min_reward`, each with its samples of agent
+    `agent`, in the order the run stored them (every attempt: an episode a resumed run re-collected is a
+    second, different episode).
+
+    Args:
+        exp_dir: the run's folder, holding `trajectories.sqlite` (preferred) or `trajectories.jsonl`.
+        min_reward: keep episodes whose reward is at least this (None: every successful episode).
+        agent: keep only the samples of this agent tag (None: every agent); an episode left with no sample is dropped.
+    Returns:
+        [RecordedEpisode], possibly empty.
+    Raises:
+        ConfigError: `exp_dir` holds neither file.
+    """
+    exp_dir = Path(exp_dir)
+    if (exp_dir / "trajectories.sqlite").is_file():
+        episodes = _from_store(exp_dir)
+    elif (exp_dir / "trajectories.jsonl").is_file():
+        episodes = _from_jsonl(exp_dir / "trajectories.jsonl")
+    else:
+        raise ConfigError(f"sft.from_dir: {exp_dir} holds neither trajectories.sqlite nor trajectories.jsonl: pass the "
+                          f"folder a finished run wrote (its trainer.exp_dir)")
+    out = []
+    for e in episodes:
+        if min_reward is not None and e.reward < min_reward:
+            continue
+        if agent is not None:
+            e.samples = [s for s in e.samples if s.get("agent_tag") == agent]
+        if e.samples:
+            out.append(e)
+    return out
+
+
+def _from_store(exp_dir: Path) -> list[RecordedEpisode]:
+    """Every successful episode of `exp_dir/trajectories.sqlite`, in storage order, with its stored samples."""
+    from ajet.viewer.run_reader import RunReader
+
+    reader = RunReader(exp_dir)
+    order = {(eid, att): i for i, (eid, att) in enumerate(reader.db.execute(
+        "SELECT episode_id, attempt FROM episodes ORDER BY rowid"))}
+    rows: list[dict[str, Any]] = []
+    while True:
+        page = reader.episodes(failed=False, offset=len(rows), limit=_PAGE)["episodes"]
+        rows += page
+        if len(page) < _PAGE:
+            break
+    rows.sort(key=lambda r: order[(r["episode_id"], r["attempt"])])
+    out = []
+    for r in rows:
+        if r["reward"] is None or not math.isfinite(r["reward"]):
+            continue
+        samples, source = reader.samples(r["episode_id"], r["attempt"])
+        record = json.loads(reader.db.execute("SELECT record FROM episodes WHERE episode_id = ? AND attempt = ?",
+                                              (r["episode_id"], r["attempt"])).fetchone()[0])
+        out.append(RecordedEpisode(record, r["attempt"], r["step"], float(r["reward"]), samples, source))
+    return out
+
+
+def _from_jsonl(path: Path) -> list[RecordedEpisode]:
+    """Every successful episode of a `trajectories.jsonl` (one `{"step", **Episode.to_dict()}` per line; a torn
+    last line is skipped), with the samples inside its record, else rebuilt from its calls."""
+    from ajet.viewer.run_reader import _rebuild_samples
+
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        reward = record.get("reward")
+        if record.get("error") is not None or reward is None or not math.isfinite(reward):
+            continue
+        samples, source = record.get("samples") or [], "record"
+        if not samples and record.get("calls"):
+            samples, source = _rebuild_samples(record), "rebuilt"
+        out.append(RecordedEpisode(record, record.get("attempt", 0), record.get("step", 0), float(reward), samples,
+                                   source))
+    return out
+
+
+def to_sample(d: dict[str, Any], episode_id: str) -> Sample:
+    """A `Sample` with a stored sample's tokens, loss mask, logprobs and sampling settings unchanged
+    (fields this version does not know are dropped), belonging to `episode_id`."""
+    from ajet.tracker.sample import Sample
+
+    known = {f.name for f in fields(Sample)}
+    return Sample(**{**{k: v for k, v in d.items() if k in known}, "episode_id": episode_id, "advantage": 0.0})
+
+
+class RecordedSource:
+    """A `RolloutSource` (ajet/rollout/__init__.py) that replays a finished run's recorded samples: no generation.
+
+    Each step hands out `sft.episodes_per_step` of the kept episodes (None: all of them, so each step is one
+    pass), in the order the run stored them, continuing where the last step stopped and starting over after
+    the last. A replayed episode gets the id `sft<step>-<its id>` (unique within this run's store), keeps its
+    reward, calls and samples (the samples' tokens and loss masks exactly as stored), and names where it came
+    from in its task's metadata (`sft_source`: exp_dir, episode_id, attempt). Each is committed to this run's
+    store through `ctx.record`, like any finished episode.
+
+    Raises:
+        ConfigError: (from `from_context`) `sft.from_dir` is this run's own folder, or the filters keep nothing.
+    """
+
+    def __init__(self, ctx: RolloutContext, recorded: list[RecordedEpisode], from_dir: Path):
+        self.ctx, self.recorded, self.from_dir = ctx, recorded, from_dir
+        n = ctx.cfg.sft.episodes_per_step
+        self.per_step = len(recorded) if n is None else n
+        self.next = 0   # index into `recorded` of the next episode to hand out
+        self._metrics: dict[str, Any] = {}
+
+    @classmethod
+    def from_context(cls, ctx: RolloutContext) -> RecordedSource:
+        """The source of `ctx.cfg.sft` (relative `from_dir` resolves against the working directory)."""
+        sft = ctx.cfg.sft
+        from_dir = Path(sft.from_dir).expanduser().resolve()
+        if from_dir == ctx.cfg.exp_path().resolve():
+            raise ConfigError(f"sft.from_dir {from_dir} is also this run's experiment folder: give the SFT run its own "
+                              f"(--exp-dir or trainer.exp_dir)")
+        recorded = read_recorded(from_dir, sft.min_reward, sft.agent)
+        if not recorded:
+            raise ConfigError(f"sft: no recorded sample of {from_dir} passes the filters (sft.min_reward="
+                              f"{sft.min_reward}, sft.agent={sft.agent}): lower --min-reward or check --agent "
+                              f"(`ajet show {from_dir}` lists the episodes with their rewards and agents)")
+        return cls(ctx, recorded, from_dir)
+
+    def bind(self, proxy) -> None:
+        """Nothing to serve: the episodes are recorded already."""
+
+    def collect(self, step: int) -> list[Episode]:
+        """The step's recorded episodes (see the class docstring), each committed through `ctx.record`, with their
+        samples set (the trainer keeps them: it merges calls only for episodes without samples)."""
+        out = []
+        for _ in range(self.per_step):
+            r = self.recorded[self.next % len(self.recorded)]
+            self.next += 1
+            ep = self._episode(step, r)
+            self.ctx.record(step, ep)
+            out.append(ep)
+        rewards = [e.reward for e in out]
+        self._metrics = {"sft/kept_episodes": len(self.recorded), "sft/epoch": self.next / len(self.recorded),
+                         "sft/reward_mean": sum(rewards) / len(rewards)}
+        return out
+
+    def _episode(self, step: int, r: RecordedEpisode) -> Episode:
+        from dataclasses import replace
+
+        from ajet.episode import Episode
+
+        prefix = f"sft{step}-"   # ids unique within this run's store (an episode may be replayed every step)
+        eid = prefix + r.episode_id
+
+        def renamed(c: dict[str, Any]) -> dict[str, Any]:
+            parent = c.get("prompt_parent")
+            return {**c, "call_id": prefix + c["call_id"], "episode_id": eid,
+                    "prompt_parent": None if parent is None else prefix + parent}
+
+        ep = Episode.from_dict({**r.record, "episode_id": eid, "attempt": self.ctx.attempt,
+                                "calls": [renamed(c) for c in r.record.get("calls", [])]})
+        ep.task = replace(ep.task, metadata={**ep.task.metadata, "sft_source": {
+            "exp_dir": str(self.from_dir), "episode_id": r.episode_id, "attempt": r.attempt}})
+        ep.group_id = f"sft{step}-{ep.group_id}"
+        ep.samples = [to_sample({**s, "group_id": ep.group_id, "call_ids": [prefix + c for c in s.get("call_ids", [])]},
+                                eid) for s in r.samples]
+        return ep
+
+    def step_done(self, step: int) -> None:
+        pass
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next = state.get("next", 0)
+
+    def metrics(self) -> dict[str, Any]:
+        return dict(self._metrics)
+
+    def close(self) -> None:
+        pass
