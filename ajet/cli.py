@@ -5,6 +5,7 @@ command runs, so `ajet --help` is instant.
                                                                                       train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet gateway --conf X.yaml [--host H] [--port N] [--resume] ...                   live endpoint, learns from feedback
+    ajet gateway rollback --conf X.yaml [--to VERSION]                                serve an earlier policy version
     ajet doctor --model MODEL                                                         chat-template check
     ajet eval --conf X.yaml [--checkpoint DIR | --model M] [--n K] ...                 held-out evaluation
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
@@ -120,6 +121,25 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("exp_dir", metavar="EXP_DIR", help="the finished run's experiment folder")
     p.add_argument("out", metavar="OUT", help="the folder to write (must not exist)")
     return p
+
+
+def _gateway_rollback_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet gateway rollback", description="Make the gateway of an experiment serve "
+                                "an earlier policy version (a running one within a second of its trainer being free; "
+                                "else when it is started with --resume); docs/gateway.md.")
+    p.add_argument("--conf", required=True, metavar="YAML", help="the gateway's config file")
+    p.add_argument("--exp-dir", metavar="DIR", help="the gateway's experiment folder (if it was started with one)")
+    p.add_argument("--to", type=int, metavar="VERSION", help="the version to serve (default: the one served before "
+                                                             "the current one)")
+    p.add_argument("--wait", type=float, default=30.0, metavar="S", help="seconds to wait for a running gateway "
+                                                                         "to do it (default 30)")
+    return p
+
+
+def _gateway_rollback(args: argparse.Namespace) -> int:
+    from ajet.gateway.gate import rollback_main
+
+    return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
 
 
 def _gateway_rollback_parser() -> argparse.ArgumentParser:
@@ -314,6 +334,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway), "doctor": (doctor_parser, _doctor),
+               "gateway rollback": (_gateway_rollback_parser, _gateway_rollback),
                "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
                "harnesses": (_harnesses_parser, _harnesses),
                "sft": (_sft_parser, _sft), "export": (_export_parser, _export), "init": (_init_parser, _init)}
@@ -323,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` and run the command. Returns the exit status (2 for user errors, printed without a
     traceback)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["gateway", "rollback"]:   # a command of its own
+        argv = ["gateway rollback", *argv[2:]]
     if argv and argv[0] in SUBCOMMANDS:
         make_parser, command = SUBCOMMANDS[argv[0]]
         args = make_parser().parse_args(argv[1:])

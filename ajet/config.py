@@ -540,6 +540,27 @@ class ServeConfig(_Section):
                                                      "`workflow` (a class or a command), beside remote clients")
 
 
+class GatewayGateConfig(_Section):
+    """`gateway.gate`: the evaluation gate in front of every weight update of `ajet gateway` (docs/gateway.md).
+    With mode `eval`, a new policy runs the config's held-out evaluation (`data.val_path`, the config's workflow
+    and judge, the `eval:` settings) while live requests wait; it is served only when its `metric` is at most
+    `max_drop` below the serving policy's, else the engine (and the training) goes back to the serving weights
+    and the refusal is recorded in gateway.sqlite. Every served version is checkpointed, so `ajet gateway
+    rollback` can serve an earlier one."""
+
+    mode: Literal["off", "eval"] = Field("off", description="`eval`: a new policy is served only after the held-out "
+                                         "evaluation (data.val_path) finds its metric at most max_drop below the "
+                                         "serving policy's; `off`: every update is served at once")
+    metric: str = Field("pass@1", min_length=1, description="the evaluation figure compared: pass@1, reward_mean, "
+                        "pass@<n> or workflow/<name> (a `val/` prefix is accepted); higher is better")
+    max_drop: float = Field(0.05, ge=0, description="a new policy whose metric is more than this below the serving "
+                            "policy's is refused (not served); an invalid evaluation (eval.max_failed_frac) is "
+                            "refused too")
+    keep_versions: int = Field(3, ge=1, description="served policy versions kept as checkpoints in "
+                               "exp_dir/gateway_versions (the newest, plus the one served), the versions `ajet "
+                               "gateway rollback` can go back to")
+
+
 class GatewayConfig(_Section):
     """`ajet gateway`: one stable model endpoint for deployed agents, training on the feedback their sessions
     get (docs/gateway.md). A session is one conversation (header `X-Ajet-Session`, or found by its prefix)."""
@@ -566,6 +587,8 @@ class GatewayConfig(_Section):
                                          "spell (its token bucket's size); None: rate_limit_rps rounded up")
     retention_days: float | None = Field(None, gt=0, description="trained or dropped sessions closed longer ago "
                                          "than this are deleted from gateway.sqlite, days; None: kept forever")
+    gate: GatewayGateConfig = Field(default_factory=GatewayGateConfig, description="the evaluation gate before a "
+                                    "new policy serves, and the versions kept for rollback")
 
 
 class SftConfig(_Section):

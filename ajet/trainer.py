@@ -139,6 +139,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                         accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s,
                         seed=cfg.trainer.seed)
     proxy.port = port
+    if hasattr(source, "attach_backbone"):   # the gateway's evaluation gate and rollbacks (ajet/gateway/gate.py)
+        source.attach_backbone(backbone)
     source.bind(proxy)
     proxy.start()
     note(log.console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
@@ -194,7 +196,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
             store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in usable for s in e.samples])
             backbone.sleep_rollout()           # rollout servers may free their memory for the update
-            train = backbone.update(samples)
+            # the gateway updates through its evaluation gate: a refused policy is never served (ajet/gateway/gate.py)
+            train = source.gated_update(backbone, samples) if hasattr(source, "gated_update") else backbone.update(samples)
             backbone.wake_rollout()            # ... and serve the new weights
             kill_point("update", step)
             store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable],

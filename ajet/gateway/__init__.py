@@ -6,6 +6,7 @@
     app.py       the HTTP front: the proxy's four dialects without per-episode URLs, feedback, /healthz
     ops.py       /metrics (Prometheus text) and per-key rate limits
     sessions.py  sessions: found by header or by prefix, closed when idle, rated by feedback or the judge
+    gate.py      the evaluation gate before a new policy serves, per-version checkpoints, rollback
     store.py     gateway.sqlite: sessions, calls, responses, feedback (durable before the client hears back)
     source.py    rated sessions as episodes: the rollout source of the one training loop (ajet/trainer.py)
 
@@ -52,11 +53,12 @@ def gateway(cfg: AjetConfig) -> Path:
 
     Raises:
         ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1
-            without a `judge`;
+            without a `judge`; `gateway.gate.mode: eval` without `data.val_path` or a `workflow`;
             `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
             problem `ajet.trainer.run` raises.
     """
     from ajet.gateway.app import GatewayApp
+    from ajet.gateway.gate import LiveHold, VersionGate
     from ajet.gateway.ops import RateLimiter
     from ajet.gateway.sessions import SessionBook
     from ajet.gateway.source import GatewaySource
@@ -86,10 +88,17 @@ def gateway(cfg: AjetConfig) -> Path:
 
     def make_source(ctx: RolloutContext) -> GatewaySource:
         store = GatewayStore(ctx.cfg.exp_path() / "gateway.sqlite")
+        try:
+            gate = VersionGate(cfg, store, LiveHold(), ctx.console)
+        except BaseException:
+            store.close()
+            raise
         ctx.console.print(f"gateway: secret {'required (gateway.secret / AJET_SECRET)' if secret else 'not required'}"
                           f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
                           f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
-                          + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else ""))
+                          + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else "")
+                          + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g}"
+                             if g.gate.mode == "eval" else "; gate off: every update is served"))
 
         def book(proxy) -> SessionBook:
             return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,
@@ -98,9 +107,9 @@ def gateway(cfg: AjetConfig) -> Path:
         def app(proxy, book_):
             limiter = None if g.rate_limit_rps is None else RateLimiter(
                 g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
-            return GatewayApp(proxy, book_, secret, lambda: proxy.engine.policy_version, limiter)
+            return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate)
 
-        return GatewaySource(ctx, book, app)
+        return GatewaySource(ctx, book, app, gate)
 
     return run(cfg, make_source, port=g.port)
 

@@ -8,6 +8,9 @@
     POST /v1/sessions/{id}/close   the conversation is over: close the session now
     GET  /healthz              {"status": "ok", "policy_version"} (no secret needed)
     GET  /metrics              Prometheus text (ajet/gateway/ops.py)
+    POST /v1/admin/rollback    {to?: version}: serve a kept earlier version (ajet/gateway/gate.py); waits up to
+                               ROLLBACK_WAIT_S for the trainer thread to do it (202 while pending)
+    GET  /v1/admin/versions    versions served, gate decisions, kept checkpoints
 
 Nothing of the proxy is re-implemented: a model call's body is read once, its session is resolved
 (`SessionBook.resolve`), and the request goes to the proxy's own route of that session's episode
@@ -21,6 +24,7 @@ field); the proxy's per-episode paths (`/ep/...`) are not served.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -32,6 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
 
+from ajet.gateway.gate import VersionGate
 from ajet.gateway.ops import RateLimiter, RequestMetrics
 from ajet.gateway.sessions import GatewayError, Session, SessionBook
 from ajet.proxy.server import RESPONSE_ID_HEADER
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Ajet-Session"
 VERSION_HEADER = "X-Ajet-Policy-Version"
 FEEDBACK_MAX_BODY_BYTES = 1 * 2**20   # a feedback body is small
+ROLLBACK_WAIT_S = 60.0                # how long POST /v1/admin/rollback waits for the rollback to be done
 
 
 class FeedbackIn(BaseModel):
@@ -60,6 +66,13 @@ class FeedbackIn(BaseModel):
         return _finite_number(v, "reward")
 
 
+class RollbackIn(BaseModel):
+    """The body of `POST /v1/admin/rollback`: the version to serve (None: the one served before the current)."""
+
+    model_config = ConfigDict(extra="forbid")
+    to: int | None = Field(None, ge=0, strict=True)
+
+
 class GatewayApp:
     """ASGI app in front of `proxy.app` (see the module docstring).
 
@@ -69,12 +82,14 @@ class GatewayApp:
         secret: the bearer token every request must carry; None: none is asked for.
         policy_version: `() -> int`, the engine's current version (for /healthz).
         limiter: per-key rate limits (`RateLimiter`), or None.
+        gate: the evaluation gate (`VersionGate`): its `LiveHold` holds model calls while a new policy is
+            updated and evaluated, its store takes rollback wishes; None: no gate, no /v1/admin routes.
     """
 
     def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version,
-                 limiter: RateLimiter | None = None):
+                 limiter: RateLimiter | None = None, gate: VersionGate | None = None):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
-        self.limiter, self.metrics = limiter, RequestMetrics()
+        self.limiter, self.metrics, self.gate = limiter, RequestMetrics(), gate
         self.first_version = policy_version()
         self.proxy_app = proxy.app
         self.util = proxy.open_episode("gateway")   # answers /v1/models, count_tokens and unparseable bodies
@@ -109,7 +124,7 @@ class GatewayApp:
     def _route_label(self, scope) -> str:
         """The route template of a request (its metrics label: never the raw path, whose ids are unbounded)."""
         path = scope["path"]
-        if path in ("/healthz", "/metrics", "/v1/feedback"):
+        if path in ("/healthz", "/metrics", "/v1/feedback", "/v1/admin/rollback", "/v1/admin/versions"):
             return path
         if path.startswith("/v1/sessions/"):
             return "/v1/sessions/{id}/close" if path.endswith("/close") else "/v1/sessions/{id}"
@@ -129,8 +144,8 @@ class GatewayApp:
                                  f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")
             key = self._check_secret(scope)
             if path == "/metrics":
-                text = self.metrics.render(self.book.counts_snapshot(), self.book.states(), self.policy_version(),
-                                           self.first_version)
+                counts = {**self.book.counts_snapshot(), **(self.gate.counts if self.gate is not None else {})}
+                text = self.metrics.render(counts, self.book.states(), self.policy_version(), self.first_version)
                 return await Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")(
                     scope, receive, send)
             if self.limiter is not None:
@@ -142,6 +157,8 @@ class GatewayApp:
                                      code="rate_limit_exceeded", retry_after=wait)
             if path == "/v1/feedback" or path.startswith("/v1/sessions/"):
                 return await self._own(scope, receive, send)
+            if path.startswith("/v1/admin/"):
+                return await self._admin(scope, receive, send)
             for route, api, kind in self.api_routes:
                 match, child = route.matches(scope)
                 if match == Match.FULL:
@@ -165,6 +182,15 @@ class GatewayApp:
             return await self.proxy_app(_to_episode(scope, token), receive, send)
         request = Request(scope, receive)
         raw = await read_body(request, self.proxy.max_body_bytes)
+        if self.gate is None:
+            return await self._model_call(scope, receive, send, api, path_params, request, raw)
+        await self.gate.hold.enter()                  # waits while a new policy is updated and evaluated
+        try:
+            return await self._model_call(scope, receive, send, api, path_params, request, raw)
+        finally:
+            self.gate.hold.leave()
+
+    async def _model_call(self, scope, receive, send, api, path_params: dict[str, Any], request: Request, raw: bytes):
         route = {"path": scope["path"], "path_params": dict(path_params), "query": dict(request.query_params)}
         header = request.headers.get(SESSION_HEADER)
         peek = await run_in_threadpool(self._peek, api, raw, route)
@@ -230,6 +256,31 @@ class GatewayApp:
         raise ProxyError(404 if len(parts) > 2 or not parts[0] else 405,
                          f"no route {method} {path[:200]}: see /v1/feedback, GET /v1/sessions/ID, "
                          "POST /v1/sessions/ID/close", code="not_found")
+
+    async def _admin(self, scope, receive, send):
+        request, path, method = Request(scope, receive), scope["path"], scope["method"]
+        if self.gate is None:
+            raise ProxyError(404, "this gateway has no version gate", code="not_found")
+        if path == "/v1/admin/versions" and method == "GET":
+            return await json_response(await run_in_threadpool(self.gate.snapshot))(scope, receive, send)
+        if path == "/v1/admin/rollback" and method == "POST":
+            raw = await read_body(request, FEEDBACK_MAX_BODY_BYTES)
+            body: RollbackIn = validated(RollbackIn, load_json(raw) if raw.strip() else {})
+            store = self.gate.store
+            rollback_id = await run_in_threadpool(store.request_rollback, body.to)
+            deadline = time.monotonic() + ROLLBACK_WAIT_S
+            row = store.rollback(rollback_id)
+            while row["done_at"] is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                row = await run_in_threadpool(store.rollback, rollback_id)
+            out = {**row, "status": "pending" if row["done_at"] is None else "done" if row["ok"] else "refused",
+                   "policy_version": self.policy_version()}
+            if out["status"] == "refused":
+                raise ProxyError(409, row["message"], param="to", code="rollback_refused")
+            return await json_response(out, status=202 if out["status"] == "pending" else 200)(scope, receive, send)
+        raise ProxyError(404 if path not in ("/v1/admin/versions", "/v1/admin/rollback") else 405,
+                         f"no route {method} {path[:200]}: see POST /v1/admin/rollback, GET /v1/admin/versions",
+                         code="not_found")
 
     def _check_secret(self, scope) -> str:
         """The api key the request carries ("" for none); raises ProxyError 401 when it is not the secret."""

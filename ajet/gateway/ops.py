@@ -6,7 +6,11 @@ client library) exposes:
     ajet_gateway_requests_total{route, status}        counter: answered requests by route template and status
     ajet_gateway_request_duration_seconds{route}      histogram: time to the last byte (a stream: to its end)
     ajet_gateway_feedback_total{source}               counter: rewards recorded ("client", "judge")
-    ajet_gateway_swaps_total                          counter: weight updates served since the gateway started
+    ajet_gateway_swaps_total                          counter: weight changes served since the gateway started
+                                                      (updates served, rollbacks)
+    ajet_gateway_gate_evaluations_total               counter: held-out evaluations the gate ran
+    ajet_gateway_gate_refusals_total                  counter: new policies the gate refused (not served)
+    ajet_gateway_rollbacks_total                      counter: rollbacks done
     ajet_gateway_policy_version                       gauge: the version now served
     ajet_gateway_sessions{state}                      gauge: sessions by state (open, closed, rated, trained, ...)
     ajet_gateway_best_of_requests_total               counter: requests answered by best-of-N
@@ -66,9 +70,18 @@ class RequestMetrics:
                 "# TYPE ajet_gateway_feedback_total counter",
                 f'ajet_gateway_feedback_total{{source="client"}} {counts.get("feedback", 0)}',
                 f'ajet_gateway_feedback_total{{source="judge"}} {counts.get("judged", 0)}',
-                "# HELP ajet_gateway_swaps_total Weight updates served since the gateway started.",
+                "# HELP ajet_gateway_swaps_total Weight changes served since the gateway started.",
                 "# TYPE ajet_gateway_swaps_total counter",
-                f"ajet_gateway_swaps_total {max(0, version - first_version)}",
+                f"ajet_gateway_swaps_total {counts.get('swaps', max(0, version - first_version))}",
+                "# HELP ajet_gateway_gate_evaluations_total Held-out evaluations run by the gate.",
+                "# TYPE ajet_gateway_gate_evaluations_total counter",
+                f"ajet_gateway_gate_evaluations_total {counts.get('gate_evaluations', 0)}",
+                "# HELP ajet_gateway_gate_refusals_total New policies the gate refused to serve.",
+                "# TYPE ajet_gateway_gate_refusals_total counter",
+                f"ajet_gateway_gate_refusals_total {counts.get('gate_refusals', 0)}",
+                "# HELP ajet_gateway_rollbacks_total Rollbacks to an earlier policy version.",
+                "# TYPE ajet_gateway_rollbacks_total counter",
+                f"ajet_gateway_rollbacks_total {counts.get('rollbacks', 0)}",
                 "# HELP ajet_gateway_policy_version The policy version served now.",
                 "# TYPE ajet_gateway_policy_version gauge",
                 f"ajet_gateway_policy_version {version}",

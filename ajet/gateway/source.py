@@ -25,6 +25,7 @@ import threading
 from typing import Any
 
 from ajet.episode import Episode
+from ajet.gateway.gate import VersionGate
 from ajet.gateway.sessions import SessionBook, _last_answer
 from ajet.rollout import RolloutContext
 from ajet.workflow import WorkflowOutput
@@ -49,10 +50,12 @@ class GatewaySource:
         ctx: the trainer's rollout context (config, store, attempt, record).
         book_factory: `proxy -> SessionBook`, called in `bind` (the book needs the proxy).
         make_app: `(proxy, book) -> ASGI app` that replaces `proxy.app`.
+        gate: the evaluation gate and rollbacks (ajet/gateway/gate.py): the trainer gives it the backbone
+            (`attach_backbone`) and updates through it (`gated_update`); None: plain updates.
     """
 
-    def __init__(self, ctx: RolloutContext, book_factory, make_app):
-        self.ctx, self.book_factory, self.make_app = ctx, book_factory, make_app
+    def __init__(self, ctx: RolloutContext, book_factory, make_app, gate: VersionGate | None = None):
+        self.ctx, self.book_factory, self.make_app, self.gate = ctx, book_factory, make_app, gate
         self.num_repeat, self.tasks_per_step = ctx.cfg.rollout.num_repeat, ctx.cfg.trainer.tasks_per_step
         self.book: SessionBook | None = None
         self.proxy = None
@@ -83,15 +86,33 @@ class GatewaySource:
                 import logging
                 logging.getLogger(__name__).exception("gateway: reaping sessions failed")
 
+    def attach_backbone(self, backbone) -> None:
+        """The trainer's backbone, before the proxy starts (the gate updates, checkpoints and rolls it back)."""
+        if self.gate is not None:
+            self.gate.attach(backbone)
+
+    def gated_update(self, backbone, samples) -> dict[str, float]:
+        """The trainer's update: through the gate when there is one (evaluated before it serves)."""
+        if self.gate is None:
+            return backbone.update(samples)
+        return self.gate.update(samples, self.gate.step)
+
     def collect(self, step: int) -> list[Episode]:
         """Block until `tasks_per_step * num_repeat` sessions are closed and rated; take those rated first,
-        commit each as an episode (`ctx.record`) and return them in groups of `num_repeat`."""
+        commit each as an episode (`ctx.record`) and return them in groups of `num_repeat`. Meanwhile, every
+        TICK_S, do the rollbacks asked for (the gate's)."""
         size = 1 if self.book.n > 1 else self.num_repeat      # sessions per group
         need = self.tasks_per_step * size
-        with self.book.changed:
-            while self.book.ready() < need:
+        if self.gate is not None:
+            self.gate.step = step
+        while True:
+            if self.gate is not None:
+                self.gate.poll_rollbacks()
+            with self.book.changed:
+                if self.book.ready() >= need:
+                    sessions = self.book.take(need)
+                    break
                 self.book.changed.wait(timeout=TICK_S)
-            sessions = self.book.take(need)
         if self.book.n > 1:
             episodes = self._best_of_groups(step, sessions)
             self.book.release(sessions)

@@ -18,6 +18,17 @@ trainer has not seen yet, so that `kill -9` loses no acknowledged feedback and n
                with its response
     picks      best-of-N: one row per judged request (response_id, session_id, chosen index, scores: JSON list)
 
+The evaluation gate and rollback (ajet/gateway/gate.py) keep three more tables:
+
+    versions   one row each time a policy version begins to be served (serve_id, version, step, how: "start" |
+               "gate" | "ungated" | "rollback", figure: its gate metric when known, at); `figure` is filled in
+               place once the serving policy is evaluated
+    gate       one row per gated update: (step, candidate_version, serving_version, metric, serving_figure,
+               candidate_figure: NULL when its evaluation was invalid, max_drop, served 0/1, reason, at)
+    rollbacks  one row per rollback asked for (`ajet gateway rollback`, `POST /v1/admin/rollback`): (id,
+               to_version or NULL: the version served before the current one, requested_at, done_at, ok, message);
+               done_at, ok and message are filled in place when the gateway has done (or refused) it
+
 A session's reward is its latest feedback row. Times are `time.time()` seconds.
 """
 
@@ -51,6 +62,16 @@ CREATE TABLE IF NOT EXISTS candidates (
     score REAL, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS picks (
     response_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, chosen INTEGER NOT NULL, scores TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS versions (
+    serve_id INTEGER PRIMARY KEY AUTOINCREMENT, version INTEGER NOT NULL, step INTEGER NOT NULL, how TEXT NOT NULL,
+    figure REAL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS gate (
+    step INTEGER NOT NULL, candidate_version INTEGER NOT NULL, serving_version INTEGER NOT NULL, metric TEXT NOT NULL,
+    serving_figure REAL, candidate_figure REAL, max_drop REAL NOT NULL, served INTEGER NOT NULL, reason TEXT NOT NULL,
+    at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rollbacks (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, to_version INTEGER, requested_at REAL NOT NULL, done_at REAL,
+    ok INTEGER, message TEXT);
 """
 
 
@@ -162,6 +183,61 @@ class GatewayStore:
         for rid, sid, chosen, scores in self._db.execute("SELECT response_id, session_id, chosen, scores FROM picks"):
             out[sid].picks[rid] = {"chosen": chosen, "scores": json.loads(scores)}
         return out
+
+    # ---- policy versions, the evaluation gate, rollbacks (ajet/gateway/gate.py) ------------------------------
+    def add_version(self, version: int, step: int, how: str, figure: float | None) -> None:
+        """Record that `version` begins to be served now (`how`: start, gate, ungated, rollback)."""
+        self._tx(("INSERT INTO versions (version, step, how, figure, at) VALUES (?, ?, ?, ?, ?)",
+                  [(version, step, how, figure, time.time())]))
+
+    def set_serving_figure(self, figure: float) -> None:
+        """Fill in the gate figure of the version served now (its latest `versions` row)."""
+        self._tx(("UPDATE versions SET figure = ? WHERE serve_id = (SELECT MAX(serve_id) FROM versions)", [(figure,)]))
+
+    def versions(self) -> list[dict[str, Any]]:
+        """Every `versions` row, oldest first: dicts with version, step, how, figure, at."""
+        with self._write:
+            rows = self._db.execute("SELECT version, step, how, figure, at FROM versions ORDER BY serve_id").fetchall()
+        return [dict(zip(("version", "step", "how", "figure", "at"), r)) for r in rows]
+
+    def add_gate(self, step: int, candidate: int, serving: int, metric: str, serving_figure: float | None,
+                 candidate_figure: float | None, max_drop: float, served: bool, reason: str) -> None:
+        """Record one gate decision (durable when this returns)."""
+        self._tx(("INSERT INTO gate VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  [(step, candidate, serving, metric, serving_figure, candidate_figure, max_drop, int(served), reason,
+                    time.time())]))
+
+    def gate_results(self) -> list[dict[str, Any]]:
+        """Every gate decision, oldest first (dicts named as the `gate` table's columns; `served` a bool)."""
+        keys = ("step", "candidate_version", "serving_version", "metric", "serving_figure", "candidate_figure",
+                "max_drop", "served", "reason", "at")
+        with self._write:
+            rows = self._db.execute(f"SELECT {', '.join(keys)} FROM gate ORDER BY rowid").fetchall()
+        return [{**dict(zip(keys, r)), "served": bool(r[7])} for r in rows]
+
+    def request_rollback(self, to_version: int | None) -> int:
+        """Record a rollback to ask the gateway for (None: the version served before the current one); returns
+        its id."""
+        with self._write, self._db:
+            cur = self._db.execute("INSERT INTO rollbacks (to_version, requested_at) VALUES (?, ?)",
+                                   (to_version, time.time()))
+            return int(cur.lastrowid)
+
+    def pending_rollbacks(self) -> list[tuple[int, int | None]]:
+        """(id, to_version) of every rollback not yet done, oldest first."""
+        with self._write:
+            return self._db.execute("SELECT id, to_version FROM rollbacks WHERE done_at IS NULL ORDER BY id").fetchall()
+
+    def finish_rollback(self, rollback_id: int, ok: bool, message: str) -> None:
+        self._tx(("UPDATE rollbacks SET done_at = ?, ok = ?, message = ? WHERE id = ?",
+                  [(time.time(), int(ok), message, rollback_id)]))
+
+    def rollback(self, rollback_id: int) -> dict[str, Any] | None:
+        """One rollback's row (id, to_version, requested_at, done_at, ok, message), None when unknown."""
+        keys = ("id", "to_version", "requested_at", "done_at", "ok", "message")
+        with self._write:
+            row = self._db.execute(f"SELECT {', '.join(keys)} FROM rollbacks WHERE id = ?", (rollback_id,)).fetchone()
+        return None if row is None else dict(zip(keys, row))
 
     def close(self) -> None:
         self._db.close()

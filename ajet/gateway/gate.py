@@ -1,0 +1,406 @@
+"""The evaluation gate and rollback of `ajet gateway`: a new policy serves only when the held-out evaluation
+says it is not worse than the serving one, and any kept version can be served again.
+
+How an update goes (`VersionGate.update`, on the trainer thread, in place of `backbone.update`):
+
+    1. the serving version's checkpoint is written once (exp_dir/gateway_versions/v<N>: the backbone's own
+       checkpoint, weights + optimizer + RNG + policy version), and its gate figure is known (else the serving
+       weights are evaluated first, while live traffic goes on: same weights)
+    2. live model calls are held: new ones wait at the gateway's front (`LiveHold`), and the update starts
+       only once the calls in flight have finished, so no live token is ever sampled from an unvetted policy
+    3. the backbone updates; the new weights run the config's held-out evaluation (`ajet.eval.evaluate`: the
+       workflow and judge on `data.val_path` through a proxy of their own over the same engine, `eval:`'s
+       sampling; results in exp_dir/gate/step_<S>/)
+    4. served when the evaluation is valid and `metric(new) >= metric(serving) - max_drop`: its checkpoint is
+       written and live calls resume under it. Refused otherwise (drop too large, an invalid evaluation or an
+       invalid evaluation of the serving policy): the backbone loads the serving version's checkpoint back,
+       so both the engine and the training go on from the serving weights and optimizer state (a harmful
+       update does not compound), and live calls resume under the serving version
+    5. the decision is in gateway.sqlite (`gate`: step, both versions, both figures, served, reason) and
+       counted in /metrics; the step's metrics get gate/* figures
+
+Cost: live requests wait for the update plus one held-out evaluation (step 2 to 4), and each served version
+costs one checkpoint write. With mode `off` step 2-4 are skipped: every update is served at once (requests in
+flight keep decoding across the swap), and still checkpointed for rollback.
+
+Policy versions count served updates: a refused candidate's number is given to the next update, and after a
+rollback to version V the next served update is V + 1 again (its checkpoint replaces the superseded one).
+
+Rollback (`ajet gateway rollback --conf X [--to V]`, `POST /v1/admin/rollback`): the wish is a row in
+gateway.sqlite; the trainer thread looks for one every half second while it waits for sessions (and before
+each update; a gateway started with --resume does it at start), holds live calls as above, loads the kept
+checkpoint of V (default: the version served before the current one) and serves it with V's recorded figure;
+training continues from it. The row is completed with what happened (refused: no checkpoint of V kept).
+
+Thread model: `update`, `poll_rollbacks` and `attach` run on the trainer thread only, so weights never change
+from two places; the HTTP front only holds and releases live calls and writes rollback wishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ajet.config import AjetConfig
+from ajet.errors import ConfigError
+from ajet.gateway.store import GatewayStore
+
+log = logging.getLogger(__name__)
+
+
+class LiveHold:
+    """Admission of live model calls: `await enter()` ... `leave()` around each; `held()` (another thread)
+    stops admitting and waits until the calls in flight have left, and admits again when it ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
+        self._held = False
+        self._in_flight = 0
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    async def enter(self) -> None:
+        """Wait while the hold is on, then count this call as in flight."""
+        while True:
+            with self._lock:
+                if not self._held:
+                    self._in_flight += 1
+                    return
+                loop = asyncio.get_running_loop()
+                fut = loop.create_future()
+                self._waiters.append((loop, fut))
+            await fut
+
+    def leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._drained.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Stop admitting live calls, wait for those in flight to finish, run the block, admit again."""
+        with self._lock:
+            self._held = True
+            self._drained.wait_for(lambda: self._in_flight == 0)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held = False
+                waiters, self._waiters = self._waiters, []
+            for loop, fut in waiters:
+                loop.call_soon_threadsafe(_wake, fut)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def metric_key(metric: str) -> str:
+    """`gateway.gate.metric` as a key of the evaluation's metrics (without a `val/` prefix)."""
+    return metric.removeprefix("val/")
+
+
+class VersionGate:
+    """The gate between an update and the live traffic, the per-version checkpoints and rollbacks (module
+    docstring).
+
+    Args:
+        cfg: the gateway's config (`gateway.gate`, `data.val_path`, `workflow`, `judge`, `eval`).
+        store: gateway.sqlite.
+        hold: the front's `LiveHold`.
+        console: a rich console for the decision lines (None: the log).
+        evaluate: `(step, out_dir) -> EvalResult` of the weights the engine holds now (default: the config's
+            held-out evaluation, `ajet.eval.evaluate`); tests pass their own.
+    Raises:
+        ConfigError: mode `eval` without `data.val_path` or without a `workflow`.
+    """
+
+    def __init__(self, cfg: AjetConfig, store: GatewayStore, hold: LiveHold, console=None,
+                 evaluate: Callable[[int, Path], Any] | None = None):
+        self.cfg, self.g, self.store, self.hold, self.console = cfg, cfg.gateway.gate, store, hold, console
+        self.exp_dir = cfg.exp_path()
+        self.dir = self.exp_dir / "gateway_versions"
+        self.backbone = None
+        self.step = 0                              # the step being collected (set by the rollout source)
+        self._gating: int | None = None            # the serving version while a candidate is updated and evaluated
+        self.counts = {"swaps": 0, "gate_evaluations": 0, "gate_refusals": 0, "gate_invalid": 0, "rollbacks": 0}
+        self._evaluate = evaluate
+        self._workflow = self._judge = None
+        if self.g.mode == "eval" and evaluate is None:
+            if not cfg.data.val_path:
+                raise ConfigError("gateway.gate.mode is `eval` but data.val_path is not set: name the held-out task "
+                                  "file the gate evaluates each new policy on, or set gateway.gate.mode: off")
+            if cfg.workflow is None:
+                raise ConfigError("gateway.gate.mode is `eval` but the config names no `workflow` to run the "
+                                  "held-out tasks (data.val_path) with: add one, or set gateway.gate.mode: off")
+            from ajet.judges import load_judge
+            from ajet.rollout.in_process import load_workflow
+
+            self._workflow, self._judge = load_workflow(cfg), load_judge(cfg)
+
+    # ---- the trainer thread ------------------------------------------------------------------------
+    def attach(self, backbone) -> None:
+        """Take the backbone (before the proxy starts). On a restart, serve the version gateway.sqlite last
+        served when the trainer's checkpoint holds another (a rollback after that checkpoint), then do any
+        rollback asked for while the gateway was down."""
+        self.backbone = backbone
+        served = self.store.versions()
+        version = backbone.engine.policy_version
+        if not served:
+            self.store.add_version(version, 0, "start", None)
+        elif served[-1]["version"] != version:
+            last = served[-1]
+            if last["how"] == "rollback" and self._path(last["version"]).is_dir():
+                self._load(self._path(last["version"]))
+                self._say(f"gate: serving version {last['version']} again, as rolled back to before the restart")
+            else:                                  # an update served after the trainer's last checkpoint: redone
+                self.store.add_version(version, 0, "restart", _figure_of(served, version))
+        self.poll_rollbacks()
+
+    def update(self, samples, step: int) -> dict[str, float]:
+        """`backbone.update(samples)` behind the gate (module docstring); returns its metrics plus gate/*."""
+        self.poll_rollbacks()
+        backbone = self.backbone
+        engine = backbone.engine
+        serving = engine.policy_version
+        self._checkpoint(serving)
+        if self.g.mode == "off":
+            train = backbone.update(samples)
+            if engine.policy_version != serving:   # its checkpoint is written before the next update or a rollback
+                self._served(engine.policy_version, step, "ungated", None, save=False)
+            return train
+        baseline = self._serving_figure(step)
+        with self.hold.held():
+            self._gating = serving
+            train = backbone.update(samples)
+            candidate = engine.policy_version
+            if candidate == serving:               # nothing was trained: nothing to gate
+                self._gating = None
+                return train
+            figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}"))
+            if reason is None and baseline is None:
+                reason = "the serving policy's evaluation was invalid: no figure to compare with"
+            if reason is None and figure < baseline - self.g.max_drop:
+                reason = (f"{self.g.metric} {figure:.4g} is {baseline - figure:.4g} below the serving policy's "
+                          f"{baseline:.4g} (gateway.gate.max_drop {self.g.max_drop:g})")
+            served = reason is None
+            if served:
+                self._served(candidate, step, "gate", figure)
+            else:
+                self._load(self._path(serving))   # engine and training: back to the serving weights
+                self.counts["gate_refusals"] += 1
+            self.store.add_gate(step, candidate, serving, self.g.metric, baseline, figure, self.g.max_drop, served,
+                                reason or "served")
+            self._gating = None
+        self._say(f"gate: step {step}: version {candidate} " + (
+            f"served ({self.g.metric} {figure:.4g}, serving policy {_fmt(baseline)})" if served else
+            f"REFUSED: {reason}; version {serving} stays served"))
+        return {**train, "gate/served": float(served), "gate/candidate_figure": _nan(figure),
+                "gate/serving_figure": _nan(baseline)}
+
+    def served_version(self, engine) -> int:
+        """The version live calls get (/healthz, /metrics): while a candidate is updated and evaluated, the
+        serving one, not the engine's."""
+        gating = self._gating
+        return engine.policy_version if gating is None else gating
+
+    def poll_rollbacks(self) -> None:
+        """Do every rollback asked for and not yet done (trainer thread)."""
+        if self.backbone is None:
+            return
+        for rollback_id, to in self.store.pending_rollbacks():
+            try:
+                ok, message = self._rollback(to)
+            except Exception as exc:  # noqa: BLE001 - a failed rollback is reported, the gateway goes on
+                log.exception("gateway: rollback %s failed", rollback_id)
+                ok, message = False, f"failed: {type(exc).__name__}: {exc}"
+            self.store.finish_rollback(rollback_id, ok, message)
+            self._say(f"gate: rollback {rollback_id}: {message}")
+
+    def _rollback(self, to: int | None) -> tuple[bool, str]:
+        engine = self.backbone.engine
+        current = engine.policy_version
+        served = self.store.versions()
+        if to is None:
+            to = next((v["version"] for v in reversed(served) if v["version"] != current), None)
+            if to is None:
+                return False, f"refused: no version was served before the current one ({current})"
+        if to == current:
+            return True, f"version {to} is already served"
+        if not self._path(to).is_dir():
+            kept = sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())
+            return False, (f"refused: no checkpoint of version {to} is kept (kept: {', '.join(map(str, kept)) or 'none'}"
+                           f"; gateway.gate.keep_versions)")
+        self._checkpoint(current)                  # so that one can roll forward again
+        with self.hold.held():
+            self._load(self._path(to))
+        self.store.add_version(engine.policy_version, self.step, "rollback", _figure_of(served, to))
+        self.counts["rollbacks"] += 1
+        self.counts["swaps"] += 1
+        return True, f"version {engine.policy_version} is served (was {current})"
+
+    # ---- pieces ------------------------------------------------------------------------------------
+    def _path(self, version: int) -> Path:
+        return self.dir / f"v{version}"
+
+    def _load(self, path: Path) -> None:
+        """Load a kept version's checkpoint (weights, optimizer, RNG, policy version) and forget the engine's
+        cached prefixes: they are keyed by policy version, and a number comes back with other weights."""
+        self.backbone.load_checkpoint(path)
+        engine = self.backbone.engine
+        cache = getattr(engine, "prefix_cache", None)
+        if cache is not None:
+            with engine.weights_lock:
+                cache.clear()
+
+    def _checkpoint(self, version: int) -> None:
+        """Write the served version's checkpoint unless it is there."""
+        path = self._path(version)
+        if not (path / "backbone_state.pt").is_file():
+            shutil.rmtree(path, ignore_errors=True)
+            self.backbone.save_checkpoint(path)
+            self._prune(version)
+
+    def _served(self, version: int, step: int, how: str, figure: float | None, save: bool = True) -> None:
+        """`version` is served from now: the record, and (`save`) its checkpoint, replacing a superseded one of
+        that number (else that is removed, and written before the next update or rollback)."""
+        shutil.rmtree(self._path(version), ignore_errors=True)
+        self.store.add_version(version, step, how, figure)
+        self.counts["swaps"] += 1
+        if save:
+            self.backbone.save_checkpoint(self._path(version))
+            self._prune(version)
+
+    def _prune(self, version: int) -> None:
+        """Remove the checkpoints of all but the keep_versions newest served versions (and `version`)."""
+        newest = []
+        for v in reversed(self.store.versions()):
+            if v["version"] not in newest:
+                newest.append(v["version"])
+        keep = set(newest[:self.g.keep_versions]) | {version}
+        for p in self.dir.glob("v*"):
+            if p.name[1:].isdigit() and int(p.name[1:]) not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _serving_figure(self, step: int) -> float | None:
+        """The serving version's gate figure: recorded, else evaluated now (live traffic goes on; same weights)."""
+        figure = self.store.versions()[-1]["figure"]
+        if figure is not None:
+            return figure
+        figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}" / "serving"))
+        if reason is not None:
+            self._say(f"gate: the serving policy's evaluation at step {step}: {reason}")
+            return None
+        self.store.set_serving_figure(figure)
+        return figure
+
+    def _run_eval(self, step: int, out_dir: Path):
+        self.counts["gate_evaluations"] += 1
+        if self._evaluate is not None:
+            return self._evaluate(step, out_dir)
+        from ajet.eval import evaluate, write_result
+        from ajet.tasks import load_tasks
+
+        b = self.backbone
+        result = evaluate(self.cfg, b.engine, b.tokenizer, self._workflow, self._judge, load_tasks(self.cfg, "val"),
+                          step=step)
+        write_result(result, out_dir)
+        return result
+
+    def _figure(self, result) -> tuple[float | None, str | None]:
+        """(the gate metric, None) of a valid evaluation, else (None, why it cannot be compared)."""
+        if not result.valid:
+            self.counts["gate_invalid"] += 1
+            return None, f"the evaluation is invalid ({result.invalid_reason(self.cfg.eval.max_failed_frac)})"
+        key = metric_key(self.g.metric)
+        value = result.metrics.get(key)
+        if value is None or not math.isfinite(value):
+            return None, (f"gateway.gate.metric {self.g.metric!r} is not among the evaluation's figures "
+                          f"({', '.join(sorted(result.metrics))})")
+        return float(value), None
+
+    def _say(self, line: str) -> None:
+        if self.console is not None:
+            self.console.print(line)
+        else:
+            log.warning(line)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Versions served and gate decisions (for `GET /v1/admin/versions`)."""
+        return {"policy_version": self.backbone.engine.policy_version if self.backbone is not None else None,
+                "metric": self.g.metric, "mode": self.g.mode, "max_drop": self.g.max_drop,
+                "versions": self.store.versions(), "gate": self.store.gate_results(),
+                "kept": sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())}
+
+
+def request_rollback(store: GatewayStore, to: int | None, wait_s: float = 0.0, poll_s: float = 0.2) -> dict[str, Any]:
+    """Ask the gateway of `store` to serve version `to` (None: the one before the current); wait up to `wait_s`
+    seconds for it to be done. Returns the rollback's row (`done_at` None: not done yet; the gateway does it
+    when it runs, or when it is started with --resume)."""
+    rollback_id = store.request_rollback(to)
+    deadline = time.monotonic() + wait_s
+    row = store.rollback(rollback_id)
+    while row["done_at"] is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        row = store.rollback(rollback_id)
+    return row
+
+
+def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, wait_s: float = 30.0) -> int:
+    """`ajet gateway rollback --conf X [--exp-dir DIR] [--to V] [--wait S]`: record the wish in the experiment's
+    gateway.sqlite, wait up to `wait_s` for a running gateway to do it, and say what happened. Returns the exit
+    status: 0 done (or recorded for a gateway started later with --resume), 1 refused.
+
+    Raises:
+        ConfigError: no gateway.sqlite in the experiment folder, or `to` was never served there.
+    """
+    from ajet.config import load_config
+    from ajet.gateway import task_source_overrides
+
+    overrides = {**task_source_overrides(conf), **({"trainer.exp_dir": exp_dir} if exp_dir else {})}
+    cfg = load_config(conf, overrides)
+    path = cfg.exp_path() / "gateway.sqlite"
+    if not path.is_file():
+        raise ConfigError(f"no gateway ran in {cfg.exp_path()} (no gateway.sqlite): pass the --exp-dir the gateway "
+                          "was started with")
+    store = GatewayStore(path)
+    try:
+        served = sorted({v["version"] for v in store.versions()})
+        if to is not None and to not in served:
+            raise ConfigError(f"--to {to}: that version was never served by this gateway (served: "
+                              f"{', '.join(map(str, served)) or 'none'})")
+        row = request_rollback(store, to, wait_s)
+    finally:
+        store.close()
+    if row["done_at"] is None:
+        print(f"rollback {row['id']} recorded in {path}: a running gateway does it within a second of its trainer "
+              f"being free; a gateway started later with --resume does it at start")
+        return 0
+    print(f"rollback {row['id']}: {row['message']}")
+    return 0 if row["ok"] else 1
+
+
+def _figure_of(served: list[dict[str, Any]], version: int) -> float | None:
+    """The latest recorded gate figure of `version` in the `versions` rows, None when none."""
+    return next((v["figure"] for v in reversed(served) if v["version"] == version and v["figure"] is not None), None)
+
+
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
+def _fmt(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.4g}"
