@@ -142,25 +142,6 @@ def _gateway_rollback(args: argparse.Namespace) -> int:
     return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
 
 
-def _gateway_rollback_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ajet gateway rollback", description="Make the gateway of an experiment serve "
-                                "an earlier policy version (a running one within a second of its trainer being free; "
-                                "else when it is started with --resume); docs/gateway.md.")
-    p.add_argument("--conf", required=True, metavar="YAML", help="the gateway's config file")
-    p.add_argument("--exp-dir", metavar="DIR", help="the gateway's experiment folder (if it was started with one)")
-    p.add_argument("--to", type=int, metavar="VERSION", help="the version to serve (default: the one served before "
-                                                             "the current one)")
-    p.add_argument("--wait", type=float, default=30.0, metavar="S", help="seconds to wait for a running gateway "
-                                                                         "to do it (default 30)")
-    return p
-
-
-def _gateway_rollback(args: argparse.Namespace) -> int:
-    from ajet.gateway.gate import rollback_main
-
-    return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
-
-
 def doctor_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ajet doctor",
                                 description="Check whether a model's chat template lets ajet merge calls exactly.")
