@@ -91,22 +91,6 @@ async def execute_episode(workflow: Workflow, task: Task, episode_id: str, base_
     return {"output": output, "reward": reward, "error": error, "duration_s": duration_s}
 
 
-def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0,
-                 first_task_index: int = 0, groups: list[str] | None = None) -> list[Episode]:
-    """`[len(tasks) * num_repeat]` fresh episodes, grouped by task; group ids `groups` (one per task; default
-    `group_ids` of `tasks`); episode ids "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the
-    attempts of a resumed run (task indices count from `first_task_index`: a step's extra tasks under dynamic
-    sampling continue its numbering).
-
-    Raises:
-        ValueError: `groups` is not one id per task.
-    """
-    groups = group_ids(step, [t.task_id for t in tasks]) if groups is None else groups
-    if len(groups) != len(tasks):
-        raise ValueError(f"{len(groups)} group ids for {len(tasks)} tasks")
-    return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=gid,
-                    repeat_index=r, attempt=attempt)
-            for ti, (task, gid) in enumerate(zip(tasks, groups), start=first_task_index) for r in range(num_repeat)]
 def group_ids(step: int, task_ids: list[str]) -> list[str]:
     """The GRPO group id of each of a step's draws, `task_ids` in draw order (the step's tasks, then its
     extra tasks under dynamic sampling): "<step>:<task_id>", and for a task drawn again in the same step (a small
@@ -128,6 +112,22 @@ def group_ids(step: int, task_ids: list[str]) -> list[str]:
     return out
 
 
+def new_episodes(tasks: list[Task], num_repeat: int, step: int, attempt: int = 0,
+                 first_task_index: int = 0, groups: list[str] | None = None) -> list[Episode]:
+    """`[len(tasks) * num_repeat]` fresh episodes, grouped by task; group ids `groups` (one per task; default
+    `group_ids` of `tasks`); episode ids "a<attempt>-s<step>-t<task index>-r<repeat>" are unique across the
+    attempts of a resumed run (task indices count from `first_task_index`: a step's extra tasks under dynamic
+    sampling continue its numbering).
+
+    Raises:
+        ValueError: `groups` is not one id per task.
+    """
+    groups = group_ids(step, [t.task_id for t in tasks]) if groups is None else groups
+    if len(groups) != len(tasks):
+        raise ValueError(f"{len(groups)} group ids for {len(tasks)} tasks")
+    return [Episode(episode_id=f"a{attempt}-s{step}-t{ti}-r{r}", task=task, group_id=gid,
+                    repeat_index=r, attempt=attempt)
+            for ti, (task, gid) in enumerate(zip(tasks, groups), start=first_task_index) for r in range(num_repeat)]
 
 
 def seed_key(episode: Episode) -> str:
