@@ -140,11 +140,13 @@ def test_mcp_tool_agent_earns_the_reward_through_the_projects_server(tmp_path, t
                          tools=hub)
         unknown = _episode(project, tokenizer, task.task_id, ['unicorns"}}\n</tool_call>', "The answer is 3."],
                            tools=hub)
+        singular = _episode(project, tokenizer, task.task_id, ['Lamp"}}\n</tool_call>', "The answer is 2."], tools=hub)
     (call,) = right.tool_calls
     assert (call.name, call.arguments, call.text) == ("stock", {"item": "lamps"}, task.answer)   # the server's count
     assert right.reward == pytest.approx(1.2)                     # the right number + a tool call that ran
     (bad,) = unknown.tool_calls
     assert bad.is_error and "unknown item" in bad.text and unknown.reward == 0.0
+    assert singular.tool_calls[0].text == task.answer and singular.reward == pytest.approx(0.2)   # a call that ran
 
 
 def test_a_folder_that_holds_anything_is_refused_without_force(tmp_path, capsys):

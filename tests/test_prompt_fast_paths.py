@@ -158,3 +158,60 @@ def test_a_reply_the_template_closes_twice_ends_at_its_last_end_of_turn(tokenize
     results = [{"role": "tool", "tool_call_id": c["id"], "content": "2"} for c in calls]
     fast, slow, parent, nxt = _continue(tokenizer, FIRST, text, calls, results, content="")
     assert fast.ids == slow.ids and fast.ids == _expected_extension(tokenizer, parent, nxt) and fast.parent_call_id == "c0"
+
+
+# ---- the byte-level BPE encoder: the tokenizer's own ids, on text built without it ----------------------
+
+def _random_texts(n: int, seed: int = 0) -> list[str]:
+    """ASCII texts from pieces where GPT-2's pre-tokenizer decides something: every ASCII character (controls,
+    \\x1c-\\x1f, which are not whitespace to it), contractions in both cases, runs of spaces and newlines before
+    and after words, digits, punctuation, the special tokens."""
+    import random
+
+    rnd = random.Random(seed)
+    pieces = [chr(i) for i in range(128)] + ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'LL", "  ", "\n\n",
+                                             " \n ", "\t", "ab", "Tom", "12", "3.5", "-->", "<|im_end|>",
+                                             "<|im_start|>"]
+    return ["".join(rnd.choice(pieces) for _ in range(rnd.randint(1, 40))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from ajet.model import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_byte_level_encoder_gives_the_tokenizers_ids(tokenizer, smollm2_tokenizer, which):
+    from pathlib import Path
+
+    tok = tokenizer if which == "tiny" else smollm2_tokenizer
+    builder = PromptBuilder(tok)
+    assert builder._byte_level is not None            # both are GPT-2-style byte-level BPE tokenizers
+    root = Path(__file__).resolve().parent.parent
+    sources = [p.read_text() for p in [*sorted((root / "ajet" / "proxy").glob("*.py")), root / "README.md"]]
+    texts = _random_texts(3000) + sources + [
+        "héllo wörld — “quoted” 日本語 😀 <|im_end|> and ASCII after",   # a piece not ASCII: the tokenizer's own
+        "tabs\there\x0b\x0c\r\n   \n\x1c\x1d end", "I'm   sure  it's\n\n  they'll"]
+    for text in texts:
+        assert builder.encode(text) == tok.encode(text, add_special_tokens=False), repr(text[:80])
+
+
+def test_byte_level_encoder_refuses_other_pipelines(tokenizer):
+    """A tokenizer whose pipeline differs (a normalizer, a Split pre-tokenizer, an added token that strips the
+    space beside it) gets no byte-level encoder: `encode` stays the tokenizer's."""
+    from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
+
+    from ajet.proxy.byte_bpe import ByteLevelEncoder
+
+    def variant(change) -> Tokenizer:
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        change(backend)
+        return backend
+
+    assert ByteLevelEncoder.of(variant(lambda b: None)) is not None
+    assert ByteLevelEncoder.of(variant(lambda b: setattr(b, "normalizer", normalizers.NFKC()))) is None
+    assert ByteLevelEncoder.of(variant(lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])))) is None
+    assert ByteLevelEncoder.of(variant(lambda b: b.add_special_tokens([AddedToken("<x>", lstrip=True)]))) is None

@@ -48,7 +48,8 @@ SERVER = '''\
 """The project's MCP server (stdio, the `mcp` package's FastMCP): one tool, `stock(item)`.
 
 ajet starts it once per run (ajet.yaml's tools.mcp_servers.warehouse), lists its tools for every episode and
-runs the model's tool calls on it. An unknown item is an error result, which the model sees.
+runs the model's tool calls on it. An item is found by its name in any case, singular or plural; an unknown
+item is an error result, which the model sees.
 
     python server.py        # speaks MCP on stdin and stdout
 """
@@ -62,8 +63,9 @@ app = FastMCP("warehouse", log_level="WARNING")
 
 @app.tool()
 def stock(item: str) -> str:
-    """How many units of an item the warehouse holds; item is a plural name such as apples or lamps."""
+    """How many units of an item the warehouse holds, e.g. stock("lamps")."""
     key = item.strip().lower()
+    key = key if key in STOCK else key + "s"          # "lamp" and "Lamps" are lamps too
     if key not in STOCK:
         raise ValueError(f"unknown item {item!r}; the items are: {', '.join(sorted(STOCK))}")
     return str(STOCK[key])
