@@ -11,7 +11,14 @@ real proxy (ajet/harnesses/workflow.py), tokenized with SmolLM2's tokenizer. Pri
     tokens merged / per call  training tokens (prompt + completion of each sample) merged vs one sample per call
     ratio                     per call / merged (higher: the merge saves more)
     prompt KB/call            mean JSON size of a call's messages + tools, KB
-    proxy ms/call             the proxy's own time per call (total - generate), median and first call
+    proxy ms/call             the proxy's own wall time per call (total - generate), median and first call
+    CPU ms/call               the proxy's CPU time per call (its event-loop and prepare threads; the scripted
+                              engine's replies are tokenized beforehand, so it costs next to nothing): from one
+                              call's start of generation to the next, i.e. answering a call + preparing the next;
+                              median over calls 2..n, and the last call
+    calls/s                   1000 / the mean CPU ms per call: what one core could serve at that cost
+
+Wall times depend on the machine's load; CPU times much less (the load average is printed with them).
 
     python benchmarks/harness_merge.py [--harness codex claude-code] [--tokenizer smollm2-135m-instruct]
 """
@@ -22,8 +29,10 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,12 +117,33 @@ def gemini_script() -> list[str]:
 SCRIPTS = {"codex": codex_script, "claude-code": claude_script, "gemini-cli": gemini_script}
 
 
+def _proxy_cpu_s() -> float:
+    """CPU seconds used so far by the proxy's threads (its event loop's and its prepare pool's)."""
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threading.enumerate()
+               if t.name == "ajet-proxy" or t.name.startswith("ajet-prepare"))
+
+
+class _TimedEngine(ScriptedEngine):
+    """The scripted engine, replies tokenized beforehand (as ScriptedEngine would: text + end-of-turn), noting
+    the proxy's CPU time at the start of each generation."""
+
+    def __init__(self, tokenizer, replies: list[str]):
+        super().__init__(tokenizer, [tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id]
+                                     for r in replies])
+        self.cpu_at: list[float] = []
+
+    async def generate(self, prompt_ids, params, on_tokens=None):
+        self.cpu_at.append(_proxy_cpu_s())
+        return await super().generate(prompt_ids, params, on_tokens)
+
+
 def run_one(name: str, tokenizer) -> dict:
     """One scripted episode of harness `name`: its figures (see the module docstring)."""
     spec = builtin_harnesses()[name]
     install(name, spec)
     replies = SCRIPTS[name]()
-    engine = ScriptedEngine(tokenizer, replies)
+    assert all(len(tokenizer.encode(r, add_special_tokens=False)) < 511 for r in replies)   # never cut short
+    engine = _TimedEngine(tokenizer, replies)
     proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=512), max_model_len=10**6).start()
     row = json.loads((TASKS / "tasks.jsonl").read_text().splitlines()[
         [json.loads(r)["task_id"] for r in (TASKS / "tasks.jsonl").read_text().splitlines()].index("median")])
@@ -132,6 +162,7 @@ def run_one(name: str, tokenizer) -> dict:
     merged = sum(len(s.input_ids) for s in samples)
     per_call = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
     proxy_ms = [1000 * (c.timings.get("total_s", 0.0) - c.timings.get("generate_s", 0.0)) for c in calls]
+    cpu_ms = [1000 * (b - a) for a, b in zip(engine.cpu_at, engine.cpu_at[1:])]   # answer call i-1 + prepare i
     forks = collections.Counter(s.flags.get("fork_reason", "?") for s in samples[1:])
     return {"harness": name, "version": spec.version, "api": spec.api, "calls": len(calls),
             "scripted": len(replies), "samples": len(samples), "forks": dict(forks), "tokens_merged": merged,
@@ -140,6 +171,9 @@ def run_one(name: str, tokenizer) -> dict:
                                                   for c in calls) / 1024 if calls else 0.0,
             "proxy_ms_median": statistics.median(proxy_ms) if proxy_ms else float("nan"),
             "proxy_ms_first": proxy_ms[0] if proxy_ms else float("nan"), "reward": out.reward,
+            "cpu_ms_median": statistics.median(cpu_ms) if cpu_ms else float("nan"),
+            "cpu_ms_last": cpu_ms[-1] if cpu_ms else float("nan"),
+            "calls_per_s": 1000 / statistics.mean(cpu_ms) if cpu_ms else float("nan"),
             "exit_status": out.metadata["exit_status"], "wall_s": wall}
 
 
@@ -149,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="smollm2-135m-instruct", help="model path or alias whose tokenizer is used")
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer)
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
+          + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(f"{'harness':<12} {'api':<9} {'calls':>5} {'samples':>7} {'forks':<24} {'tokens merged':>13} "
-          f"{'per call':>9} {'ratio':>6} {'prompt KB/call':>14} {'proxy ms/call med':>17} {'first':>7} {'reward':>6}")
+          f"{'per call':>9} {'ratio':>6} {'prompt KB/call':>14} {'proxy ms/call med':>17} {'first':>7} "
+          f"{'CPU ms/call med':>15} {'last':>6} {'calls/s':>7} {'reward':>6}")
     for name in args.harness:
         spec = builtin_harnesses()[name]
         if name not in SCRIPTS:
@@ -160,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         forks = ",".join(f"{k}:{v}" for k, v in r["forks"].items()) or "-"
         print(f"{name:<12} {r['api']:<9} {r['calls']:>5} {r['samples']:>7} {forks:<24} {r['tokens_merged']:>13} "
               f"{r['tokens_per_call']:>9} {r['ratio']:>6.1f} {r['prompt_kb_per_call']:>14.1f} "
-              f"{r['proxy_ms_median']:>17.1f} {r['proxy_ms_first']:>7.1f} {r['reward']:>6}"
+              f"{r['proxy_ms_median']:>17.1f} {r['proxy_ms_first']:>7.1f} {r['cpu_ms_median']:>15.2f} "
+              f"{r['cpu_ms_last']:>6.2f} {r['calls_per_s']:>7.0f} {r['reward']:>6}"
               + ("" if r["calls"] == r["scripted"] and r["exit_status"] == 0 else
                  f"   (!) {r['calls']} of {r['scripted']} scripted calls made, exit {r['exit_status']}"))
+    print("load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     return 0
 
 

@@ -32,6 +32,7 @@ import asyncio
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -269,6 +270,8 @@ def main() -> int:
     direct_endpoints = lambda n: [(server.url + "/v1", "direct")] * n  # noqa: E731
 
     failed = False
+    load = lambda: " ".join(f"{x:.1f}" for x in os.getloadavg())  # noqa: E731
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average {load()}")
     sent = {p.client: 0 for p in proxies}
     recorded = {p.client: 0 for p in proxies}
     rows = []
@@ -308,7 +311,7 @@ def main() -> int:
     server.stop()
     tmp.cleanup()
 
-    print()
+    print(f"\nload average {load()}")
     for client in sent:
         lost = sent[client] - recorded[client]
         failed |= lost != 0
