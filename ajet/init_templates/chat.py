@@ -40,7 +40,7 @@ is recorded with its exact tokens, and the judge's reward decides which of a tas
 from ajet import Task, Tuner, Workflow, WorkflowOutput
 from ajet.judges import extract_final_number
 
-SYSTEM_PROMPT = "Solve the problem in one short sentence, then reply: The answer is N."
+SYSTEM_PROMPT = "You are a math assistant. Solve the problem step by step, then end with: The answer is <number>."
 
 
 class ChatWorkflow(Workflow):
@@ -54,7 +54,7 @@ class ChatWorkflow(Workflow):
 
 def reward(task: Task, output: WorkflowOutput) -> float:
     """1.0 when the reply's final number is the task's answer; 0.1 for a wrong number in the asked-for form
-    ("The answer is N"), which gives a small model a signal before it gets answers right; else 0.0."""
+    ("The answer is ..."), which gives a small model a signal before it gets answers right; else 0.0."""
     if extract_final_number(output.final_answer) == task.answer:
         return 1.0
     return 0.1 if "the answer is" in (output.final_answer or "").lower() else 0.0
