@@ -197,8 +197,10 @@ def test_two_reapers_at_once_never_raise_out_of_unrelated_calls():
     for t in threads:
         t.start()
     for t in threads[:2]:
-        t.join(10)
-    time.sleep(0.6)                           # collect's own reaping pass
+        t.join(60)
+    deadline = time.monotonic() + 60          # collect's own reaping pass stores in its thread (8 x 0.05 s):
+    while not set(idle) <= set(stored) and time.monotonic() < deadline:   # wait for it, bounded, not 0.6 s
+        time.sleep(0.05)
     q.flush()
     assert errors == []
     assert len(got) == 2 and {g["group_id"] for g in got} == {"g0:t0"}
