@@ -137,7 +137,7 @@ def _gateway_rollback_parser() -> argparse.ArgumentParser:
 
 
 def _gateway_rollback(args: argparse.Namespace) -> int:
-    from ajet.gateway.gate import rollback_main
+    from ajet.gateway import rollback_main
 
     return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
 

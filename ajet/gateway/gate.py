@@ -359,40 +359,6 @@ def request_rollback(store: GatewayStore, to: int | None, wait_s: float = 0.0, p
     return row
 
 
-def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, wait_s: float = 30.0) -> int:
-    """`ajet gateway rollback --conf X [--exp-dir DIR] [--to V] [--wait S]`: record the wish in the experiment's
-    gateway.sqlite, wait up to `wait_s` for a running gateway to do it, and say what happened. Returns the exit
-    status: 0 done (or recorded for a gateway started later with --resume), 1 refused.
-
-    Raises:
-        ConfigError: no gateway.sqlite in the experiment folder, or `to` was never served there.
-    """
-    from ajet.config import load_config
-    from ajet.gateway import task_source_overrides
-
-    overrides = {**task_source_overrides(conf), **({"trainer.exp_dir": exp_dir} if exp_dir else {})}
-    cfg = load_config(conf, overrides)
-    path = cfg.exp_path() / "gateway.sqlite"
-    if not path.is_file():
-        raise ConfigError(f"no gateway ran in {cfg.exp_path()} (no gateway.sqlite): pass the --exp-dir the gateway "
-                          "was started with")
-    store = GatewayStore(path)
-    try:
-        served = sorted({v["version"] for v in store.versions()})
-        if to is not None and to not in served:
-            raise ConfigError(f"--to {to}: that version was never served by this gateway (served: "
-                              f"{', '.join(map(str, served)) or 'none'})")
-        row = request_rollback(store, to, wait_s)
-    finally:
-        store.close()
-    if row["done_at"] is None:
-        print(f"rollback {row['id']} recorded in {path}: a running gateway does it within a second of its trainer "
-              f"being free; a gateway started later with --resume does it at start")
-        return 0
-    print(f"rollback {row['id']}: {row['message']}")
-    return 0 if row["ok"] else 1
-
-
 def _figure_of(served: list[dict[str, Any]], version: int) -> float | None:
     """The latest recorded gate figure of `version` in the `versions` rows, None when none."""
     return next((v["figure"] for v in reversed(served) if v["version"] == version and v["figure"] is not None), None)
