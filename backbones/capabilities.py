@@ -140,6 +140,16 @@ _GATEWAY_UNTESTED = "`ajet gateway` is tested with the debug backbone only so fa
 _SFT_UNTESTED = ("fine-tuning on recorded traces (`ajet sft`) is implemented and tested in the debug backbone's "
                  "update only so far; use --backbone=debug")
 
+_GATEWAY_KEYS = ("host", "port", "secret", "session_idle_s", "feedback_deadline_s", "on_no_feedback", "n",
+                 "rate_limit_rps", "rate_limit_burst", "retention_days", "gate.mode", "gate.metric", "gate.max_drop",
+                 "gate.keep_versions")
+
+
+def _gateway(support: Support) -> dict[str, Support]:
+    """Every `gateway.*` key declared as `support` (a backbone serves `ajet gateway` whole or not at all)."""
+    return {f"gateway.{k}": support for k in _GATEWAY_KEYS}
+
+
 # backbones/debug/backbone.py: ajet's own update, in this process
 DEBUG: dict[str, Support] = {
     "experiment_name": HONOURED,
@@ -172,20 +182,7 @@ DEBUG: dict[str, Support] = {
     "trainer.seed": HONOURED,
     "trainer.async.max_staleness": honoured("with K > 0 the loss is importance-corrected token by token"),
     "trainer.async.is_cap": HONOURED,
-    "gateway.host": HONOURED,
-    "gateway.port": HONOURED,
-    "gateway.secret": HONOURED,
-    "gateway.session_idle_s": HONOURED,
-    "gateway.feedback_deadline_s": HONOURED,
-    "gateway.on_no_feedback": HONOURED,
-    "gateway.n": HONOURED,
-    "gateway.rate_limit_rps": HONOURED,
-    "gateway.rate_limit_burst": HONOURED,
-    "gateway.retention_days": HONOURED,
-    "gateway.gate.mode": HONOURED,
-    "gateway.gate.metric": HONOURED,
-    "gateway.gate.max_drop": HONOURED,
-    "gateway.gate.keep_versions": HONOURED,
+    **_gateway(HONOURED),
     "sft": honoured("token-level cross-entropy on the loss-mask-1 tokens, mean over tokens"),
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
@@ -226,20 +223,7 @@ VERL: dict[str, Support] = {
     "trainer.seed": translated("data.seed"),
     "trainer.async.max_staleness": refused(_NO_STALENESS.format(who="verl's actor"), _unset_or_zero, "unset or 0"),
     "trainer.async.is_cap": refused(_NO_IS_CAP),
-    "gateway.host": refused(_GATEWAY_UNTESTED),
-    "gateway.port": refused(_GATEWAY_UNTESTED),
-    "gateway.secret": refused(_GATEWAY_UNTESTED),
-    "gateway.session_idle_s": refused(_GATEWAY_UNTESTED),
-    "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
-    "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
-    "gateway.n": refused(_GATEWAY_UNTESTED),
-    "gateway.rate_limit_rps": refused(_GATEWAY_UNTESTED),
-    "gateway.rate_limit_burst": refused(_GATEWAY_UNTESTED),
-    "gateway.retention_days": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.mode": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.metric": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.max_drop": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.keep_versions": refused(_GATEWAY_UNTESTED),
+    **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
@@ -281,20 +265,7 @@ TRINITY: dict[str, Support] = {
     "trainer.async.max_staleness": refused(_NO_STALENESS.format(who="Trinity's trainer"), _unset_or_zero,
                                            "unset or 0"),
     "trainer.async.is_cap": refused(_NO_IS_CAP),
-    "gateway.host": refused(_GATEWAY_UNTESTED),
-    "gateway.port": refused(_GATEWAY_UNTESTED),
-    "gateway.secret": refused(_GATEWAY_UNTESTED),
-    "gateway.session_idle_s": refused(_GATEWAY_UNTESTED),
-    "gateway.feedback_deadline_s": refused(_GATEWAY_UNTESTED),
-    "gateway.on_no_feedback": refused(_GATEWAY_UNTESTED),
-    "gateway.n": refused(_GATEWAY_UNTESTED),
-    "gateway.rate_limit_rps": refused(_GATEWAY_UNTESTED),
-    "gateway.rate_limit_burst": refused(_GATEWAY_UNTESTED),
-    "gateway.retention_days": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.mode": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.metric": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.max_drop": refused(_GATEWAY_UNTESTED),
-    "gateway.gate.keep_versions": refused(_GATEWAY_UNTESTED),
+    **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
