@@ -1,6 +1,16 @@
 import pytest
 
+from tests.backbone_conformance import venvs
 from tests.tiny_model import build_tiny_model
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that run a backbone venv (their module imports `venv_python`) run last, in their order: CI builds
+    those venvs while the rest of the suite runs (.ci/run), and such a test waits for its venv's build."""
+    uses_venv = [i for i in items if getattr(getattr(i, "module", None), "venv_python", None) is venvs.venv_python]
+    if uses_venv:
+        last = set(map(id, uses_venv))
+        items[:] = [i for i in items if id(i) not in last] + uses_venv
 
 
 @pytest.fixture(scope="session")
