@@ -32,11 +32,12 @@ used is *abandoned* when a later attempt resumed from before S. `ledger()` appli
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
+
+from ajet.sqlite_wal import open_wal
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS episodes (
@@ -71,11 +72,7 @@ class TrajectoryStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable across process crashes
-        self._db.executescript(_SCHEMA)
+        self._db = open_wal(self.path, _SCHEMA)
         self._write = threading.Lock()   # one transaction at a time (`ajet serve` commits from many threads)
 
     def begin_attempt(self, resumed_from_step: int) -> int:

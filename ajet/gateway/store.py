@@ -35,12 +35,13 @@ A session's reward is its latest feedback row. Times are `time.time()` seconds.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ajet.sqlite_wal import open_wal
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -109,11 +110,7 @@ class GatewayStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable across process crashes
-        self._db.executescript(_SCHEMA)
+        self._db = open_wal(self.path, _SCHEMA)
         self._write = threading.Lock()
 
     def _tx(self, *statements: tuple[str, list[tuple]]) -> None:
