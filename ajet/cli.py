@@ -79,22 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     return _run_flags(p)
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    p = _run_flags(argparse.ArgumentParser(
-        prog="ajet serve", description="Serve the recording proxy and the episode API; train continuously on "
-                                       "the episodes clients run (docs/serve.md)."))
-    p.add_argument("--host", help="bind address (serve.host; default 127.0.0.1; other hosts need serve.secret)")
-    p.add_argument("--port", type=int, help="port (serve.port; 0 picks a free one)")
+def _server_parser(section: str, description: str) -> argparse.ArgumentParser:
+    """`ajet SECTION`'s flags: the run flags plus --host/--port, which override `SECTION.host`/`SECTION.port`."""
+    p = _run_flags(argparse.ArgumentParser(prog=f"ajet {section}", description=description))
+    p.add_argument("--host", help=f"bind address ({section}.host; default 127.0.0.1; other hosts need "
+                                  f"{section}.secret)")
+    p.add_argument("--port", type=int, help=f"port ({section}.port; 0 picks a free one)")
     return p
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    return _server_parser("serve", "Serve the recording proxy and the episode API; train continuously on the "
+                                   "episodes clients run (docs/serve.md).")
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
-    p = _run_flags(argparse.ArgumentParser(
-        prog="ajet gateway", description="One stable model endpoint for deployed agents (four dialects); trains "
-                                         "on the feedback their sessions get (docs/gateway.md)."))
-    p.add_argument("--host", help="bind address (gateway.host; default 127.0.0.1; other hosts need gateway.secret)")
-    p.add_argument("--port", type=int, help="port (gateway.port; 0 picks a free one)")
-    return p
+    return _server_parser("gateway", "One stable model endpoint for deployed agents (four dialects); trains on the "
+                                     "feedback their sessions get (docs/gateway.md).")
 
 
 def _sft_parser() -> argparse.ArgumentParser:
