@@ -38,10 +38,17 @@ class ToolThenForkWorkflow(Workflow):
         return WorkflowOutput(reward=float((len(text) + len(final)) % 4), final_answer=final)
 
 
-def record(model_dir: str, num_tasks: int = 2, num_repeat: int = 3, max_tokens: int = 10) -> dict:
+def record(model_dir: str, num_tasks: int = 2, num_repeat: int = 3, max_tokens: int = 10, seed: int = 0) -> dict:
     """Roll out `num_tasks x num_repeat` episodes through the real proxy; returns {"pad_id", "samples",
     "logprobs"}: the samples (advantages set) and the tiny model's current logprobs of each sample's response
-    tokens `[response_len]` (what a trainer would compute before its first update)."""
+    tokens `[response_len]` (what a trainer would compute before its first update).
+
+    Deterministic: the same model and `seed` give the same tokens in every recording. Each call samples from
+    its own seeded stream (`call_seed(seed, episode id, call index)`, the proxy's `seed`), not from the
+    engine's generator in arrival order, and the episodes run one at a time, so no call is decoded in a batch
+    whose make-up depends on timing (batched rows' logprobs differ in the last bits: up to 4.8e-7 in 4 of 12
+    samples between two recordings of 8 episodes at once; under load, tokens too). A recording that changed
+    from run to run moved the backbone comparisons' measured differences with it."""
     from ajet.backbones.debug.backbone import DebugBackbone, token_logprobs
     from ajet.config import AjetConfig
     from ajet.algorithm.advantage import assign_advantages
@@ -56,10 +63,10 @@ def record(model_dir: str, num_tasks: int = 2, num_repeat: int = 3, max_tokens: 
                                      "rollout": {"max_tokens": max_tokens, "temperature": 1.0}})
     backbone = DebugBackbone(cfg)
     proxy = ProxyServer(backbone.engine, backbone.tokenizer, SamplingParams(temperature=1.0, top_p=1.0,
-                                                                             max_tokens=max_tokens)).start()
+                                                                             max_tokens=max_tokens), seed=seed).start()
     try:
         tasks = [Task(f"t{i}", f"What is {i} plus {i + 1}?", str(2 * i + 1)) for i in range(num_tasks)]
-        episodes = asyncio.run(rollout(ToolThenForkWorkflow(), tasks, num_repeat, proxy, None, 1, 8, 60.0))
+        episodes = asyncio.run(rollout(ToolThenForkWorkflow(), tasks, num_repeat, proxy, None, 1, 1, 600.0))
     finally:
         proxy.stop()
     bad = [e.error for e in episodes if not e.ok]

@@ -8,7 +8,8 @@ Trinity's Synchronizer).
 
 IN.json: {"model_dir", "exp_dir", "samples", "runs", "lr", "steps", "clip_ratio_low", "clip_ratio_high",
 "clip_ratio_c"}; "runs": [[loss_agg_mode, micro_batch_tokens or null (the whole batch in one micro-batch)], ...].
-OUT.pt: {"MODE@TOKENS": {"grads": {name: tensor}, "weights": {name: tensor}, "metrics": [dict per step]}}.
+OUT.pt: {"MODE@TOKENS": {"grads": {name: tensor}, "weights_1": {name: tensor} (after the first update),
+"weights": {name: tensor} (after the last), "metrics": [dict per step]}}.
 """
 
 from __future__ import annotations
@@ -94,12 +95,13 @@ def main(inp: str, out: str) -> None:
             algo.policy_loss_fn_args = {**algo.policy_loss_fn_args, "loss_agg_mode": mode}
             bb.trainer.actor_rollout_wg.set_trinity_config(algo_config=algo, rollout_engine_type="vllm",
                                                            ray_namespace=bb.config.ray_namespace)
-            metrics, grads = [], None
+            metrics, grads, weights_1 = [], None, None
             for step in range(d["steps"]):
                 metrics.append(bb.update(samples))
                 if step == 0:
                     grads = worker_grads(bb)
-            res[f"{mode}@{tokens}"] = {"grads": grads, "metrics": metrics,
+                    weights_1 = {k: v.detach().clone() for k, v in bb.model.state_dict().items()}
+            res[f"{mode}@{tokens}"] = {"grads": grads, "metrics": metrics, "weights_1": weights_1,
                          "weights": {k: v.detach().clone() for k, v in bb.model.state_dict().items()}}
     finally:
         bb.close()

@@ -6,9 +6,10 @@ RayWorkerGroup, FSDP2 on gloo, verl's ppo_loss and AdamW, on CPU) and by the deb
 IN.json: model_dir, samples (advantages set), lr, runs: [{name, mode, dp, kl_coef, select}] (select: "all", "no_forks":
 the first sample of each episode only, "drop_last": all but the last sample). For each run, OUT.json
 gets: the relative L2 distance between verl's and the debug backbone's gradients of the first update (all
-parameters as one vector), the same for the weight changes after 3 updates, verl's grad_norm and optimizer
-steps, and, for a run with `same_as` (another run's name), the relative L2 distance between the two runs' verl
-gradients (2 FSDP ranks against 1).
+parameters as one vector), the same for the weight changes after 1 and after 3 updates, what AdamW's first
+update makes of the two gradients (`adam_rel`, see adam.py: the weights' expected distance after update 1),
+verl's grad_norm and optimizer steps, and, for a run with `same_as` (another run's name), the relative L2
+distance between the two runs' verl gradients (2 FSDP ranks against 1).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(inp: str, out: str) -> None:
     from ajet.backbones.verl.backbone import VerlBackbone
     from ajet.config import AjetConfig
     from ajet.tracker.sample import Sample
+    from adam import first_update_rel      # tests/backbone_conformance/adam.py, this script's folder
 
     d = json.load(open(inp))
     all_samples = [Sample(**s) for s in d["samples"]]
@@ -51,7 +53,9 @@ def main(inp: str, out: str) -> None:
         debug.accumulate_gradients(samples)
         g_debug = {k: p.grad.detach().clone() for k, p in debug.model.named_parameters()}
         debug.optimizer.zero_grad(set_to_none=True)
-        for _ in range(3):
+        debug.update(samples)
+        dw1_debug = {k: p.detach() - w0[k] for k, p in debug.model.named_parameters()}
+        for _ in range(2):
             debug.update(samples)
         dw_debug = {k: p.detach() - w0[k] for k, p in debug.model.named_parameters()}
 
@@ -60,12 +64,17 @@ def main(inp: str, out: str) -> None:
         verl.actor_wg.record_grads()
         metrics = [verl.update(samples)]
         g_verl = verl.actor_wg.export_grads()[0]
+        dw1_verl = {k: v - w0[k] for k, v in verl.actor_wg.export_weights()[0].items() if k in w0}
         for _ in range(2):
             metrics.append(verl.update(samples))
         dw_verl = {k: v - w0[k] for k, v in verl.actor_wg.export_weights()[0].items() if k in w0}
         engine_w = {k: p.detach() - w0[k] for k, p in verl.model.named_parameters()}
         name = run["name"]
+        group = debug.optimizer.param_groups[0]
         res[name] = {"grad_rel": rel(g_verl, g_debug), "weight_rel": rel(dw_verl, dw_debug),
+                     "weight_rel_1": rel(dw1_verl, dw1_debug),
+                     "adam_rel": first_update_rel(g_verl, g_debug, group["lr"], group["eps"],
+                                                  debug.cfg.algorithm.max_grad_norm),
                      "engine_vs_actor": rel(engine_w, dw_verl), "grad_norm": metrics[0]["grad_norm"],
                      "optimizer_steps": [m["optimizer_steps"] for m in metrics], "rows": len(samples),
                      "policy_version": verl.engine.policy_version}
