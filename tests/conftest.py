@@ -1,16 +1,9 @@
 import pytest
 
-from tests.backbone_conformance import venvs
 from tests.tiny_model import build_tiny_model
 
-
-def pytest_collection_modifyitems(items):
-    """The tests that run a backbone venv (their module imports `venv_python`) run last, in their order: CI builds
-    those venvs while the rest of the suite runs (.ci/run), and such a test waits for its venv's build."""
-    uses_venv = [i for i in items if getattr(getattr(i, "module", None), "venv_python", None) is venvs.venv_python]
-    if uses_venv:
-        last = set(map(id, uses_venv))
-        items[:] = [i for i in items if id(i) not in last] + uses_venv
+# the tests that use a backbone venv run last, or in CI beside the rest of the suite (tests/ci_backbone_tests.py)
+from tests.ci_backbone_tests import pytest_collection_modifyitems, pytest_sessionfinish  # noqa: F401
 
 
 @pytest.fixture(scope="session")
