@@ -1,7 +1,7 @@
 """What keeps `.ci/run` short: a backbone venv built once per machine and copied into each checkout
 (.ci/make_backbone_env.sh); the tests that use a backbone venv wait for one still being built
-(tests/backbone_conformance/venvs.py) and run last, or in CI in a pytest process of their own beside the rest of
-the suite (tests/ci_backbone_tests.py)."""
+(tests/backbone_conformance/venvs.py) and run last, or (AJET_CI_BACKBONE_TESTS_BESIDE=1) in a pytest process of
+their own beside the rest of the suite (tests/ci_backbone_tests.py)."""
 
 from __future__ import annotations
 
