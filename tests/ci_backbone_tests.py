@@ -7,9 +7,10 @@ need the venvs that CI builds while the suite runs. So:
 - by default they run last, in their order (a test waits for a venv still being built, see
   tests/backbone_conformance/venvs.py);
 - with `AJET_CI_BACKBONE_TESTS_BESIDE=1` (`AJET_CI_BACKBONE_TESTS_BESIDE=1 .ci/run`) the session starts them in
-  a pytest process of its own, beside the rest of the suite, once its own collection is done (so after the README command's installs), and at
-  its end waits for that process: the session fails when it failed, and prints its output (all of it on a failure,
-  its summary line otherwise). The whole files run there, so this is for a run of the whole suite (CI).
+  a pytest process of its own, beside the rest of the suite, once its own collection is done (so after the README
+  command's installs), and at its end waits for that process: the session fails when it failed, and prints its
+  output (all of it on a failure, its summary line otherwise). The whole files run there, so this is for a run of
+  the whole suite (CI).
 
 On the 2-core machine the two processes share the cores with whatever else runs; the backbone tests spend much of
 their time starting processes (a venv python that imports verl, Ray's workers) and waiting on them.
