@@ -134,21 +134,30 @@ def _upper(v: Any) -> Any:
 
 
 class FunctionCallingConfig(_Open):
+    """`toolConfig.functionCallingConfig`: the mode (upper-cased; None = AUTO) and the functions it may call."""
+
     mode: Annotated[Literal["AUTO", "ANY", "NONE", "VALIDATED", "MODE_UNSPECIFIED"] | None,
                     BeforeValidator(_upper)] = None   # None: AUTO
     allowed_function_names: list[str] | None = None
 
 
 class ToolConfig(_Open):
+    """`toolConfig` of a Gemini request."""
+
     function_calling_config: FunctionCallingConfig | None = None
 
 
 class SafetySetting(_Open):
+    """One entry of `safetySettings`: accepted and not applied (the engine has no safety filter)."""
+
     category: str | None = None
     threshold: str | None = None
 
 
 class GenerationConfig(_Camel):
+    """`generationConfig`: sampling settings with their allowed ranges (temperature 0-2, topP in (0, 1],
+    1-8 candidates); a value out of range is a 400 naming it."""
+
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: float | None = None

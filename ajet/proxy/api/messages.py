@@ -69,6 +69,8 @@ class CustomTool(_Open):
 
 
 class ToolChoice(_Open):
+    """`tool_choice` of a Messages request: auto, any, a named tool, or none."""
+
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None     # the tool `type: "tool"` names
     disable_parallel_tool_use: StrictBool | None = None
