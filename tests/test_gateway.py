@@ -318,7 +318,10 @@ def test_gateway_trains_from_feedback(tmp_path, tiny_model_dir):
             assert h["x-ajet-policy-version"] == "0"
             sessions.append(h["x-ajet-session"])
             assert g.http.post("/v1/feedback", json={"session_id": h["x-ajet-session"], "reward": reward}).status_code == 200
-            assert g.http.post(f"/v1/sessions/{h['x-ajet-session']}/close").json()["state"] == "rated"
+            state = g.http.post(f"/v1/sessions/{h['x-ajet-session']}/close").json()["state"]
+            # the first session waits for a second to make the group; the second completes it, so the background
+            # trainer may have taken both before this answer is written
+            assert state == "rated" if len(sessions) == 1 else state in ("rated", "trained"), state
         g.wait_for(lambda: g.http.get("/healthz").json()["policy_version"] == 1)
         assert all(g.http.get(f"/v1/sessions/{s}").json()["state"] == "trained" for s in sessions)
         _, h = g.chat("What is 5 plus 1?")                   # served by the updated policy
