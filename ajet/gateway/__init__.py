@@ -57,6 +57,7 @@ def gateway(cfg: AjetConfig) -> Path:
             `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
             problem `ajet.trainer.run` raises.
     """
+    from ajet import progress
     from ajet.gateway.app import GatewayApp
     from ajet.gateway.gate import LiveHold, VersionGate
     from ajet.gateway.ops import RateLimiter
@@ -93,12 +94,13 @@ def gateway(cfg: AjetConfig) -> Path:
         except BaseException:
             store.close()
             raise
-        ctx.console.print(f"gateway: secret {'required (gateway.secret / AJET_SECRET)' if secret else 'not required'}"
-                          f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
-                          f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
-                          + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else "")
-                          + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g}"
-                             if g.gate.mode == "eval" else "; gate off: every update is served"))
+        progress.note(ctx.console, (
+            f"gateway: secret {'required (gateway.secret / AJET_SECRET)' if secret else 'not required'}"
+            f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
+            f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
+            + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else "")
+            + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g}"
+               if g.gate.mode == "eval" else "; gate off: every update is served")))
 
         def book(proxy) -> SessionBook:
             return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ajet import progress
 from ajet.episode import Episode
 from ajet.gateway.gate import VersionGate
 from ajet.gateway.sessions import SessionBook, _last_answer
@@ -76,7 +77,8 @@ class GatewaySource:
         stored = self.book.store.sessions()
         self.book.load(stored, trained)
         ready = self.book.metrics()["gateway/ready"]
-        self.ctx.console.print(f"gateway: {len(stored)} sessions restored ({ready} rated and not yet trained on)")
+        progress.note(self.ctx.console,
+                      f"gateway: {len(stored)} sessions restored ({ready} rated and not yet trained on)")
 
     def _reap(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -113,6 +115,7 @@ class GatewaySource:
                     sessions = self.book.take(need)
                     break
                 self.book.changed.wait(timeout=TICK_S)
+            self._show_waiting(need)
         if self.book.n > 1:
             episodes = self._best_of_groups(step, sessions)
             self.book.release(sessions)
@@ -129,6 +132,14 @@ class GatewaySource:
                 episodes.append(ep)
         self.book.release(sessions)
         return episodes
+
+    def _show_waiting(self, need: int) -> None:
+        """The step's progress display (ajet/progress.py) while it waits: sessions open, closed and awaiting
+        feedback, and rated of the `need` the step takes."""
+        if (bar := progress.active("step")) is not None:
+            m = self.book.metrics()
+            bar.set(**{"sessions open": m["gateway/open"], "awaiting feedback": m["gateway/waiting_feedback"],
+                       "rated": f"{min(m['gateway/ready'], need)}/{need}"})
 
     def _best_of_groups(self, step: int, sessions) -> list[Episode]:
         """One group per session: the session's episode (rollout 0), then its scored candidates (see above)."""
