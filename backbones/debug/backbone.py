@@ -100,18 +100,18 @@ class DebugBackbone:
             before = None if one_step else self.measure(trainable)
             self._prox = self._proximal_logprobs(trainable) if self.is_cap is not None and not one_step else None
             self.model.train()
-            bar = progress.phase("update", alg.ppo_epochs * len(_split(episodes, alg.mini_batches)))  # mini-batches
-            for epoch in range(alg.ppo_epochs):
-                self._rng.shuffle(episodes)
-                for mb_eps in _split(episodes, alg.mini_batches):
-                    bar.advance(0, epoch=epoch + 1)
-                    chosen = set(mb_eps)
-                    stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
-                    for k, v in stats.items():
-                        totals[k] = totals.get(k, 0.0) + v
-                    steps += 1
-                    bar.advance(1)
-            bar.close()
+            # the progress display (ajet/progress.py): mini-batches done / total; closed also when a step raises
+            with progress.phase("update", alg.ppo_epochs * len(_split(episodes, alg.mini_batches))) as bar:
+                for epoch in range(alg.ppo_epochs):
+                    self._rng.shuffle(episodes)
+                    for mb_eps in _split(episodes, alg.mini_batches):
+                        bar.advance(0, epoch=epoch + 1)
+                        chosen = set(mb_eps)
+                        stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
+                        for k, v in stats.items():
+                            totals[k] = totals.get(k, 0.0) + v
+                        steps += 1
+                        bar.advance(1)
             self.model.eval()
             self.engine.policy_version += 1
         self._prox = self._teacher_lp = None
