@@ -144,6 +144,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     source.bind(proxy)
     proxy.start()
     note(log.console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    if quiet() and make_source is not None:   # a server (ajet serve / gateway): its address is not a status line
+        log.console.print(f"proxy on {proxy.url}", markup=False, highlight=False)
     failed_in_a_row = 0
     try:
         if cfg.tools.mcp_servers:   # started once per run; stopped below
