@@ -336,9 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     from ajet.errors import AjetError
 
     if getattr(args, "quiet", False):
+        import os
+
         from ajet.progress import set_quiet
 
         set_quiet()
+        # nor the libraries' bars (Hugging Face's loading/writing of weights, any tqdm), read when they are imported
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         return command(args)
     except AjetError as exc:
