@@ -13,6 +13,10 @@ One episode:
 5. the episode keeps, in `output.metadata`: `tests` (pass/fail per named test), `diff` (what the agent changed),
    `test_output`, the harness's `exit_status`, `stdout`/`stderr` tails and the sandbox's `isolation`.
 
+Progress (ajet/progress.py): while the workflow's episodes run, one phase "harness NAME" counts the finished
+runs and shows how many are running the harness and how many their tests (open from the first episode to the
+last of a burst); an install shows as a phase "harness NAME install" (npm or pip may take minutes).
+
 The harness's own exit status does not fail the episode (its work is judged by the tests, and a model that
 trips the harness still made calls worth training on); a repository task that cannot be read, or a harness that
 cannot be installed, fails it with the reason (recorded and skipped, as every broken episode).
@@ -26,9 +30,11 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from ajet import progress
 from ajet.config import HarnessSpec, HarnessWorkflowConfig
 from ajet.harnesses.registry import executable, get_harness, install, install_dir, render
 from ajet.judges.tests import run_tests
@@ -59,6 +65,36 @@ class HarnessWorkflow(Workflow):
         self.spec = get_harness(conf.harness, extra)
         self.config_dir = config_dir
         self._install_lock = asyncio.Lock()
+        self._lock = threading.Lock()   # the progress counts; episodes may run on several threads' loops
+        self._counts = {"episodes": 0, "running": 0, "testing": 0}
+        self._phase: progress.Phase | None = None
+
+    def __getstate__(self) -> dict:
+        """For Ray (`--with-ray` ships the workflow pickled): without the lock and the open phase."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_phase", "_counts")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._counts = {"episodes": 0, "running": 0, "testing": 0}
+        self._phase = None
+
+    def _stage(self, **moves: int) -> None:
+        """Move the progress counts by `moves` (episodes/running/testing +-1, done +1) and show them: the phase
+        "harness NAME" opens with the first episode in flight and closes when none is."""
+        with self._lock:
+            done = moves.pop("done", 0)
+            for k, v in moves.items():
+                self._counts[k] += v
+            c = self._counts
+            if self._phase is None and c["episodes"] > 0:
+                self._phase = progress.phase(f"harness {self.name}")
+            p = self._phase
+            if p is not None:
+                p.advance(done, running=c["running"], testing=c["testing"])
+                if c["episodes"] == 0:
+                    p.close()
+                    self._phase = None
 
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         """One episode: install (cached), copy, run the harness, run the tests, diff.
@@ -68,8 +104,18 @@ class HarnessWorkflow(Workflow):
             SandboxUnavailable: `sandbox.isolation: bwrap` and bubblewrap does not work here.
         """
         repo_task = RepoTask.from_task(task, self.config_dir)
+        self._stage(episodes=1)
+        try:
+            return await self._execute(repo_task, tuner)
+        finally:
+            self._stage(episodes=-1, done=1)
+
+    async def _execute(self, repo_task: RepoTask, tuner: Tuner) -> WorkflowOutput:
         async with self._install_lock:     # episodes of one step wait for one install, not race to it
-            exe = executable(self.name, self.spec) or await asyncio.to_thread(install, self.name, self.spec)
+            exe = executable(self.name, self.spec)
+            if exe is None:
+                with progress.phase(f"harness {self.name} install"):
+                    exe = await asyncio.to_thread(install, self.name, self.spec)
         sb = self.conf.sandbox
         use_bwrap, _ = uses_bwrap(sb.isolation)
         tmp = Path(tempfile.mkdtemp(prefix="ajet-harness-"))
@@ -101,18 +147,27 @@ class HarnessWorkflow(Workflow):
             limits = WorkdirLimits(timeout_s=self.conf.timeout_s or self.spec.timeout_s, memory_mb=sb.memory_mb,
                                    max_processes=sb.max_processes, max_file_mb=sb.max_file_mb)
             bridge = ProxyBridge(proxy.hostname, proxy.port) if use_bwrap else contextlib.nullcontext(None)
-            async with bridge as bridge_folder:
-                run = await run_in_workdir([exe, *(render(a, values) for a in self.spec.argv)], work, home, env=env,
+            self._stage(running=1)
+            try:
+                async with bridge as bridge_folder:
+                    run = await run_in_workdir([exe, *(render(a, values) for a in self.spec.argv)], work, home, env=env,
                                            limits=limits, isolation=sb.isolation,
-                                           read_only=[str(folder)] if folder else [], bridge_folder=bridge_folder)
+                                               read_only=[str(folder)] if folder else [],
+                                               bridge_folder=bridge_folder)
+            finally:
+                self._stage(running=-1)
             changes = diff(before, work)
             for rel in {t.split("::")[0] for t in repo_task.tests} & set(before):   # the agent's edits to the
                 (work / rel).write_bytes(before[rel])                              # named tests do not count
-            report = await run_tests(repo_task.test_command, work, home, repo_task.tests, path=path_var,
-                                     limits=WorkdirLimits(timeout_s=self.conf.test_timeout_s, memory_mb=sb.memory_mb,
-                                                          max_processes=sb.max_processes,
-                                                          max_file_mb=sb.max_file_mb),
-                                     isolation=sb.isolation)
+            self._stage(testing=1)
+            try:
+                report = await run_tests(repo_task.test_command, work, home, repo_task.tests, path=path_var,
+                                         limits=WorkdirLimits(timeout_s=self.conf.test_timeout_s,
+                                                              memory_mb=sb.memory_mb, max_processes=sb.max_processes,
+                                                              max_file_mb=sb.max_file_mb),
+                                         isolation=sb.isolation)
+            finally:
+                self._stage(testing=-1)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         passed = sum(v == "passed" for v in report.results.values())

@@ -41,6 +41,7 @@ import secrets
 import threading
 import time
 import traceback
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,6 +56,7 @@ from ajet.workflow import WorkflowOutput
 log = logging.getLogger(__name__)
 TOKEN_HEADER = "X-Ajet-Episode-Token"   # the header that carries an episode's `episode_token`
 RESTART_RETRY_AFTER_S = 5.0              # Retry-After of 503 `server_restarting`, seconds
+SHOWN_CLIENTS = 5                        # the progress display's per-client counts: the busiest this many
 
 
 class EpisodeApiError(Exception):
@@ -218,8 +220,7 @@ class EpisodeQueue:
                 self._running[eid], self._by_token[endpoint.api_key], self._tokens[eid] = run, run, token
                 client.begun += 1
                 self.counts["begun"] += 1
-                if (bar := active("step")) is not None:   # the step's progress display: episodes in flight
-                    bar.set(in_flight=len(self._running), clients=len(self._clients))
+                self._show_in_flight()
                 return {"episode_id": eid, "episode_token": token, "base_url": endpoint.base_url,
                         "api_key": endpoint.api_key, "model": self.proxy.model_name, "task": group.task.to_dict(), "group_id": group.group_id,
                         "dataset": group.dataset,
@@ -448,7 +449,20 @@ class EpisodeQueue:
         if run is None:
             self._raise_ended(episode_id)
         del self._by_token[run.endpoint.api_key]
+        self._show_in_flight()
         return run                    # its place stays taken until the caller finishes or drops it
+
+    def _show_in_flight(self) -> None:
+        """The step's progress display (ajet/progress.py): episodes in flight, in all and per client (the
+        `SHOWN_CLIENTS` busiest, then how many more), e.g. "in flight 5 | per client alice 3, bob 2" (lock held)."""
+        bar = active("step")
+        if bar is None:
+            return
+        per = Counter(r.client_id for r in self._running.values())
+        shown = ", ".join(f"{c} {n}" for c, n in per.most_common(SHOWN_CLIENTS))
+        if len(per) > SHOWN_CLIENTS:
+            shown += f", +{len(per) - SHOWN_CLIENTS} more"
+        bar.set(**{"in flight": len(self._running), "per client": shown or None})
 
     def _client_of(self, episode_id: str) -> str | None:
         run = self._running.get(episode_id)
