@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 class Backbone(Protocol):
     """Runs the RL update and serves the current policy.
 
+    A backbone class is constructed as `Backbone(cfg)` (`load_backbone(name)` returns the class); construction
+    loads the model and starts the engine, and raises ConfigError for a setting it cannot honour (declared in
+    `capabilities.py`), BackboneUnavailable when its workers cannot start, OSError when the model cannot be
+    read.
+
     Attributes:
         engine: where generation is served: an in-process `Engine` (debug) or a `RemoteEngine` over the
             backbone's token-in-token-out rollout servers (verl, trinity); it serves the newest weights
@@ -48,8 +53,18 @@ class Backbone(Protocol):
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step on `samples` (advantages already set); returns scalar training metrics (floats).
 
+        Each `Sample` is one token sequence: `prompt_ids [prompt_len]`, `response_ids`, `loss_mask`,
+        `old_logprobs` `[response_len]` (tokens); the loss is the PPO clipped surrogate (Schulman et al. 2017,
+        arXiv:1707.06347) over the loss-mask-1 tokens with the sample's advantage (GRPO, Shao et al. 2024,
+        arXiv:2402.03300, or the configured estimator; docs/algorithm.md), in `algorithm.ppo_epochs` x
+        `algorithm.mini_batches` optimizer steps. Afterwards `engine.policy_version` is one higher.
+
+        Returns:
+            At least `update_s` (seconds the update took) and `optimizer_steps`; the loss figures the backbone
+            measures (e.g. `pg_loss`, `clip_frac`, `grad_norm`), each a mean over the optimizer steps.
         Raises:
             RuntimeError: the workers failed (the step's samples are not lost: they are in the trajectory store).
+            BackboneOutOfMemory: (verl) Ray's memory monitor killed a worker; the message says what to lower.
         """
         ...
 
@@ -64,11 +79,21 @@ class Backbone(Protocol):
 
     def save_checkpoint(self, path: Path) -> None:
         """Write the policy in Hugging Face format (loadable with `AutoModelForCausalLM.from_pretrained`)
-        plus whatever `load_checkpoint` needs to resume exactly (optimizer, RNG, policy version)."""
+        plus whatever `load_checkpoint` needs to resume exactly (optimizer, RNG, policy version) into the
+        folder `path` (created if missing).
+
+        Raises:
+            OSError: the folder cannot be written (e.g. the disk is full).
+        """
         ...
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore the state written by `save_checkpoint` (for `ajet ... --resume`)."""
+        """Restore the state written by `save_checkpoint` into folder `path` (for `ajet ... --resume`).
+
+        Raises:
+            OSError: a file of the checkpoint is missing or unreadable.
+            ConfigError: the checkpoint does not fit this config (e.g. other LoRA adapters or agent roles).
+        """
         ...
 
     def close(self) -> None:
