@@ -265,9 +265,12 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _sft(args: argparse.Namespace) -> int:
+    from ajet.gateway import task_source_overrides
     from ajet.trainer import run
 
-    run(_load(args, **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward, "sft.agent": args.agent}))
+    # nothing is generated: a config without a task source (a gateway's) gets the gateway's placeholder
+    run(_load(args, **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward, "sft.agent": args.agent},
+              **task_source_overrides(args.conf)))
     return 0
 
 

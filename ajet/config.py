@@ -545,12 +545,16 @@ class GatewayGateConfig(_Section):
     With mode `eval`, a new policy runs the config's held-out evaluation (`data.val_path`, the config's workflow
     and judge, the `eval:` settings) while live requests wait; it is served only when its `metric` is at most
     `max_drop` below the serving policy's, else the engine (and the training) goes back to the serving weights
-    and the refusal is recorded in gateway.sqlite. Every served version is checkpointed, so `ajet gateway
-    rollback` can serve an earlier one."""
+    and the refusal is recorded in gateway.sqlite. With mode `replay` the evaluation is a replay of the first
+    request of the `replay_sessions` most recently rated sessions, answered by both policies and scored by the
+    config's judge (ajet/gateway/replay.py). Every served version is checkpointed, so `ajet gateway rollback`
+    can serve an earlier one."""
 
-    mode: Literal["off", "eval"] = Field("off", description="`eval`: a new policy is served only after the held-out "
-                                         "evaluation (data.val_path) finds its metric at most max_drop below the "
-                                         "serving policy's; `off`: every update is served at once")
+    mode: Literal["off", "eval", "replay"] = Field(
+        "off", description="`eval`: a new policy is served only after the held-out evaluation (data.val_path) finds "
+                           "its metric at most max_drop below the serving policy's; `replay`: the same rule on a "
+                           "replay of recent rated sessions' first requests, scored by the config's judge (both "
+                           "policies answer the same set at each update); `off`: every update is served at once")
     metric: str = Field("pass@1", min_length=1, description="the evaluation figure compared: pass@1, reward_mean, "
                         "pass@<n> or workflow/<name> (a `val/` prefix is accepted); higher is better")
     max_drop: float = Field(0.05, ge=0, description="a new policy whose metric is more than this below the serving "
@@ -580,6 +584,8 @@ class GatewayConfig(_Section):
                    "batch, the config's judge scores each and the highest is answered (streams get it once all are "
                    "sampled); the session and its unchosen candidates (rewarded with their judge scores) form one "
                    "GRPO group. 1: one sample, no judge")
+    replay_sessions: int = Field(16, ge=1, le=10_000, description="mode `replay`: how many sessions are replayed, "
+                                 "those whose latest feedback arrived last (each its first request, eval.n answers)")
     rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each api key (or, without "
                                          "one, each client address) may send, sustained; over it a 429 with "
                                          "Retry-After. None: no limit")
@@ -611,6 +617,11 @@ class SftConfig(_Section):
 
 
 class McpServerConfig(_Section):
+    after_training: Literal["serve", "stop"] = Field(
+        "serve", description="after the last update (trainer.total_steps): `serve` keeps serving the last served "
+                             "policy until the process is stopped (requests recorded, feedback accepted and kept for "
+                             "a later --resume with more steps, rollbacks done; nothing trains); `stop` shuts the "
+                             "gateway down")
     """One MCP server, in the common `mcpServers` shape: a stdio `command` (+ `args`, `env`, `cwd`) that ajet
     starts, or the `url` of a streamable-HTTP server that ajet connects to (+ `headers`).
 

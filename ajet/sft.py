@@ -43,8 +43,9 @@ class RecordedEpisode:
         attempt: the trainer attempt that stored it; step: the step it was collected for.
         reward: its reward (finite: failed episodes are never read).
         samples: its samples as stored (`Sample.to_dict()` plus `trained`, `advantage`), filtered by agent.
-        samples_source: where they come from: "store" (the samples table), "record" (inside the record) or
-            "rebuilt" (merged again from the calls by the context tracker: a store written before samples were kept).
+        samples_source: where they come from: "store" (the samples table), "record" (inside the record),
+            "rebuilt" (merged again from the calls by the context tracker: a store written before samples were
+            kept) or "gateway" (a gateway's rated session no update took, merged from its calls in gateway.sqlite).
     """
 
     record: dict[str, Any]
@@ -65,23 +66,33 @@ def read_recorded(exp_dir: str | Path, min_reward: float | None = None,
     `agent`, in the order the run stored them (every attempt: an episode a resumed run re-collected is a
     second, different episode).
 
+    A gateway's folder (`ajet gateway`) also holds `gateway.sqlite`: its closed, rated sessions that are not in
+    the trajectory store (rated after the gateway's last update, or not taken by one) come after the stored
+    episodes, in the order their rewards arrived (`_from_gateway`).
+
     Args:
-        exp_dir: the run's folder, holding `trajectories.sqlite` (preferred) or `trajectories.jsonl`.
+        exp_dir: the run's folder, holding `trajectories.sqlite` (preferred) or `trajectories.jsonl`, and/or a
+            gateway's `gateway.sqlite`.
         min_reward: keep episodes whose reward is at least this (None: every successful episode).
         agent: keep only the samples of this agent tag (None: every agent); an episode left with no sample is dropped.
     Returns:
         [RecordedEpisode], possibly empty.
     Raises:
-        ConfigError: `exp_dir` holds neither file.
+        ConfigError: `exp_dir` holds none of the three files.
     """
     exp_dir = Path(exp_dir)
+    gateway = (exp_dir / "gateway.sqlite").is_file()
     if (exp_dir / "trajectories.sqlite").is_file():
         episodes = _from_store(exp_dir)
     elif (exp_dir / "trajectories.jsonl").is_file():
         episodes = _from_jsonl(exp_dir / "trajectories.jsonl")
+    elif gateway:
+        episodes = []
     else:
         raise ConfigError(f"sft.from_dir: {exp_dir} holds neither trajectories.sqlite nor trajectories.jsonl: pass the "
                           f"folder a finished run wrote (its trainer.exp_dir)")
+    if gateway:
+        episodes += _from_gateway(exp_dir, {e.episode_id for e in episodes})
     out = []
     for e in episodes:
         if min_reward is not None and e.reward < min_reward:
@@ -138,6 +149,50 @@ def _from_jsonl(path: Path) -> list[RecordedEpisode]:
         out.append(RecordedEpisode(record, record.get("attempt", 0), record.get("step", 0), float(reward), samples,
                                    source))
     return out
+
+
+def _from_gateway(exp_dir: Path, stored: set[str]) -> list[RecordedEpisode]:
+    """The closed, rated sessions of `exp_dir/gateway.sqlite` whose id is not in `stored` (the episodes of the
+    trajectory store), in the order their latest rewards arrived: each an episode of its recorded calls (the exact
+    prompt and sampled ids the engine saw), reward its latest feedback (client or judge), samples merged from the
+    calls by the context tracker (`ajet.tracker.merge_calls`: loss mask 1 exactly on sampled tokens), as the
+    gateway's own update would have merged them; step 0 and attempt 0 (never trained by the gateway), source
+    "gateway". Best-of-N's unchosen candidates are not included."""
+    from ajet.episode import Episode
+    from ajet.gateway.store import GatewayStore
+    from ajet.llm_call import LLMCall, SamplingParams
+    from ajet.task import Task
+    from ajet.tracker import merge_calls
+    from ajet.workflow import WorkflowOutput
+
+    store = GatewayStore(exp_dir / "gateway.sqlite")
+    try:
+        sessions = store.sessions()
+    finally:
+        store.close()
+    rated = sorted((s for s in sessions.values() if s.feedback and s.calls and s.closed_at is not None
+                    and s.dropped is None and s.session_id not in stored),
+                   key=lambda s: s.feedback[-1]["received_at"])
+    out = []
+    for s in rated:
+        last = s.feedback[-1]
+        calls = [LLMCall(**{**c, "sampling": SamplingParams(**c["sampling"])}) for c in s.calls]
+        group_id = f"gateway-{s.session_id}"
+        ep = Episode(s.session_id, Task(task_id=s.session_id, query=s.query,
+                                        metadata={"session": s.session_id, "found_by": s.found_by}),
+                     group_id, 0, calls=calls, reward=last["reward"],
+                     output=WorkflowOutput(reward=last["reward"], final_answer=_answer(s.calls[-1]),
+                                           metadata={"reward_source": last["source"], "comment": last["comment"]}))
+        samples = [{**x.to_dict(), "trained": False} for x in merge_calls(calls, group_id)]
+        out.append(RecordedEpisode(ep.to_dict(), 0, 0, float(last["reward"]), samples, "gateway"))
+    return out
+
+
+def _answer(call: dict[str, Any]) -> str:
+    content = (call.get("response_message") or {}).get("content")
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 def to_sample(d: dict[str, Any], episode_id: str) -> Sample:

@@ -233,6 +233,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         source.close()
         if ctx.tools is not None:
             ctx.tools.stop()
+        if hasattr(source, "serve_after_training"):   # the gateway keeps serving its last policy until stopped
+            source.serve_after_training()
         proxy.stop()
         backbone.close()
         store.close()

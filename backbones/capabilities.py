@@ -141,8 +141,8 @@ _SFT_UNTESTED = ("fine-tuning on recorded traces (`ajet sft`) is implemented and
                  "update only so far; use --backbone=debug")
 
 _GATEWAY_KEYS = ("host", "port", "secret", "session_idle_s", "feedback_deadline_s", "on_no_feedback", "n",
-                 "rate_limit_rps", "rate_limit_burst", "retention_days", "gate.mode", "gate.metric", "gate.max_drop",
-                 "gate.keep_versions")
+                 "rate_limit_rps", "rate_limit_burst", "retention_days", "after_training", "gate.mode", "gate.metric",
+                 "gate.max_drop", "gate.replay_sessions", "gate.keep_versions")
 
 
 def _gateway(support: Support) -> dict[str, Support]:

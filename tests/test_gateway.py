@@ -195,7 +195,7 @@ def test_bad_input_and_secret(gw):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(
             model="ajet-policy", messages=[{"role": "user", "content": "hi"}])
     assert httpx.post(url + "/v1/feedback", json={"session_id": "x", "reward": 1}).status_code == 401
-    assert httpx.get(url + "/healthz").json() == {"status": "ok", "policy_version": 0}
+    assert httpx.get(url + "/healthz").json() == {"status": "ok", "policy_version": 0, "training": "running"}
     cases = [({"session_id": "nope", "reward": 1}, 404, "session_not_found"),
              ({"response_id": "nope", "reward": 1}, 404, "response_not_found"),
              ({"reward": 1}, 400, "missing_session"),

@@ -7,6 +7,7 @@
     ops.py       /metrics (Prometheus text) and per-key rate limits
     sessions.py  sessions: found by header or by prefix, closed when idle, rated by feedback or the judge
     gate.py      the evaluation gate before a new policy serves, per-version checkpoints, rollback
+    replay.py    the replay gate's evaluation set: recent rated sessions' first requests, judged
     store.py     gateway.sqlite: sessions, calls, responses, feedback (durable before the client hears back)
     source.py    rated sessions as episodes: the rollout source of the one training loop (ajet/trainer.py)
 
@@ -53,7 +54,8 @@ def gateway(cfg: AjetConfig) -> Path:
 
     Raises:
         ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1
-            without a `judge`; `gateway.gate.mode: eval` without `data.val_path` or a `workflow`;
+            without a `judge`; `gateway.gate.mode: eval` without `data.val_path` or a `workflow`, `replay`
+            without a `judge`;
             `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
             problem `ajet.trainer.run` raises.
     """
@@ -99,8 +101,10 @@ def gateway(cfg: AjetConfig) -> Path:
             f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
             f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
             + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else "")
-            + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g}"
-               if g.gate.mode == "eval" else "; gate off: every update is served")))
+            + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g}" if g.gate.mode == "eval" else
+               f"; gate: {g.gate.metric} on a replay of the {g.gate.replay_sessions} latest rated sessions (judged) "
+               f"may drop at most {g.gate.max_drop:g}" if g.gate.mode == "replay" else
+               "; gate off: every update is served")))
 
         def book(proxy) -> SessionBook:
             return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,

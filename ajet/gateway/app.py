@@ -6,7 +6,7 @@
     POST /v1/feedback          {"session_id" | "response_id", "reward", "comment"?}: durable before the 200
     GET  /v1/sessions/{id}     a session's state, reward and responses (with their policy versions)
     POST /v1/sessions/{id}/close   the conversation is over: close the session now
-    GET  /healthz              {"status": "ok", "policy_version"} (no secret needed)
+    GET  /healthz              {"status": "ok", "policy_version", "training": "running" | "done"} (no secret)
     GET  /metrics              Prometheus text (ajet/gateway/ops.py)
     POST /v1/admin/rollback    {to?: version}: serve a kept earlier version (ajet/gateway/gate.py); waits up to
                                ROLLBACK_WAIT_S for the trainer thread to do it (202 while pending)
@@ -91,6 +91,7 @@ class GatewayApp:
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
         self.limiter, self.metrics, self.gate = limiter, RequestMetrics(), gate
         self.first_version = policy_version()
+        self.training = "running"                   # "done" once the last update is over (the gateway keeps serving)
         self.proxy_app = proxy.app
         self.util = proxy.open_episode("gateway")   # answers /v1/models, count_tokens and unparseable bodies
         self.api_routes = [(Route(path, _nothing, methods=[method]), api, kind)
@@ -137,8 +138,8 @@ class GatewayApp:
         path = scope["path"]
         try:
             if path == "/healthz":
-                return await json_response({"status": "ok", "policy_version": self.policy_version()})(
-                    scope, receive, send)
+                return await json_response({"status": "ok", "policy_version": self.policy_version(),
+                                            "training": self.training})(scope, receive, send)
             if path.startswith("/ep/"):
                 raise ProxyError(404, "this gateway has no per-episode URLs: call /v1/... (the session is the "
                                  f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")

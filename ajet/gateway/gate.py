@@ -19,6 +19,10 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
     5. the decision is in gateway.sqlite (`gate`: step, both versions, both figures, served, reason) and
        counted in /metrics; the step's metrics get gate/* figures
 
+With mode `replay` (ajet/gateway/replay.py) the evaluation of step 1 and 3 is a replay of the first request of
+the most recently rated sessions, scored by the config's judge, instead of `data.val_path`; the set moves with
+the traffic, so the serving policy is evaluated on it at every update (step 1), never taken from the record.
+
 Cost: live requests wait for the update plus one held-out evaluation (step 2 to 4), and each served version
 costs one checkpoint write. With mode `off` step 2-4 are skipped: every update is served at once (requests in
 flight keep decoding across the swap), and still checkpointed for rollback.
@@ -125,7 +129,8 @@ class VersionGate:
         evaluate: `(step, out_dir) -> EvalResult` of the weights the engine holds now (default: the config's
             held-out evaluation, `ajet.eval.evaluate`); tests pass their own.
     Raises:
-        ConfigError: mode `eval` without `data.val_path` or without a `workflow`.
+        ConfigError: mode `eval` without `data.val_path` or without a `workflow`; mode `replay` without a
+            `judge`.
     """
 
     def __init__(self, cfg: AjetConfig, store: GatewayStore, hold: LiveHold, console=None,
@@ -150,6 +155,15 @@ class VersionGate:
             from ajet.rollout.in_process import load_workflow
 
             self._workflow, self._judge = load_workflow(cfg), load_judge(cfg)
+        if self.g.mode == "replay" and evaluate is None:
+            if not cfg.judge:
+                raise ConfigError("gateway.gate.mode is `replay` but the config names no `judge` to score the replayed "
+                                  "answers with: add one (e.g. judge: ajet.judges.llm:LLMJudge), or set "
+                                  "gateway.gate.mode: eval (held-out tasks) or off")
+            from ajet.gateway.replay import ReplayWorkflow
+            from ajet.judges import load_judge
+
+            self._workflow, self._judge = ReplayWorkflow(), load_judge(cfg)
 
     # ---- the trainer thread ------------------------------------------------------------------------
     def attach(self, backbone) -> None:
@@ -182,7 +196,12 @@ class VersionGate:
             if engine.policy_version != serving:   # its checkpoint is written before the next update or a rollback
                 self._served(engine.policy_version, step, "ungated", None, save=False)
             return train
-        baseline = self._serving_figure(step)
+        tasks = None
+        if self.g.mode == "replay":                # one replay set for both figures (ajet/gateway/replay.py)
+            from ajet.gateway.replay import replay_tasks
+
+            tasks = replay_tasks(self.store, self.g.replay_sessions)
+        baseline = self._serving_figure(step, tasks)
         with self.hold.held():
             self._gating = serving
             train = backbone.update(samples)
@@ -190,7 +209,10 @@ class VersionGate:
             if candidate == serving:               # nothing was trained: nothing to gate
                 self._gating = None
                 return train
-            figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}"))
+            if tasks == []:
+                figure, reason = None, "no rated session with a recorded call to replay"
+            else:
+                figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}", tasks))
             if reason is None and baseline is None:
                 reason = "the serving policy's evaluation was invalid: no figure to compare with"
             if reason is None and figure < baseline - self.g.max_drop:
@@ -198,12 +220,14 @@ class VersionGate:
                           f"{baseline:.4g} (gateway.gate.max_drop {self.g.max_drop:g})")
             served = reason is None
             if served:
-                self._served(candidate, step, "gate", figure)
+                # (a replay figure is of this update's set only: not kept as the version's figure)
+                self._served(candidate, step, "gate", figure if tasks is None else None)
             else:
                 self._load(self._path(serving))   # engine and training: back to the serving weights
                 self.counts["gate_refusals"] += 1
-            self.store.add_gate(step, candidate, serving, self.g.metric, baseline, figure, self.g.max_drop, served,
-                                reason or "served")
+            metric = self.g.metric if tasks is None else f"replay:{self.g.metric}"
+            self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, served,
+                                reason or ("served" if tasks is None else f"served (replay of {len(tasks)} sessions)"))
             self._gating = None
         self._say(f"gate: step {step}: version {candidate} " + (
             f"served ({self.g.metric} {figure:.4g}, serving policy {_fmt(baseline)})" if served else
@@ -295,19 +319,25 @@ class VersionGate:
             if p.name[1:].isdigit() and int(p.name[1:]) not in keep:
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _serving_figure(self, step: int) -> float | None:
-        """The serving version's gate figure: recorded, else evaluated now (live traffic goes on; same weights)."""
-        figure = self.store.versions()[-1]["figure"]
-        if figure is not None:
-            return figure
-        figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}" / "serving"))
+    def _serving_figure(self, step: int, tasks=None) -> float | None:
+        """The serving version's gate figure: recorded, else evaluated now (live traffic goes on; same weights).
+        With a replay set (`tasks`), always evaluated now on it (None for an empty set)."""
+        if tasks is None:
+            figure = self.store.versions()[-1]["figure"]
+            if figure is not None:
+                return figure
+        elif not tasks:
+            return None
+        figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}" / "serving", tasks))
         if reason is not None:
             self._say(f"gate: the serving policy's evaluation at step {step}: {reason}")
             return None
-        self.store.set_serving_figure(figure)
+        if tasks is None:
+            self.store.set_serving_figure(figure)
         return figure
 
-    def _run_eval(self, step: int, out_dir: Path):
+    def _run_eval(self, step: int, out_dir: Path, tasks=None):
+        """Evaluate the engine's weights on `tasks` (None: `data.val_path`); results written to `out_dir`."""
         self.counts["gate_evaluations"] += 1
         if self._evaluate is not None:
             return self._evaluate(step, out_dir)
@@ -315,8 +345,8 @@ class VersionGate:
         from ajet.tasks import load_tasks
 
         b = self.backbone
-        result = evaluate(self.cfg, b.engine, b.tokenizer, self._workflow, self._judge, load_tasks(self.cfg, "val"),
-                          step=step)
+        result = evaluate(self.cfg, b.engine, b.tokenizer, self._workflow, self._judge,
+                          load_tasks(self.cfg, "val") if tasks is None else tasks, step=step)
         write_result(result, out_dir)
         return result
 

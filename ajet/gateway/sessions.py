@@ -445,6 +445,14 @@ class SessionBook:
             for s in sessions:
                 s.calls, s.live_calls, s.candidates = [], [], []
 
+    def release_rated(self) -> None:
+        """Forget the calls of closed, rated sessions no update will take (after training ended); gateway.sqlite
+        keeps them (`--resume` reads them back)."""
+        with self._lock:
+            for s in self._sessions.values():
+                if s.calls and s.state == "rated":
+                    s.calls, s.live_calls, s.candidates = [], [], []
+
     def _end(self, s: Session, reason: str):
         """Mark `s` closed (lock held); returns its endpoint for `_finish_close`, None when already closed."""
         if s.endpoint is None:

@@ -21,6 +21,7 @@ is ready again, so an acknowledged reward is trained on exactly once in the run'
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Any
 
@@ -161,6 +162,38 @@ class GatewaySource:
 
     def step_done(self, step: int) -> None:
         pass
+
+    def serve_after_training(self) -> None:
+        """After the last update (`trainer.total_steps`), with `gateway.after_training: serve` (the default):
+        keep serving the last served policy until the process is stopped (Ctrl-C, SIGTERM). Requests are answered
+        and recorded, feedback is accepted and durable, sessions close and are judged or dropped as before, and
+        rollbacks are done; nothing trains. A rated session's calls leave memory (gateway.sqlite keeps them), so
+        a long-serving gateway's memory does not grow with its traffic; `--resume` with a higher
+        `trainer.total_steps` trains them. With `stop`, returns at once (the gateway shuts down)."""
+        if self.ctx.cfg.gateway.after_training != "serve":
+            return
+        version = self.gate.served_version(self.proxy.engine) if self.gate is not None else self.proxy.engine.policy_version
+        progress.note(self.ctx.console, f"gateway: training done ({self.ctx.cfg.trainer.total_steps} updates); serving "
+                      f"version {version} until stopped (Ctrl-C); feedback is still recorded, and `--resume` with a "
+                      f"higher trainer.total_steps trains on it")
+        app = getattr(self.proxy, "app", None)
+        if app is not None:
+            app.training = "done"                  # /healthz says so
+        try:                                       # SIGTERM (a service manager's stop): a clean shutdown too
+            previous = signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
+        except ValueError:                         # not the main thread: Ctrl-C / close() only
+            previous = None
+        try:
+            while not self._stop.wait(TICK_S):
+                if self.gate is not None:
+                    self.gate.poll_rollbacks()
+                self.book.release_rated()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        progress.note(self.ctx.console, "gateway: stopped")
 
     def state_dict(self, step: int) -> dict[str, Any]:
         return {}   # which sessions are trained is the trajectory store's ledger; the rest is in gateway.sqlite

@@ -181,6 +181,19 @@ class GatewayStore:
             out[sid].picks[rid] = {"chosen": chosen, "scores": json.loads(scores)}
         return out
 
+    def replay_set(self, n: int) -> list[tuple[str, float, dict[str, Any]]]:
+        """(session_id, its latest reward, its first recorded call) of the `n` sessions whose latest feedback
+        arrived last, among those with a recorded call, newest first (the replay gate, ajet/gateway/replay.py)."""
+        with self._write:
+            rows = self._db.execute(
+                "SELECT f.session_id, f.reward, c.record FROM feedback f "
+                "JOIN (SELECT session_id, MAX(rowid) AS last FROM feedback GROUP BY session_id) l "
+                "ON f.rowid = l.last "
+                "JOIN calls c ON c.session_id = f.session_id "
+                "AND c.idx = (SELECT MIN(idx) FROM calls WHERE session_id = f.session_id) "
+                "ORDER BY f.rowid DESC LIMIT ?", (n,)).fetchall()
+        return [(sid, reward, json.loads(record)) for sid, reward, record in rows]
+
     # ---- policy versions, the evaluation gate, rollbacks (ajet/gateway/gate.py) ------------------------------
     def add_version(self, version: int, step: int, how: str, figure: float | None) -> None:
         """Record that `version` begins to be served now (`how`: start, gate, ungated, rollback)."""
