@@ -7,6 +7,9 @@ The page (`static/`: plain HTML/CSS/JS, no CDN, no build step) calls this JSON A
     GET /api/episodes?step=N&failed=&fork=&agent=&group=&q=&order=&offset=&limit=
     GET /api/episode/{episode_id}[?attempt=A]      calls, tool results, output, reward, sample summaries
     GET /api/episode/{episode_id}/sample/{i}[?attempt=A]   the sample token by token (`RunReader.sample_tokens`)
+    GET /api/gateway[?windows=W]                   a gateway's folder: versions served, gate decisions, rollbacks,
+                                                   sessions, feedback over W time windows (`GatewayReader`; 404
+                                                   when the folder holds no gateway.sqlite)
     GET /plots/{name}.png                          EXP_DIR/plots/*.png
 
 Every view reads `trajectories.sqlite` read-only (`RunReader`), so it can stay open while the run writes.
@@ -34,6 +37,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ajet.viewer.gateway_reader import GatewayReader
 from ajet.viewer.run_reader import NotFound, RunReader
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -47,7 +51,7 @@ OVERVIEW_KEYS = ["reward/mean", "reward/std", "rollout/episodes", "rollout/faile
 SQLITE_INT_MAX = 2**63 - 1   # SQLite's INTEGER is a signed 64-bit int: a larger Python int raises OverflowError
 # the allowed range (inclusive) of every integer query parameter of the API
 INT_RANGES: dict[str, tuple[int, int]] = {"step": (0, SQLITE_INT_MAX), "attempt": (0, SQLITE_INT_MAX),
-                                          "offset": (0, SQLITE_INT_MAX), "limit": (1, 500)}
+                                          "offset": (0, SQLITE_INT_MAX), "limit": (1, 500), "windows": (1, 500)}
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
@@ -119,6 +123,7 @@ def create_app(exp_dir: str | Path, host: str = "127.0.0.1") -> Starlette:
         AjetError: the folder holds no trajectories.sqlite.
     """
     run = RunReader(exp_dir)
+    gw = GatewayReader(run.exp_dir)
     # load the tokenizer now, in the background, so that the first token view does not wait for it
     threading.Thread(target=run.token_text, args=([],), daemon=True, name="ajet-view-tokenizer").start()
 
@@ -134,7 +139,13 @@ def create_app(exp_dir: str | Path, host: str = "127.0.0.1") -> Starlette:
                 "model": model.get("path"), "backbone": run.config.get("backbone"), "chart_keys": keys,
                 "metrics": [{k: m.get(k) for k in ["step", *keys]} for m in metrics],
                 "policy_version": next((m["policy_version"] for m in reversed(metrics) if "policy_version" in m), None),
-                "steps": run.steps(), "plots": plots, "has_samples_table": run.has_samples_table()}
+                "steps": run.steps(), "plots": plots, "has_samples_table": run.has_samples_table(),
+                "gateway": gw.present}
+
+    def gateway(request: Request) -> dict[str, Any]:
+        if not gw.present:
+            raise NotFound(f"no gateway.sqlite in {run.exp_dir}: this folder is not an `ajet gateway` experiment")
+        return gw.overview(_int(request, "windows", 50))
 
     def groups(request: Request) -> list[dict[str, Any]]:
         step = _int(request, "step")
@@ -175,6 +186,7 @@ def create_app(exp_dir: str | Path, host: str = "127.0.0.1") -> Starlette:
     return Starlette(middleware=[Middleware(HostGuard, allowed=allowed)], routes=[
         Route("/", index),
         Route("/api/run", _json(overview)),
+        Route("/api/gateway", _json(gateway)),
         Route("/api/groups", _json(groups)),
         Route("/api/episodes", _json(episodes)),
         Route("/api/episode/{episode_id}", _json(episode)),

@@ -4,6 +4,7 @@
 //   #/episode/ID/ATTEMPT        calls in order, tool results, final answer, reward, samples
 //   #/sample/ID/ATTEMPT/I       the sample token by token
 //   #/compare/ID/A/ID2/A2       two episodes side by side
+//   #/gateway                   a gateway's folder: versions served, gate decisions, rollbacks, feedback over time
 "use strict";
 
 const $main = document.getElementById("main");
@@ -94,6 +95,7 @@ async function overview() {
       h("div", {class: "card"}, h("b", {}, fmt(run.policy_version)), "policy version"),
       h("div", {class: "card"}, h("b", {}, run.backbone || "–"), "backbone")),
     h("div", {class: "muted"}, run.exp_dir),
+    run.gateway ? h("p", {}, h("a", {id: "gateway-link", href: "#/gateway"}, "gateway: versions served, gate decisions and feedback over time →")) : null,
     h("h2", {}, "Per step"),
     run.metrics.length ? h("div", {class: "charts", id: "charts"}, run.chart_keys.map(k => chart(k, xs, run.metrics.map(m => m[k]))))
                        : h("p", {class: "muted"}, "no metrics.jsonl yet"),
@@ -303,6 +305,48 @@ async function compareView(a, aAttempt, b, bAttempt) {
   render(h("p", {class: "muted"}, `higher reward on the left${note}`), h("div", {class: "compare"}, await col(better), await col(worse)));
 }
 
+// ---- a gateway's folder: versions, the gate's decisions, rollbacks, feedback over time ------------------------
+const when = t => (t === null || t === undefined) ? "–" : new Date(t * 1000).toISOString().replace("T", " ").slice(0, 19);
+const table = (id, head, rows) => h("table", {id}, h("tr", {}, head.map(c => h("th", {}, c))), rows);
+
+async function gatewayView() {
+  const g = await api("/api/gateway?windows=50");
+  crumbs(["overview", "#/"], ["gateway"]);
+  const f = g.feedback, t0 = f.windows.length ? f.windows[0].start : 0;
+  const xs = f.windows.map(w => ((w.start + w.end) / 2 - t0) / 60);
+  const refused = g.gate.filter(d => !d.served).length;
+  render(
+    h("h2", {}, "Gateway"),
+    h("div", {class: "cards"},
+      h("div", {class: "card"}, h("b", {}, fmt(g.policy_version)), "policy version served"),
+      h("div", {class: "card"}, h("b", {}, g.versions.length), "versions served"),
+      h("div", {class: "card"}, h("b", {}, g.gate.length), "gate decisions"),
+      h("div", {class: "card"}, h("b", {class: refused ? "bad" : ""}, refused), "refused"),
+      h("div", {class: "card"}, h("b", {}, g.sessions.total), "sessions"),
+      h("div", {class: "card"}, h("b", {}, f.count), `feedback (${f.by_source.client} client, ${f.by_source.judge} judge)`),
+      h("div", {class: "card"}, h("b", {}, fmt(f.reward_mean)), "mean reward")),
+    h("h2", {}, "Feedback over time"),
+    f.windows.length ? h("div", {class: "charts", id: "feedback-charts"},
+      chart("mean reward per window (x: minutes since the first feedback)", xs, f.windows.map(w => w.reward_mean)),
+      chart("feedback per window", xs, f.windows.map(w => w.count))) : h("p", {class: "muted"}, "no feedback yet"),
+    h("h2", {}, "Policy versions served"),
+    table("versions", ["version", "how", "step", "gate figure", "since"], g.versions.map(v => h("tr", {},
+      h("td", {class: "num"}, v.version), h("td", {}, v.how), h("td", {class: "num"}, v.step), h("td", {class: "num"}, fmt(v.figure)), h("td", {}, when(v.at))))),
+    h("h2", {}, "Gate decisions"),
+    g.gate.length ? table("gate", ["step", "candidate", "serving", "metric", "serving figure", "candidate figure", "max drop", "decision", "reason", "at"],
+      g.gate.map(d => h("tr", {class: d.served ? "" : "refused"},
+        h("td", {class: "num"}, d.step), h("td", {class: "num"}, d.candidate_version), h("td", {class: "num"}, d.serving_version), h("td", {}, d.metric),
+        h("td", {class: "num"}, fmt(d.serving_figure)), h("td", {class: "num"}, fmt(d.candidate_figure)), h("td", {class: "num"}, fmt(d.max_drop)),
+        h("td", {class: d.served ? "" : "bad"}, d.served ? "served" : "refused"), h("td", {}, d.reason), h("td", {}, when(d.at)))))
+      : h("p", {class: "muted"}, "no gated update yet (gateway.gate.mode off, or no update)"),
+    g.rollbacks.length ? [h("h2", {}, "Rollbacks"), table("rollbacks", ["id", "to", "asked", "done", "outcome"], g.rollbacks.map(r => h("tr", {},
+      h("td", {class: "num"}, r.id), h("td", {class: "num"}, fmt(r.to_version)), h("td", {}, when(r.requested_at)), h("td", {}, when(r.done_at)),
+      h("td", {class: r.ok === 0 ? "bad" : ""}, r.message || "pending"))))] : null,
+    h("h2", {}, "Latest feedback"),
+    table("feedback", ["received", "session", "reward", "source", "comment"], f.recent.map(x => h("tr", {},
+      h("td", {}, when(x.received_at)), h("td", {}, x.session_id), h("td", {class: "num"}, fmt(x.reward)), h("td", {}, x.source), h("td", {}, x.comment || "")))));
+}
+
 async function route() {
   const {parts, params} = parseHash();
   const seq = ++routeSeq;
@@ -312,6 +356,7 @@ async function route() {
     else if (parts[0] === "episode") await episodeView(parts[1], parts[2] ?? "");
     else if (parts[0] === "sample") await sampleView(parts[1], parts[2], parts[3]);
     else if (parts[0] === "compare") await compareView(parts[1], parts[2], parts[3], parts[4]);
+    else if (parts[0] === "gateway") await gatewayView();
     else await overview();
   } catch (err) {
     if (err instanceof Stale || seq !== routeSeq) return;
@@ -321,4 +366,4 @@ async function route() {
 }
 addEventListener("hashchange", route);
 route();
-setInterval(() => { if (!location.hash || location.hash === "#/") route(); }, 10000);   // the overview follows a live run
+setInterval(() => { if (["", "#/", "#/gateway"].includes(location.hash)) route(); }, 10000);   // they follow a live run
