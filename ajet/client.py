@@ -96,9 +96,13 @@ class Episode(_EpisodeData):
                metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
         """End the episode with `reward` (or with `final_answer` only, for the server's judge to score).
 
+        Returns:
+            The server's answer, {"episode_id", "status"}.
         Raises:
-            AjetClientError: the server refused it (non-finite reward, no reward and no judge, ...).
-            EpisodeGone: the server no longer knows the episode.
+            AjetClientError: the server refused it (a 400: non-finite reward, no reward and no judge, ...).
+            EpisodeGone: the server no longer knows the episode (404/410: abandoned after `idle_timeout_s`
+                seconds without a call or heartbeat, aborted, or the server restarted).
+            httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
         out = self._client._end(self.episode_id, self.episode_token, "finish",
                                 _finish_body(reward, final_answer, metadata, metrics))
@@ -106,20 +110,35 @@ class Episode(_EpisodeData):
         return out
 
     def fail(self, error: str) -> dict[str, Any]:
-        """End the episode as failed (recorded with `error`, never trained on)."""
+        """End the episode as failed (recorded with `error`, never trained on).
+
+        Raises:
+            EpisodeGone: the server no longer knows the episode. AjetClientError: any other refusal (a 4xx).
+            httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
+        """
         out = self._client._end(self.episode_id, self.episode_token, "finish", {"error": error})
         self.finished = True
         return out
 
     def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
-        """Give the episode up: recorded with `reason`, never trained on; its task goes to another client."""
+        """Give the episode up: recorded with `reason`, never trained on; its task goes to another client.
+
+        Raises:
+            EpisodeGone: the server no longer knows the episode. AjetClientError: any other refusal (a 4xx).
+            httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
+        """
         out = self._client._end(self.episode_id, self.episode_token, "abort", {"reason": reason})
         self.finished = True
         return out
 
     def heartbeat(self) -> None:
-        """Tell the server the episode is alive (needed only for work longer than `idle_timeout_s` without
-        model calls)."""
+        """Tell the server the episode is alive (needed only for work longer than `idle_timeout_s` seconds
+        without model calls).
+
+        Raises:
+            EpisodeGone: the server no longer knows the episode. AjetClientError: any other refusal (a 4xx).
+            httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
+        """
         self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {}, token=self.episode_token)
 
 
@@ -237,7 +256,19 @@ class _ClientBase:
 
 
 class AjetClient(_ClientBase):
-    """Synchronous client of `ajet serve` (arguments: see `_ClientBase`)."""
+    """Synchronous client of `ajet serve`'s episode API (see the module docstring for the protocol).
+
+    Args:
+        url: the server's base URL (default: the environment variable `AJET_URL`).
+        secret: the server's secret (default: `AJET_SECRET`; sent as `Authorization: Bearer`).
+        client_id: a name for this client in the server's status and progress display (default:
+            host-pid-random).
+        retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds (exponential
+            backoff from 0.2 s, at most 5 s between tries, at most the server's `Retry-After`).
+        timeout_s: per-request timeout, seconds.
+    Raises:
+        ValueError: no URL given and `AJET_URL` unset.
+    """
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
               done_codes: tuple[str, ...] = (), token: str | None = None) -> dict[str, Any]:
@@ -267,7 +298,9 @@ class AjetClient(_ClientBase):
         server has no task to hand out.
 
         Raises:
-            RunFinished: the run is over. AjetClientError: the server refused the request.
+            RunFinished: the run is over. AjetClientError: the server refused the request (a 4xx, e.g. a
+                wrong secret or an unknown `dataset`).
+            httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
         data = self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
         ep = Episode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
@@ -277,7 +310,12 @@ class AjetClient(_ClientBase):
     @contextlib.contextmanager
     def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
                 dataset: str | None = None) -> Iterator[Episode]:
-        """`with client.episode() as ep:` begin; an exception in the block (or no `finish`) fails the episode."""
+        """`with client.episode() as ep:` begin; an exception in the block (or no `finish`) fails the episode
+        (the exception is re-raised).
+
+        Raises:
+            RunFinished, AjetClientError, httpx.TransportError: as `begin`.
+        """
         ep = self.begin(task, group_id, dataset)
         try:
             yield ep
@@ -291,10 +329,16 @@ class AjetClient(_ClientBase):
 
     def status(self) -> dict[str, Any]:
         """The run's status: policy_version, step, total_steps, finished, episodes (running, finished,
-        abandoned...), clients."""
+        abandoned...), clients.
+
+        Raises:
+            AjetClientError: the server refused it (a wrong secret). httpx.TransportError: the server stayed
+                unreachable for `retry_for_s` seconds.
+        """
         return self._call("GET", f"{API}/status")
 
     def close(self) -> None:
+        """Close the HTTP connections (also done by `with AjetClient(...) as client:`)."""
         self._http.close()
 
     def __enter__(self) -> AjetClient:

@@ -23,4 +23,5 @@ class Task:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The task as a JSON-serialisable dict with the four fields (what the episode API hands a client)."""
         return {"task_id": self.task_id, "query": self.query, "answer": self.answer, "metadata": self.metadata}

@@ -28,7 +28,8 @@ class WorkflowOutput:
     """What a workflow returns for one episode.
 
     Attributes:
-        reward: scalar episode reward; None lets the configured judge score the episode.
+        reward: scalar episode reward (any finite float; GRPO-style estimators compare it within the episode's
+            group, so only differences matter); None lets the configured judge score the episode.
         final_answer: the agent's final answer text (what a judge reads), if any.
         metadata: free-form JSON-serialisable data stored with the trajectory.
         metrics: numeric values averaged per step into metrics.jsonl (e.g. {"turns": 3}).
@@ -67,7 +68,8 @@ class Tuner:
 
     @property
     def client(self) -> AsyncOpenAI:
-        """A ready `openai.AsyncOpenAI` client bound to this episode (created on first use)."""
+        """A ready `openai.AsyncOpenAI` client bound to this episode (created on first use; 2 retries, a
+        600 s timeout per request)."""
         if self._client is None:
             from openai import AsyncOpenAI
 
@@ -110,7 +112,11 @@ class Tuner:
 
     def agent(self, tag: str) -> Tuner:
         """A tuner for one agent of a multi-agent workflow: its calls are recorded under `tag`, merged
-        apart from the other agents' calls, and (with `algorithm.group_by_agent_tag`) grouped per tag."""
+        apart from the other agents' calls, and (with `algorithm.group_by_agent_tag`) grouped per tag.
+
+        Raises:
+            ValueError: `tag` is empty or contains '/' (it becomes a path segment of the endpoint URL).
+        """
         if not tag or "/" in tag:
             raise ValueError(f"agent tag must be a non-empty name without '/': {tag!r}")
         return Tuner(base_url=self.base_url[: -len("/v1")] + f"/agent/{tag}/v1", api_key=self.api_key,
@@ -118,6 +124,7 @@ class Tuner:
                      _engine_wait=self._engine_wait)
 
     async def aclose(self) -> None:
+        """Close `client` if it was created (the runner does this after `execute` returns)."""
         if self._client is not None:
             await self._client.close()
 

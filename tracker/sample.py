@@ -33,6 +33,8 @@ class Sample:
         advantage: the episode advantage (filled in by the algorithm; shared by all its samples).
         num_episode_samples: how many samples the episode produced (for per-episode loss weighting).
         flags: provenance notes, e.g. {"forked": "prefix_mismatch"}.
+    Raises:
+        ValueError: a per-token list whose length is not `response_len`.
     """
 
     episode_id: str
@@ -66,7 +68,9 @@ class Sample:
 
     @property
     def num_loss_tokens(self) -> int:
+        """How many tokens the loss trains on (loss mask 1), tokens."""
         return sum(self.loss_mask)
 
     def to_dict(self) -> dict[str, Any]:
+        """The sample as a JSON-serialisable dict of its fields (as the trajectory store keeps it)."""
         return asdict(self)

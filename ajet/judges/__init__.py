@@ -22,8 +22,13 @@ def load_judge(cfg):
     """The config's judge: the function `cfg.judge` names, or, when it names a class (e.g.
     `ajet.judges.llm:LLMJudge`), an instance built with the config. None without a judge.
 
+    A judge is called as `judge(task, output)` (or awaited, when it is a coroutine function) for each episode
+    whose workflow returned `reward=None`; the float it returns is the episode's reward. An exception it raises
+    fails that episode (recorded with its traceback, not trained on).
+
     Raises:
         WorkflowLoadError: the name cannot be imported.
+        Exception: whatever the judge class's constructor raises (e.g. ConfigError from `LLMJudge`).
     """
     from ajet.importing import load_object
 

@@ -73,6 +73,11 @@ def _eval(node: ast.AST) -> Fraction:
 
 def countdown_judge(task: Task, output) -> float:
     """`countdown_score` of the workflow's final answer against the task's numbers and target (task
-    metadata `numbers`/`target`, or reasoning-gym's `entry.metadata`)."""
+    metadata `numbers`/`target`, or reasoning-gym's `entry.metadata`): 1.0 for an expression reaching the
+    target, FORMAT_REWARD (0.1) for a well-formed one that misses it, else 0.0 (TinyZero's countdown reward).
+
+    Raises:
+        KeyError: the task's metadata has no `numbers` or `target` (the episode fails, naming the key).
+    """
     meta = task.metadata.get("entry", {}).get("metadata", task.metadata)
     return countdown_score(output.final_answer, list(meta["numbers"]), int(meta["target"]))

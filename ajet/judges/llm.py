@@ -70,12 +70,21 @@ def _clip(x: float) -> float:
 
 
 class LLMJudge:
-    """`judge(task, output) -> reward in [0, 1]` (async) asking an OpenAI-compatible model with a rubric.
+    """`await judge(task, output) -> reward in [0, 1]` asking an OpenAI-compatible model with a rubric
+    (LLM-as-a-judge: Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and Chatbot Arena").
+
+    One call per episode: the rubric (`prompt`) as one user message, `llm_judge.temperature` and
+    `llm_judge.max_tokens` (tokens); the reply's score is `parse_score(reply, max_score)` = score /
+    max_score clipped to [0, 1], or `llm_judge.parse_failure_reward` when the reply holds no score (recorded
+    in `output.metadata["llm_judge"]` and `output.metrics["judge_parse_failed"]`).
 
     Args:
         cfg: the experiment config; its `llm_judge` section (see `ajet.config.LLMJudgeConfig`) says which
-            endpoint, model, rubric and score scale. With `base_url` None the frozen initial policy is
-            started on first use (`FrozenPolicy`).
+            endpoint, model, rubric (a file path, relative to the config's folder, or the text) and score
+            scale. With `base_url` None the frozen initial policy is started on first use (`FrozenPolicy`).
+    Raises:
+        openai.APIError: (when judging) the judge's endpoint failed after 2 retries; the episode fails.
+        OSError: (when judging with the frozen policy) its model cannot be loaded.
     """
 
     def __init__(self, cfg: AjetConfig):
@@ -94,6 +103,11 @@ class LLMJudge:
             .replace("{reference}", task.answer or "(none)").replace("{max_score}", f"{self.j.max_score:g}")
 
     async def __call__(self, task: Task, output: WorkflowOutput) -> float:
+        """The episode's reward in [0, 1] (see the class docstring); records the reply in `output.metadata`.
+
+        Raises:
+            openai.APIError: the judge's endpoint failed after 2 retries.
+        """
         from openai import AsyncOpenAI
 
         messages = [{"role": "user", "content": self.prompt(task, output)}]

@@ -42,7 +42,10 @@ def _normalise(num: str) -> str | None:
 
 
 def math_answer_judge(task: Task, output: WorkflowOutput) -> float:
-    """1.0 when the final number in `output.final_answer` equals `task.answer` numerically, else 0.0."""
+    """1.0 when the final number in `output.final_answer` equals `task.answer` numerically, else 0.0 (also
+    when the task has no answer or the text no number). The final number is `extract_final_number`'s: after
+    the last `####` (GSM8K's answer format, Cobbe et al. 2021), `\\boxed{}` or "answer is", else the last
+    number in the text; "1,234.50" equals "1234.5". Never raises."""
     if task.answer is None:
         return 0.0
     got, want = extract_final_number(output.final_answer), _normalise(task.answer.strip())
@@ -53,7 +56,8 @@ def answer_with_tool_use_judge(task: Task, output: WorkflowOutput) -> float:
     """`math_answer_judge` (1.0 for the right final number) + 0.2 when the agent made at least one tool call
     that did not fail (`output.metrics["valid_tool_calls"]`, as `ajet.tool_agent:ToolAgent` reports it).
 
-    The small format term (as in DeepSeek-R1's format reward) gives GRPO a signal while a small model still
-    gets most answers wrong; the correctness term dominates.
+    Returns 0.0, 0.2, 1.0 or 1.2. The small format term (as in DeepSeek-R1's format reward, DeepSeek-AI 2025,
+    arXiv:2501.12948) gives GRPO a signal while a small model still gets most answers wrong; the correctness
+    term dominates. Never raises.
     """
     return math_answer_judge(task, output) + (0.2 if output.metrics.get("valid_tool_calls", 0) > 0 else 0.0)
