@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ajet import progress
 from ajet.backbones.ray_oom import explain_ray_oom
 from ajet.backbones.server_pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
@@ -206,15 +207,18 @@ class VerlBackbone:
         sums: dict[str, float] = {}
         steps = 0
         where = f"verl's actor update (policy version {self.engine.policy_version}, {len(trainable)} samples)"
-        with self._weights_lock(), explain_ray_oom(where, self._oom_advice()):
-            for _ in range(alg.ppo_epochs):
+        total = alg.ppo_epochs * len(_split(episodes, alg.mini_batches))   # mini-batches, on the progress display
+        with self._weights_lock(), explain_ray_oom(where, self._oom_advice()), progress.phase("update", total) as bar:
+            for epoch in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
                 for mb_eps in _split(episodes, alg.mini_batches):
+                    bar.advance(0, epoch=epoch + 1)
                     chosen = set(mb_eps)
                     for k, v in self._optimizer_step([s for s in trainable if s.episode_id in chosen],
                                                      len(chosen)).items():
                         sums[k] = sums.get(k, 0.0) + v
                     steps += 1
+                    bar.advance(1)
             self.engine.policy_version += 1
             if self.rollout == "ajet":
                 self._sync_weights()
