@@ -40,7 +40,8 @@ def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _quiet_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display and no status lines: only the "
-                                                              "step lines (or the evaluation's result) and errors")
+                                                              "step lines (or the evaluation's result) and errors; "
+                                                              "a server also prints its address")
     return p
 
 
