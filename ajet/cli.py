@@ -230,8 +230,16 @@ def _harnesses(args: argparse.Namespace) -> int:
 
     extra = load_config(args.conf).harnesses if args.conf else {}
     if args.install:
+        from rich.console import Console
+
+        from ajet import progress
+
+        spec = get_harness(args.install, extra)
+        progress.configure(Console(stderr=True))   # npm/pip may take minutes: elapsed time on stderr
         try:
-            print(install(args.install, get_harness(args.install, extra)))
+            with progress.phase(f"harness {args.install} install"):
+                path = install(args.install, spec)
+            print(path)
         except HarnessInstallError as exc:
             print(f"ajet: error: {exc}", file=sys.stderr)
             return 1

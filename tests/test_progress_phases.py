@@ -137,6 +137,22 @@ def test_a_harness_workflow_shows_its_runs(tmp_path, monkeypatch):
     assert not rec.of("harness interp install")   # on PATH: nothing to install
 
 
+def test_ajet_harnesses_install_shows_the_install(tmp_path, monkeypatch, capsys):
+    """`ajet harnesses --install NAME` opens a phase "harness NAME install" around the install (npm or pip may
+    take minutes) and prints the executable's path on stdout; here a harness already on PATH."""
+    from ajet.cli import main
+
+    rec = _record(monkeypatch)
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        data: {{train_path: tasks.jsonl}}
+        harnesses: {{interp: {{executable: "{sys.executable}", api: chat}}}}
+    """))
+    assert main(["harnesses", "--conf", str(tmp_path / "conf.yaml"), "--install", "interp"]) == 0
+    assert capsys.readouterr().out.strip() == sys.executable
+    assert rec.of("harness interp install") == [("open", "harness interp install", None),
+                                                 ("close", "harness interp install")], rec.events
+
+
 def test_serve_shows_the_episodes_in_flight_per_client(monkeypatch):
     """The episode queue of `ajet serve` sets the step's phase: episodes in flight in all and per client (busiest
     first), as clients begin, finish and abort episodes."""
