@@ -32,6 +32,30 @@ class LoraConfig(_Section):
                                   "except the output head)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability on each adapter's input, in [0, 1)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _peft_names(cls, data: Any) -> Any:
+        """Accept peft's `r` for `rank` (not both)."""
+        if isinstance(data, dict) and "r" in data:
+            if "rank" in data:
+                raise ValueError("give `rank` or its peft name `r`, not both")
+            data = {("rank" if k == "r" else k): v for k, v in data.items()}
+        return data
+
+
+AGENT_NAME = r"^[A-Za-z][A-Za-z0-9_-]{0,63}$"
+"""An agent role's name in `agents:` (also its LoRA adapter's name, and vLLM's `--lora-modules` name)."""
+
+
+class AgentConfig(_Section):
+    """One agent role of a multi-agent workflow (`tuner.agent(<name>)`), trained as its own LoRA adapter on the
+    shared base model (Hu et al. 2021, "LoRA"; peft's multi-adapter API). The role's calls are served with its
+    adapter (the debug engine mixes adapters in one batch), its samples form their own GRPO groups, and its adapter
+    has its own optimizer; `algorithm.trainable_targets` still chooses which roles train."""
+
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="the role's adapter: rank (or `r`), alpha, "
+                             "target_modules, dropout, as `model.lora`")
+
 
 class ModelConfig(_Section):
     """The policy model.
@@ -737,6 +761,16 @@ class AjetConfig(_Section):
         default_factory=EvalConfig, description="held-out evaluation (`ajet eval`, trainer.val_freq)")
     llm_judge: LLMJudgeConfig = Field(
         default_factory=LLMJudgeConfig, description="the LLM judge (`judge: ajet.judges.llm:LLMJudge`)")
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="the reward-model judge's endpoint (`judge: "
+        "ajet.judges.reward_model:RewardModelJudge`)")
+    agents: dict[str, AgentConfig] = Field(
+        default_factory=dict, description="one LoRA adapter per agent role, on one frozen base model: `{planner: "
+        "{lora: {r: 16, alpha: 32}}, solver: {lora: {r: 8}}}` (each name a `tuner.agent(...)` tag). Roles not "
+        "listed (and calls made without `tuner.agent`, tag `default`) share the adapter `default`, whose settings "
+        "are `model.lora` (LoRA's defaults when unset); it starts as the base model. Each role's samples form their "
+        "own GRPO groups and train its adapter with its own optimizer; `algorithm.trainable_targets` still chooses "
+        "which roles train. Empty: one policy for every role")
     backbone: Literal["debug", "verl", "trinity"] = Field(
         "debug", description="which backbone trains: debug (ajet's own update, in this process), verl or trinity "
                              "(each in its own venv; docs/backbones.md); the CLI's --backbone sets it")
@@ -749,6 +783,32 @@ class AjetConfig(_Section):
 
     # set by `load_config`: the folder of the YAML file, for resolving relative paths
     config_dir: Path | None = Field(None, exclude=True)
+
+    @field_validator("agents")
+    @classmethod
+    def _agent_names(cls, agents: dict[str, AgentConfig]) -> dict[str, AgentConfig]:
+        import re
+
+        for name in agents:
+            if not re.fullmatch(AGENT_NAME, name):
+                raise ValueError(f"agents.{name}: an agent role's name (its adapter's name) must match {AGENT_NAME} "
+                                 f"(a letter, then letters, digits, `_` or `-`)")
+            if name in ("mean", "std", "max"):
+                raise ValueError(f"agents.{name}: the name is taken by the step's reward/{name}; rename the role")
+        return agents
+
+    @model_validator(mode="after")
+    def _check_agents(self) -> AjetConfig:
+        """The settings `agents:` cannot be combined with (ValueError naming the keys)."""
+        if not self.agents:
+            return self
+        if "default" in self.agents and self.model.lora is not None:
+            raise ValueError("agents.default: the shared adapter `default` is configured by `model.lora` here; "
+                             "set one of the two")
+        if self.sft is not None:
+            raise ValueError("agents: fine-tuning on recorded traces (`sft:`) trains one policy; remove `agents` "
+                             "or `sft`")
+        return self
 
     def exp_path(self) -> Path:
         """The experiment folder: `trainer.exp_dir` with `{experiment_name}` filled in (relative to the cwd)."""
@@ -843,5 +903,7 @@ def _describe(err: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "missing":
         return f"missing required key `{key}`"
+    if not key:   # a check across sections (its message names the keys), e.g. `agents`
+        return str(err["msg"]).removeprefix("Value error, ")
     return f"`{key}`: {err['msg']} (got {err.get('input')!r})"
 

@@ -144,3 +144,26 @@ def set_queue_ticket(ticket: QueueTicket | None) -> contextvars.Token:
 def reset_queue_ticket(token: contextvars.Token) -> None:
     """Undo `set_queue_ticket` (with the token it returned)."""
     _TICKET.reset(token)
+
+
+# Which agent role makes the call now entering `Engine.generate` (the `tuner.agent(...)` tag; "default" for calls
+# made without one): an engine serving one LoRA adapter per role (`agents:` in the config) picks the call's adapter
+# from it. A context variable, like the queue ticket, so that the protocol's signature stays as it is.
+_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("ajet_calling_agent", default=None)
+
+
+def calling_agent() -> str | None:
+    """The agent tag of the call now entering `Engine.generate` (read at its start, in the caller's task), or None
+    when the caller names none (a call from outside the proxy)."""
+    return _AGENT.get()
+
+
+def set_calling_agent(tag: str | None) -> contextvars.Token:
+    """Make `tag` the current task's calling agent (the proxy, right before `Engine.generate`); returns the token
+    for `reset_calling_agent`."""
+    return _AGENT.set(tag)
+
+
+def reset_calling_agent(token: contextvars.Token) -> None:
+    """Undo `set_calling_agent` (with the token it returned)."""
+    _AGENT.reset(token)

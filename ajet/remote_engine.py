@@ -25,6 +25,11 @@ the unprocessed distribution), and greedy tokens are not trained on as samples.
 `RemoteEngine` checks the mode once, before its first completion: a 1-token probe with top_p = 1e-6 (a nucleus
 of one token) must come back with logprob 0 for the sampled token and -9999 (-inf) for any alternative; a
 `raw_logprobs` server reports the raw values instead, and `generate` raises a RuntimeError naming the flag.
+
+LoRA adapter per agent role (`agents:` in the config): with `adapter_for`, each request names the adapter of the
+agent that made it (`ajet.engine.calling_agent()`) as its `model`, which is how a vLLM server started with
+`--enable-lora --lora-modules planner=<folder> solver=<folder> ...` picks the adapter for a request (vLLM batches
+requests of different adapters together).
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ import asyncio
 import contextlib
 import json
 import re
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import orjson
 
-from ajet.engine import TokenCallback
+from ajet.engine import TokenCallback, calling_agent
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 
 _JSON = {"Content-Type": "application/json"}
@@ -59,6 +64,9 @@ class RemoteEngine:
         max_connections: most connections open to the server at once (further requests wait for one).
         check_logprobs_mode: probe the server once, before the first completion, for
             `--logprobs-mode processed_logprobs` (see the module docstring); False skips the probe.
+        adapter_for: agent tag (None outside the proxy) -> the served LoRA adapter's name (vLLM's
+            `--lora-modules NAME=folder`), sent as the request's `model` (`ajet.agent_adapters.adapter_router`);
+            None: every request names `model`.
 
     Attributes:
         policy_version: the optimizer step of the weights the server holds; the backbone sets it after a
@@ -68,11 +76,13 @@ class RemoteEngine:
     """
 
     def __init__(self, base_url: str, model: str, client: Literal["aiohttp", "httpx"] = "aiohttp",
-                 timeout_s: float = 600, max_connections: int = 256, check_logprobs_mode: bool = True):
+                 timeout_s: float = 600, max_connections: int = 256, check_logprobs_mode: bool = True,
+                 adapter_for: Callable[[str | None], str] | None = None):
         if client not in ("aiohttp", "httpx"):
             raise ValueError(f"client must be 'aiohttp' or 'httpx', not {client!r}")
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
+        self.adapter_for = adapter_for
         self.client = client
         self.timeout_s = timeout_s
         self.max_connections = max_connections
@@ -85,9 +95,11 @@ class RemoteEngine:
 
         `logprobs` is k >= 1 (vLLM then returns the sampled token's logprob and the top-k alternatives);
         `skip_special_tokens: false` makes stop strings match the text with special tokens in it, as the
-        debug engine does (the returned text itself is never used).
+        debug engine does (the returned text itself is never used). `model` is the calling agent's adapter
+        when the engine has `adapter_for`.
         """
-        return {"model": self.model, "prompt": list(prompt_ids), "max_tokens": params.max_tokens,
+        model = self.model if self.adapter_for is None else self.adapter_for(calling_agent())
+        return {"model": model, "prompt": list(prompt_ids), "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": -1, "min_p": 0.0,
                 "repetition_penalty": 1.0, "seed": params.seed, "stop": [s for s in params.stop if s],
                 "logprobs": max(1, params.top_logprobs), "return_tokens_as_token_ids": True,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ajet import checkpoint
+from ajet.agent_adapters import role_metrics
 from ajet.algorithm.guards import (NON_FINITE_LOGPROB, OUT_OF_VOCAB, STALE_POLICY, empty_loss_samples, policy_lag,
                                    sampled_token_reason, stale_policy_reason)
 from ajet.algorithm.sampling import zero_std_groups
@@ -183,7 +184,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             for e in usable:
                 # a guarded episode's ids may not even decode: no samples; recorded samples (sft) train as stored
                 if id(e) not in guarded and (cfg.sft is None or not e.samples):
-                    e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag,
+                    # with an adapter per role (`agents:`) each role's samples form their own GRPO groups
+                    e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag or bool(cfg.agents),
                                             cfg.algorithm.train_greedy_calls)
             trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
             samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
@@ -213,6 +215,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             metrics.update(tool_metrics(episodes))
             metrics.update({k if "/" in k else f"train/{k}": v for k, v in train.items()})   # e.g. distill/kl as is
             metrics["rollout/trained_episodes"] = len(trainable)
+            if cfg.agents:   # an adapter per role: each role's reward and samples (its loss: train/<adapter>/...)
+                metrics.update(role_metrics(episodes, samples))
             for _, _, why in _left_out(episodes, trainable):
                 metrics[f"rollout/not_trained/{why}"] = metrics.get(f"rollout/not_trained/{why}", 0) + 1
             metrics.update(source.metrics())

@@ -126,6 +126,7 @@ AJET_SIDE = frozenset("""
     eval.n eval.temperature eval.top_p eval.pass_threshold eval.max_failed_frac
     llm_judge.rubric llm_judge.base_url llm_judge.api_key llm_judge.model llm_judge.frozen_model_path
     llm_judge.temperature llm_judge.max_tokens llm_judge.max_score llm_judge.parse_failure_reward
+    reward_model.base_url reward_model.model reward_model.api_key reward_model.timeout_s
 """.split())
 
 _NO_STALENESS = ("ajet's importance-sampling correction of off-policy tokens is in the debug backbone's loss only: "
@@ -134,6 +135,8 @@ _NO_IS_CAP = "the importance-sampling correction it caps is applied by the debug
 _NO_DISTILL = "on-policy distillation is implemented by the debug backbone's loss only"
 _NO_TOP_P = ("{who} scores a batch at one temperature without nucleus truncation, so samples drawn with top_p < 1 "
              "would be refused at the first update")
+_NO_AGENTS = ("{who} trains one policy: an adapter per agent role (a mixed-adapter batch, an optimizer each) is "
+              "implemented by the debug backbone only")
 _ONLY_VERL = "the `verl:` block configures the verl backbone only"
 _ONLY_TRINITY = "the `trinity:` block configures the trinity backbone only"
 _GATEWAY_UNTESTED = "`ajet gateway` is tested with the debug backbone only so far; use --backbone=debug"
@@ -158,6 +161,8 @@ DEBUG: dict[str, Support] = {
     "model.device": HONOURED,
     "model.max_model_len": HONOURED,
     "model.lora": HONOURED,
+    "agents": honoured("one peft adapter per role, served in one batch (each row with its role's adapter), an "
+                       "optimizer each"),
     "rollout.num_repeat": HONOURED,
     "rollout.temperature": HONOURED,
     "rollout.top_p": honoured("each token is scored under the top_p it was sampled with"),
@@ -198,6 +203,7 @@ VERL: dict[str, Support] = {
     "model.max_model_len": translated("actor_rollout_ref.rollout.max_model_len"),
     "model.lora": translated("actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules} (with verl's "
                              "vLLM/SGLang rollout)"),
+    "agents": refused(_NO_AGENTS.format(who="verl's actor")),
     "rollout.num_repeat": translated("actor_rollout_ref.rollout.n"),
     "rollout.temperature": translated("actor_rollout_ref.rollout.temperature"),
     "rollout.top_p": refused(_NO_TOP_P.format(who="verl's actor")),
@@ -237,6 +243,7 @@ TRINITY: dict[str, Support] = {
     "model.device": honoured("ajet's engine; Trinity's trainer uses CUDA when present"),
     "model.max_model_len": translated("model.max_model_len"),
     "model.lora": refused("LoRA is not wired into Trinity's trainer yet (it trains every parameter)"),
+    "agents": refused(_NO_AGENTS.format(who="Trinity's trainer")),
     "rollout.num_repeat": translated("algorithm.repeat_times"),
     "rollout.temperature": translated("model.temperature"),
     "rollout.top_p": refused(_NO_TOP_P.format(who="Trinity's verl actor")),

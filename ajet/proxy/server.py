@@ -43,7 +43,8 @@ from starlette.responses import StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
-from ajet.engine import Engine, EngineWait, reset_queue_ticket, set_queue_ticket
+from ajet.engine import (Engine, EngineWait, reset_calling_agent, reset_queue_ticket, set_calling_agent,
+                         set_queue_ticket)
 from ajet.llm_call import Completion, LLMCall, SamplingParams, call_seed
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
@@ -415,6 +416,7 @@ class ProxyServer:
             t1 = time.perf_counter()
             ticket = ep.engine_wait.ticket()     # the engine reports the call's queue time (ajet/engine.py)
             reset = set_queue_ticket(ticket)
+            reset_agent = set_calling_agent(agent_tag)   # an engine with an adapter per role picks this one's
             try:
                 completion = await self.engine.generate(prompt_ids, params, on_tokens)
             except ValueError as exc:
@@ -427,6 +429,7 @@ class ProxyServer:
             finally:
                 ticket.admitted()                # a call that failed or was cancelled in the queue stops counting
                 reset_queue_ticket(reset)
+                reset_calling_agent(reset_agent)
             choice = self._to_choice(i, completion, turn, params, t1, ticket.waited_s)
             if events is not None:
                 events.put_nowait((i, choice))

@@ -6,6 +6,10 @@ weights without a copy. Breakpoints work anywhere (no Ray, no subprocesses).
 With `model.lora` the policy is the base model plus LoRA adapters (Hu et al. 2021, via `peft`): only the
 adapters train, the engine serves the adapted model, and the reference policy of the KL term is the same
 model with the adapter disabled (no second copy of the weights).
+
+With `agents:` the policy is one adapter per agent role (`backbones/debug/role_adapters.py`): the engine serves
+each call with its role's adapter (a batch mixes adapters), and one update trains each adapter that has samples
+on its own role's samples, with its own optimizer; the other adapters' weights are not touched.
 """
 
 from __future__ import annotations
@@ -13,14 +17,20 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import statistics
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ajet import progress
+from ajet.agent_adapters import adapter_names, adapter_router
 from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, sft_loss, truncated_is_weights
 from ajet.backbones.debug.engine import HFEngine
+from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters, base_state_dict, load_adapters,
+                                                save_adapters, with_role_adapters)
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.model import load_model, load_tokenizer, resolve_model_path
@@ -41,15 +51,24 @@ class DebugBackbone:
         path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(path, cfg.model.chat_template)
         self.model = load_model(path, cfg.model.dtype, cfg.model.device)
-        if cfg.model.lora is not None:
+        # with `agents:` one adapter per role (the routing: ajet/agent_adapters.py), else at most one adapter
+        self.adapters = adapter_names(cfg)
+        self.adapter_for = adapter_router(cfg)
+        if self.adapters:
+            self.model = with_role_adapters(self.model, cfg, path)
+        elif cfg.model.lora is not None:
             self.model = _with_lora(self.model, cfg.model.lora)
         self.model.config.use_cache = True
         self.device = next(self.model.parameters()).device
-        self.engine = engine_for(self.model, self.tokenizer, cfg)
+        self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
         alg = cfg.algorithm
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=alg.lr,
-                                           weight_decay=alg.weight_decay)
-        self.lora = cfg.model.lora is not None
+        groups = ({name: adapter_parameters(self.model, name) for name in self.adapters} if self.adapters else
+                  {None: [p for p in self.model.parameters() if p.requires_grad]})
+        # one optimizer per adapter (`self.optimizer` is the one of the policy being trained)
+        self.optimizers = {name: torch.optim.AdamW(params, lr=alg.lr, weight_decay=alg.weight_decay)
+                           for name, params in groups.items()}
+        self.optimizer = next(iter(self.optimizers.values()))
+        self.lora = cfg.model.lora is not None or bool(self.adapters)
         self.ref_model = None
         if alg.kl_coef > 0 and not self.lora:   # with LoRA the reference is the model with its adapter off
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -78,43 +97,85 @@ class DebugBackbone:
         and logprob_diff (mean |trainer - engine| logprob), token means over the forwarded loss tokens
         measured BEFORE any weight moves in this step (0 up to numerics when rollout and training
         agree); optimizer_steps, update_s.
+        With `agents:` each adapter with samples is trained on its roles' samples with its own optimizer
+        (`_update_roles`): its figures come as `train/<adapter>/<figure>`, the plain ones are their means over the
+        adapters trained (optimizer_steps their sum); the engine's policy version moves once per update.
         With an `sft:` section the update is supervised instead: see `sft_update`.
         """
         if self.cfg.sft is not None:   # fine-tuning on recorded traces (ajet/sft.py)
             return self.sft_update(samples)
-        alg = self.cfg.algorithm
         t0 = time.perf_counter()
         trainable = [s for s in samples if s.num_loss_tokens > 0]
         if not trainable:
             return {"update_s": 0.0, "optimizer_steps": 0.0}
-        episodes = sorted({s.episode_id for s in trainable})
-        one_step = alg.ppo_epochs == 1 and _split(episodes, alg.mini_batches) == [episodes]
-        totals: dict[str, float] = {}
-        steps = 0
         # a URL teacher's logprobs do not depend on the student's weights: fetched once, before the engine is paused,
         # not per mini-batch and epoch
         self._teacher_lp = (_remote_teacher_logprobs(self.teacher, [s for s in trainable if self._forwarded(s)])
                             if isinstance(self.teacher, RemoteTeacher) else None)
-        with self.engine.weights_lock:
-            # with one optimizer step the first forward sees the rollout weights; else measure them first
-            before = None if one_step else self.measure(trainable)
-            self._prox = self._proximal_logprobs(trainable) if self.is_cap is not None and not one_step else None
-            self.model.train()
-            # the progress display (ajet/progress.py): mini-batches done / total; closed also when a step raises
-            with progress.phase("update", alg.ppo_epochs * len(_split(episodes, alg.mini_batches))) as bar:
-                for epoch in range(alg.ppo_epochs):
-                    self._rng.shuffle(episodes)
-                    for mb_eps in _split(episodes, alg.mini_batches):
-                        bar.advance(0, epoch=epoch + 1)
-                        chosen = set(mb_eps)
-                        stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
-                        for k, v in stats.items():
-                            totals[k] = totals.get(k, 0.0) + v
-                        steps += 1
-                        bar.advance(1)
-            self.model.eval()
-            self.engine.policy_version += 1
-        self._prox = self._teacher_lp = None
+        try:
+            with self.engine.weights_lock:   # every adapter moves between the same two decode steps
+                out = self._update_roles(trainable) if self.adapters else self._ppo_update(trainable)
+                self.engine.policy_version += 1
+        finally:
+            self._prox = self._teacher_lp = None
+        out["update_s"] = time.perf_counter() - t0
+        return out
+
+    def _update_roles(self, trainable: list[Sample]) -> dict[str, float]:
+        """`_ppo_update` of each adapter on the samples of its roles (`adapter_for(sample.agent_tag)`), with the
+        adapter's own optimizer; an adapter without samples is not touched (its weights and optimizer state stay
+        bit-identical). Returns each adapter's figures as `train/<adapter>/<figure>`, and the unprefixed figures
+        as the mean over the adapters trained (optimizer_steps: their sum). Runs under `weights_lock`."""
+        by_adapter: dict[str, list[Sample]] = defaultdict(list)
+        for s in trainable:
+            by_adapter[self.adapter_for(s.agent_tag)].append(s)
+        out: dict[str, float] = {}
+        per: list[dict[str, float]] = []
+        for name in [n for n in self.adapters if n in by_adapter]:
+            with self._training(name):
+                stats = self._ppo_update(by_adapter[name])
+            out.update({f"train/{name}/{k}": v for k, v in stats.items()})
+            per.append(stats)
+        out.update({k: statistics.fmean(p[k] for p in per) for k in per[0]})
+        out["optimizer_steps"] = float(sum(p["optimizer_steps"] for p in per))
+        return out
+
+    @contextmanager
+    def _training(self, name: str):
+        """Within: the training forwards use adapter `name` (peft's `set_adapter`, which also leaves only its
+        weights requiring grad) and `self.optimizer` is its optimizer."""
+        self.model.set_adapter(name)
+        self.optimizer = self.optimizers[name]
+        try:
+            yield
+        finally:
+            self.optimizer = self.optimizers[self.adapters[0]]
+
+    def _ppo_update(self, trainable: list[Sample]) -> dict[str, float]:
+        """The PPO-clip epochs of `update` over `trainable` (samples with loss tokens) with `self.optimizer`,
+        under `weights_lock`; returns `update`'s figures but update_s."""
+        alg = self.cfg.algorithm
+        episodes = sorted({s.episode_id for s in trainable})
+        one_step = alg.ppo_epochs == 1 and _split(episodes, alg.mini_batches) == [episodes]
+        totals: dict[str, float] = {}
+        steps = 0
+        # with one optimizer step the first forward sees the rollout weights; else measure them first
+        before = None if one_step else self.measure(trainable)
+        self._prox = self._proximal_logprobs(trainable) if self.is_cap is not None and not one_step else None
+        self.model.train()
+        # the progress display (ajet/progress.py): mini-batches done / total; closed also when a step raises
+        with progress.phase("update", alg.ppo_epochs * len(_split(episodes, alg.mini_batches))) as bar:
+            for epoch in range(alg.ppo_epochs):
+                self._rng.shuffle(episodes)
+                for mb_eps in _split(episodes, alg.mini_batches):
+                    bar.advance(0, epoch=epoch + 1)
+                    chosen = set(mb_eps)
+                    stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
+                    for k, v in stats.items():
+                        totals[k] = totals.get(k, 0.0) + v
+                    steps += 1
+                    bar.advance(1)
+        self.model.eval()
         # the PPO figures are means under the loss's own token weights (times the IS weight when is_cap is set);
         # the IS figures are means of the IS weight itself, under the aggregation weights alone
         means = {"weight_sum": ("clip_frac", "dual_clip_frac", "ratio_mean"),
@@ -126,7 +187,7 @@ class DebugBackbone:
         before = before or {k: totals.pop(f"_{k}") / totals["_tokens"] if totals["_tokens"] else 0.0
                             for k in ("entropy", "logprob_diff")}
         out.update({k: v / steps for k, v in totals.items() if not k.startswith("_")}, **before)
-        out.update(update_s=time.perf_counter() - t0, optimizer_steps=float(steps))
+        out["optimizer_steps"] = float(steps)
         return out
 
     def sft_update(self, samples: list[Sample]) -> dict[str, float]:
@@ -182,11 +243,14 @@ class DebugBackbone:
         stats = self.accumulate_gradients(samples)
         if stats["_tokens"] == 0:  # every advantage is 0: nothing to learn from this mini-batch
             return {**stats, "grad_norm": 0.0}
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                                   self.cfg.algorithm.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.cfg.algorithm.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**stats, "grad_norm": float(grad_norm)}
+
+    def _trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters `self.optimizer` steps (the whole trainable policy, or one adapter's LoRA weights)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _forwarded(self, sample: Sample) -> bool:
         """Whether the loss needs a forward of `sample`: a token with advantage 0 adds exactly 0 to the PPO
@@ -317,26 +381,48 @@ class DebugBackbone:
     def save_checkpoint(self, path: Path) -> None:
         """Hugging Face format (`AutoModelForCausalLM.from_pretrained(path)` loads it; with LoRA the adapters
         merged in, and the adapter alone in `path/adapter`, which `peft.PeftModel.from_pretrained` loads onto
-        the base model), plus `backbone_state.pt`: optimizer state, sampler RNG and policy version."""
+        the base model), plus `backbone_state.pt`: optimizer state, sampler RNG and policy version.
+
+        With `agents:` the folder holds the base model (unmerged: every role has its own adapter) and one peft
+        folder per adapter, `path/adapters/<name>/` (`peft.PeftModel.from_pretrained(base, folder)`, vLLM
+        `--lora-modules <name>=<folder>`); `backbone_state.pt` holds each adapter's optimizer state."""
         path.mkdir(parents=True, exist_ok=True)
         with self.engine.weights_lock:
-            if self.lora:
+            if self.adapters:
+                save_adapters(self.model, path / ADAPTERS_DIR, self.adapters)
+                self.model.get_base_model().save_pretrained(path, state_dict=base_state_dict(self.model))
+            elif self.lora:
                 self.model.save_pretrained(path / "adapter")
                 self.model.get_base_model().save_pretrained(path, state_dict=merged_lora_state_dict(self.model))
             else:
                 self.model.save_pretrained(path)
-            torch.save({"optimizer": self.optimizer.state_dict(), "engine_rng": self.engine._generator.get_state(),
+            optimizers = ({"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+                          if self.adapters else {"optimizer": self.optimizer.state_dict()})
+            torch.save({**optimizers, "engine_rng": self.engine._generator.get_state(),
                         "update_rng": self._rng.getstate(), "policy_version": self.engine.policy_version},
                        path / "backbone_state.pt")
         self.tokenizer.save_pretrained(path)
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore weights, optimizer, RNG and policy version written by `save_checkpoint`."""
+        """Restore weights, optimizer(s), RNG and policy version written by `save_checkpoint` (with `agents:`
+        every adapter and its optimizer).
+
+        Raises:
+            ConfigError: the checkpoint was written by a run with other adapters (or none) than this config's."""
         from transformers import AutoModelForCausalLM
 
         state = torch.load(path / "backbone_state.pt", weights_only=False)
+        saved_adapters = sorted(state.get("optimizers", {}))
+        if sorted(n for n in self.optimizers if n is not None) != saved_adapters:
+            raise ConfigError(f"agents: the checkpoint {path} holds the adapters "
+                              f"{saved_adapters or 'none (one policy)'}, this config {self.adapters or 'none (one policy)'}"
+                              f": resume with the config it was written with")
         with self.engine.weights_lock:
-            if self.lora:   # the base weights never train: restoring the adapter restores the policy
+            if self.adapters:
+                load_adapters(self.model, path / ADAPTERS_DIR, self.adapters)
+                for name, opt in self.optimizers.items():
+                    opt.load_state_dict(state["optimizers"][name])
+            elif self.lora:   # the base weights never train: restoring the adapter restores the policy
                 from peft import set_peft_model_state_dict
                 from safetensors.torch import load_file
 
@@ -344,7 +430,8 @@ class DebugBackbone:
             else:
                 saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
                 self.model.load_state_dict(saved.state_dict())
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not self.adapters:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.engine._generator.set_state(state["engine_rng"])
             self._rng.setstate(state["update_rng"])
             self.engine.policy_version = state["policy_version"]
@@ -386,15 +473,17 @@ def _load_teacher(cfg: AjetConfig, student):
     return teacher
 
 
-def engine_for(model, tokenizer, cfg: AjetConfig) -> HFEngine:
+def engine_for(model, tokenizer, cfg: AjetConfig, adapter_for=None) -> HFEngine:
     """The in-process engine serving `model` (also the verl backbone's engine on CPU): stops at the tokenizer's
-    EOS and the generation config's, batch and length limits from `cfg`, seeded with `trainer.seed`."""
+    EOS and the generation config's, batch and length limits from `cfg`, seeded with `trainer.seed`; with
+    `adapter_for` (agent tag -> adapter name, `ajet.agent_adapters.adapter_router`) each call is served with its
+    role's LoRA adapter."""
     eos = {tokenizer.eos_token_id}
     if model.generation_config is not None and model.generation_config.eos_token_id is not None:
         g = model.generation_config.eos_token_id
         eos |= set(g if isinstance(g, list) else [g])
     engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch_size=cfg.rollout.max_batch_size,
-                      max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode)
+                      max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode, adapter_for=adapter_for)
     engine.seed(cfg.trainer.seed)
     return engine
 

@@ -27,6 +27,11 @@ logprob under it is recorded, the quantity the trainer recomputes, so the PPO ra
 update. Temperature 0 is greedy decoding: the argmax token, its logprob recorded under T=1 with no truncation
 (report only; greedy tokens have no sampling distribution and are not trained on as sampled).
 
+LoRA adapter per agent role (`agents:` in the config): with `adapter_for`, each request is served with the adapter
+of the agent that made it (`ajet.engine.calling_agent()`, read when the request arrives); a batch may mix adapters:
+every forward passes peft's `adapter_names` (one per row, peft's mixed-adapter batch inference), so a row's tokens
+and logprobs are those of its own adapter whichever rows share its steps. Prefix-cache entries are per adapter.
+
 Weights: the worker holds `weights_lock` (a `WeightsLock`) while it has rows in flight, and steps aside between two
 decode steps as soon as an update (or a checkpoint) waits for it; it resumes once the update has released it. An
 update therefore lands between two tokens of a completion in flight, never inside a forward pass (asynchronous
@@ -47,12 +52,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
 from ajet.backbones.debug.prefix_cache import KV, PrefixCache
-from ajet.engine import QueueTicket, TokenCallback, queue_ticket
+from ajet.engine import QueueTicket, TokenCallback, calling_agent, queue_ticket
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 from ajet.sampling_dist import processed_logprobs
 
@@ -111,6 +117,7 @@ class _Request:
     on_tokens: TokenCallback | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
     ticket: QueueTicket | None = None      # the caller's account of this request's queue time (`ajet.engine`)
+    adapter: str | None = None             # the LoRA adapter serving it (None: the model as it is)
 
     def fail(self, exc: BaseException) -> None:
         _post(self.loop, _resolve, self.future, None, exc)
@@ -167,6 +174,8 @@ class HFEngine:
         batch_wait_s: when the engine is idle and a request arrives, how long (seconds) to wait for others
             before the first step (episodes that start together are admitted together).
         prefix_cache_bytes: byte budget of the KV prefix cache (0 disables prefix reuse).
+        adapter_for: agent tag (`ajet.engine.calling_agent()`, None outside the proxy) -> the name of the peft LoRA
+            adapter of `model` that serves the call; None: every call is served by the model as it is.
 
     Attributes:
         policy_version: the optimizer step of the weights served; the trainer bumps it after an update.
@@ -178,8 +187,9 @@ class HFEngine:
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch_size: int = 32,
                  max_model_len: int = 4096, decode_fn=None, batch_wait_s: float = 0.02,
-                 prefix_cache_bytes: int = 1 << 30):
+                 prefix_cache_bytes: int = 1 << 30, adapter_for: Callable[[str | None], str] | None = None):
         self.model = model
+        self.adapter_for = adapter_for
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -224,7 +234,8 @@ class HFEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len}")
         loop = asyncio.get_running_loop()
-        req = _Request(list(prompt_ids), params, loop, loop.create_future(), on_tokens, ticket=queue_ticket())
+        req = _Request(list(prompt_ids), params, loop, loop.create_future(), on_tokens, ticket=queue_ticket(),
+                       adapter=self.adapter_for(calling_agent()) if self.adapter_for is not None else None)
         if req.ticket is not None:
             req.ticket.queued()          # until `_admit` starts its prefill: time the episode's timeout skips
         self._queue.put(req)
@@ -335,19 +346,19 @@ class HFEngine:
                 req.ticket.admitted()
             row = self._new_row(req)
             prompt = req.prompt_ids
-            r, past = self.prefix_cache.lookup(prompt, row.version)
+            r, past = self.prefix_cache.lookup(prompt, row.version, req.adapter)
             cache = DynamicCache(past) if past is not None else DynamicCache()
             try:
                 new = torch.tensor([prompt[r:]], device=device)                         # [1, n_new]
                 out = self.model(input_ids=new, position_ids=torch.arange(r, len(prompt), device=device)[None],
                                  attention_mask=torch.ones((1, len(prompt)), dtype=torch.long, device=device),
-                                 use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+                                 use_cache=True, logits_to_keep=1, **{self._cache_kw: cache}, **self._adapters([req]))
             except Exception as exc:  # noqa: BLE001 - this prompt failed (e.g. an id outside the vocabulary)
                 req.fail(RuntimeError(f"prefill failed: {type(exc).__name__}: {exc}"))
                 continue
             self.prefilled_tokens += len(prompt) - r
             kv = [(layer.keys, layer.values) for layer in cache.layers]   # [1, H, len(prompt), D] (filled in place)
-            self.prefix_cache.insert(prompt, kv, row.version)       # the group's other episodes open with it
+            self.prefix_cache.insert(prompt, kv, row.version, req.adapter)   # the group's other episodes open with it
             row.n_ctx = len(prompt)
             rows.append(row)
             kvs.append(kv)
@@ -396,7 +407,8 @@ class HFEngine:
         position_ids = torch.tensor([[r.n_ctx] for r in self._rows], device=device)            # [B, 1]
         self._attn = torch.cat([self._attn, torch.ones((B, 1), dtype=torch.long, device=device)], dim=1)
         out = self.model(input_ids=input_ids, attention_mask=self._attn, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: self._cache})
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: self._cache},
+                         **self._adapters([r.req for r in self._rows]))
         for r in self._rows:
             r.n_ctx += 1
         self._record(self._rows, out.logits[:, -1])
@@ -436,7 +448,7 @@ class HFEngine:
             row = self._rows[i]
             kv = [(layer.keys[i:i + 1, :, L - row.n_ctx:].clone(), layer.values[i:i + 1, :, L - row.n_ctx:].clone())
                   for layer in self._cache.layers]                                  # [1, H, n_ctx, D]
-            self.prefix_cache.insert(row.req.prompt_ids + row.out_ids[:-1], kv, row.version)
+            self.prefix_cache.insert(row.req.prompt_ids + row.out_ids[:-1], kv, row.version, row.req.adapter)
             self._answer(row)
         keep = [i for i in range(len(self._rows)) if i not in set(done)]
         if not keep:
@@ -451,6 +463,11 @@ class HFEngine:
             for layer in self._cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self._attn = self._attn[:, first:]
+
+    def _adapters(self, reqs: list[_Request]) -> dict[str, list[str]]:
+        """The forward's `adapter_names` keyword (peft: one adapter per batch row) for rows serving `reqs`, or
+        nothing when the engine serves no adapters."""
+        return {"adapter_names": [r.adapter for r in reqs]} if self.adapter_for is not None else {}
 
     def _answer(self, row: _Row) -> None:
         mixed = any(v != row.version for v in row.out_versions)      # an update landed while it decoded

@@ -5,7 +5,8 @@ then appends the tool result and the next turn's opening), and the episodes of a
 prompt. So the engine keeps, per finished or prefilled sequence, the keys and values of every layer, and a new
 prompt prefills only the tokens after the longest stored prefix it shares. Entries live in least-recently-used
 order under a byte budget; an entry another one extends is dropped (the longer one serves the same prefixes);
-entries computed with older weights (another policy version) are never used.
+entries computed with older weights (another policy version) are never used. With one LoRA adapter per agent
+role, each entry is tagged with the adapter that computed it, and a prompt reuses only its own adapter's entries.
 
 This is the idea of vLLM's automatic prefix caching (Kwon et al. 2023, "Efficient Memory Management for Large
 Language Model Serving with PagedAttention") at the granularity of whole sequences, on transformers'
@@ -34,6 +35,7 @@ class _Entry:
     kv: KV                    # [1, kv_heads, n, head_dim] per layer
     version: int              # the policy version of the weights that computed it
     nbytes: int
+    adapter: str | None = None   # the LoRA adapter that computed it (None: the model as it is)
 
 
 class PrefixCache:
@@ -62,9 +64,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt_ids: list[int], version: int) -> tuple[int, KV | None]:
-        """The longest stored prefix of `prompt_ids` computed by policy `version`, leaving at least one prompt
-        token to prefill (its logits give the first sampled token).
+    def lookup(self, prompt_ids: list[int], version: int, adapter: str | None = None) -> tuple[int, KV | None]:
+        """The longest stored prefix of `prompt_ids` computed by policy `version` (with LoRA adapter `adapter`),
+        leaving at least one prompt token to prefill (its logits give the first sampled token).
 
         Returns:
             (r, kv): r tokens reused and their keys/values (views of the stored tensors, `[1, kv_heads, r,
@@ -77,7 +79,7 @@ class PrefixCache:
         best_r, best_key = 0, None
         for key, e in self._entries.items():
             m = min(len(e.tokens), len(prompt) - 1)
-            if m <= best_r:
+            if m <= best_r or e.adapter != adapter:
                 continue
             differ = (e.tokens[:m] != prompt[:m]).nonzero()
             r = m if len(differ) == 0 else int(differ[0])
@@ -90,9 +92,9 @@ class PrefixCache:
         self.reused_tokens += best_r
         return best_r, [(k[:, :, :best_r], v[:, :, :best_r]) for k, v in self._entries[best_key].kv]
 
-    def insert(self, token_ids: list[int], kv: KV, version: int) -> None:
-        """Keep `kv` (the keys/values of exactly `token_ids`, `[1, kv_heads, len(token_ids), head_dim]` per
-        layer; pass tensors nothing else will modify, and not views of a larger batch tensor, which would keep
+    def insert(self, token_ids: list[int], kv: KV, version: int, adapter: str | None = None) -> None:
+        """Keep `kv` (the keys/values of exactly `token_ids` under LoRA adapter `adapter`, `[1, kv_heads,
+        len(token_ids), head_dim]` per layer; pass tensors nothing else will modify, and not views of a larger batch tensor, which would keep
         that whole tensor alive). Drops entries `token_ids` extends, then the least recently used ones until the
         budget holds. An entry larger than the whole budget is not kept."""
         nbytes = kv_nbytes(kv)
@@ -100,9 +102,9 @@ class PrefixCache:
             return
         tokens = torch.tensor(token_ids, dtype=torch.long)
         for key, e in list(self._entries.items()):
-            if e.version == version and len(e.tokens) <= len(tokens) and torch.equal(e.tokens, tokens[:len(e.tokens)]):
+            if e.version == version and e.adapter == adapter and len(e.tokens) <= len(tokens) and torch.equal(e.tokens, tokens[:len(e.tokens)]):
                 self._drop(key)                        # the new entry serves every prefix this one served
-        self._entries[self._next_key] = _Entry(tokens, kv, version, nbytes)
+        self._entries[self._next_key] = _Entry(tokens, kv, version, nbytes, adapter)
         self._next_key += 1
         self.nbytes += nbytes
         while self.nbytes > self.budget_bytes:
