@@ -761,9 +761,6 @@ class AjetConfig(_Section):
         default_factory=EvalConfig, description="held-out evaluation (`ajet eval`, trainer.val_freq)")
     llm_judge: LLMJudgeConfig = Field(
         default_factory=LLMJudgeConfig, description="the LLM judge (`judge: ajet.judges.llm:LLMJudge`)")
-    reward_model: RewardModelConfig = Field(
-        default_factory=RewardModelConfig, description="the reward-model judge's endpoint (`judge: "
-        "ajet.judges.reward_model:RewardModelJudge`)")
     agents: dict[str, AgentConfig] = Field(
         default_factory=dict, description="one LoRA adapter per agent role, on one frozen base model: `{planner: "
         "{lora: {r: 16, alpha: 32}}, solver: {lora: {r: 8}}}` (each name a `tuner.agent(...)` tag). Roles not "
