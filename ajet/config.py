@@ -439,6 +439,18 @@ class CommandWorkflowConfig(_Section):
 
     command: argv, e.g. [python, agent.py] (run in the config file's folder, or `cwd` relative to it).
     env: extra environment variables. timeout_s: kill its process group after this many seconds, not counting
+class RewardModelConfig(_Section):
+    """A reward model behind an HTTP endpoint as the judge (`judge: ajet.judges.reward_model:RewardModelJudge`;
+    see ajet/judges/reward_model.py): each answer is scored by `POST {base_url}/pooling` (vLLM's pooling API)
+    with the conversation and the answer; e.g. the gateway's best-of-N pick."""
+
+    base_url: str | None = Field(None, description="the server of the reward model (e.g. vLLM's http://host:8000); "
+                                                   "required by RewardModelJudge")
+    model: str = Field("reward-model", min_length=1, description="the model name sent to the endpoint")
+    api_key: str | None = Field(None, description="sent as a bearer token; None: no Authorization header")
+    timeout_s: float = Field(60.0, gt=0, description="how long one scoring request may take, seconds")
+
+
     the time its calls wait in the engine's queue (None: only `rollout.episode_timeout_s` applies).
     """
 
@@ -766,6 +778,9 @@ class AjetConfig(_Section):
         "{lora: {r: 16, alpha: 32}}, solver: {lora: {r: 8}}}` (each name a `tuner.agent(...)` tag). Roles not "
         "listed (and calls made without `tuner.agent`, tag `default`) share the adapter `default`, whose settings "
         "are `model.lora` (LoRA's defaults when unset); it starts as the base model. Each role's samples form their "
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="the reward-model judge's endpoint (`judge: "
+        "ajet.judges.reward_model:RewardModelJudge`)")
         "own GRPO groups and train its adapter with its own optimizer; `algorithm.trainable_targets` still chooses "
         "which roles train. Empty: one policy for every role")
     backbone: Literal["debug", "verl", "trinity"] = Field(
