@@ -434,11 +434,6 @@ class LLMJudgeConfig(_Section):
                                                          "(the reply is recorded in the episode)")
 
 
-class CommandWorkflowConfig(_Section):
-    """A workflow that is the user's own program, started once per episode (see ajet/rollout/command.py).
-
-    command: argv, e.g. [python, agent.py] (run in the config file's folder, or `cwd` relative to it).
-    env: extra environment variables. timeout_s: kill its process group after this many seconds, not counting
 class RewardModelConfig(_Section):
     """A reward model behind an HTTP endpoint as the judge (`judge: ajet.judges.reward_model:RewardModelJudge`;
     see ajet/judges/reward_model.py): each answer is scored by `POST {base_url}/pooling` (vLLM's pooling API)
@@ -451,6 +446,11 @@ class RewardModelConfig(_Section):
     timeout_s: float = Field(60.0, gt=0, description="how long one scoring request may take, seconds")
 
 
+class CommandWorkflowConfig(_Section):
+    """A workflow that is the user's own program, started once per episode (see ajet/rollout/command.py).
+
+    command: argv, e.g. [python, agent.py] (run in the config file's folder, or `cwd` relative to it).
+    env: extra environment variables. timeout_s: kill its process group after this many seconds, not counting
     the time its calls wait in the engine's queue (None: only `rollout.episode_timeout_s` applies).
     """
 
@@ -596,6 +596,8 @@ class GatewayGateConfig(_Section):
     max_drop: float = Field(0.05, ge=0, description="a new policy whose metric is more than this below the serving "
                             "policy's is refused (not served); an invalid evaluation (eval.max_failed_frac) is "
                             "refused too")
+    replay_sessions: int = Field(16, ge=1, le=10_000, description="mode `replay`: how many sessions are replayed, "
+                                 "those whose latest feedback arrived last (each its first request, eval.n answers)")
     keep_versions: int = Field(3, ge=1, description="served policy versions kept as checkpoints in "
                                "exp_dir/gateway_versions (the newest, plus the one served), the versions `ajet "
                                "gateway rollback` can go back to")
@@ -620,8 +622,6 @@ class GatewayConfig(_Section):
                    "batch, the config's judge scores each and the highest is answered (streams get it once all are "
                    "sampled); the session and its unchosen candidates (rewarded with their judge scores) form one "
                    "GRPO group. 1: one sample, no judge")
-    replay_sessions: int = Field(16, ge=1, le=10_000, description="mode `replay`: how many sessions are replayed, "
-                                 "those whose latest feedback arrived last (each its first request, eval.n answers)")
     rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each api key (or, without "
                                          "one, each client address) may send, sustained; over it a 429 with "
                                          "Retry-After. None: no limit")
@@ -629,6 +629,11 @@ class GatewayConfig(_Section):
                                          "spell (its token bucket's size); None: rate_limit_rps rounded up")
     retention_days: float | None = Field(None, gt=0, description="trained or dropped sessions closed longer ago "
                                          "than this are deleted from gateway.sqlite, days; None: kept forever")
+    after_training: Literal["serve", "stop"] = Field(
+        "serve", description="after the last update (trainer.total_steps): `serve` keeps serving the last served "
+                             "policy until the process is stopped (requests recorded, feedback accepted and kept for "
+                             "a later --resume with more steps, rollbacks done; nothing trains); `stop` shuts the "
+                             "gateway down")
     gate: GatewayGateConfig = Field(default_factory=GatewayGateConfig, description="the evaluation gate before a "
                                     "new policy serves, and the versions kept for rollback")
 
@@ -653,11 +658,6 @@ class SftConfig(_Section):
 
 
 class McpServerConfig(_Section):
-    after_training: Literal["serve", "stop"] = Field(
-        "serve", description="after the last update (trainer.total_steps): `serve` keeps serving the last served "
-                             "policy until the process is stopped (requests recorded, feedback accepted and kept for "
-                             "a later --resume with more steps, rollbacks done; nothing trains); `stop` shuts the "
-                             "gateway down")
     """One MCP server, in the common `mcpServers` shape: a stdio `command` (+ `args`, `env`, `cwd`) that ajet
     starts, or the `url` of a streamable-HTTP server that ajet connects to (+ `headers`).
 
@@ -773,14 +773,14 @@ class AjetConfig(_Section):
         default_factory=EvalConfig, description="held-out evaluation (`ajet eval`, trainer.val_freq)")
     llm_judge: LLMJudgeConfig = Field(
         default_factory=LLMJudgeConfig, description="the LLM judge (`judge: ajet.judges.llm:LLMJudge`)")
+    reward_model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig, description="the reward-model judge's endpoint (`judge: "
+        "ajet.judges.reward_model:RewardModelJudge`)")
     agents: dict[str, AgentConfig] = Field(
         default_factory=dict, description="one LoRA adapter per agent role, on one frozen base model: `{planner: "
         "{lora: {r: 16, alpha: 32}}, solver: {lora: {r: 8}}}` (each name a `tuner.agent(...)` tag). Roles not "
         "listed (and calls made without `tuner.agent`, tag `default`) share the adapter `default`, whose settings "
         "are `model.lora` (LoRA's defaults when unset); it starts as the base model. Each role's samples form their "
-    reward_model: RewardModelConfig = Field(
-        default_factory=RewardModelConfig, description="the reward-model judge's endpoint (`judge: "
-        "ajet.judges.reward_model:RewardModelJudge`)")
         "own GRPO groups and train its adapter with its own optimizer; `algorithm.trainable_targets` still chooses "
         "which roles train. Empty: one policy for every role")
     backbone: Literal["debug", "verl", "trinity"] = Field(

@@ -233,12 +233,12 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 checkpoint.save(exp_dir, step, backbone, {
                     "step": step, "attempt": attempt, "rollout": source.state_dict(step),
                     "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
+        if hasattr(source, "serve_after_training"):   # the gateway keeps serving its last policy until stopped
+            source.serve_after_training()
     finally:
         source.close()
         if ctx.tools is not None:
             ctx.tools.stop()
-        if hasattr(source, "serve_after_training"):   # the gateway keeps serving its last policy until stopped
-            source.serve_after_training()
         proxy.stop()
         backbone.close()
         store.close()
