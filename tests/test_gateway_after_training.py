@@ -2,7 +2,8 @@
 
 One gateway runs `trainer.total_steps: 1`: two rated sessions train the one update, then the gateway keeps
 serving (`gateway.after_training: serve`, the default): requests are answered by version 1 and recorded,
-feedback on them is accepted, a rollback is still done, and SIGTERM stops it cleanly. Its folder then holds two
+feedback on them is accepted, a rollback is still done, and SIGTERM stops it cleanly; a copy of its folder
+resumed with `--steps 2` trains the sessions rated after training at step 2. Its folder then holds two
 trained sessions (trajectories.sqlite) and two sessions rated after training (gateway.sqlite only): `ajet sft
 --from` and `ajet export --format hf` read all four, with the tokens each session's recorded call holds in
 gateway.sqlite (read here with plain SQL)."""
@@ -10,6 +11,7 @@ gateway.sqlite (read here with plain SQL)."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sqlite3
 import textwrap
@@ -126,3 +128,16 @@ def test_export_of_a_gateway_folder_reads_back_with_datasets(served):
     # the sessions no update took come after the trained ones, marked step 0
     steps = dict(zip(ds["episode_id"], ds["step"]))
     assert [steps[s] for s in served["trained"]] == [1, 1] and [steps[s] for s in served["after"]] == [0, 0]
+
+
+def test_resume_with_more_steps_trains_the_sessions_rated_after_training(served, tmp_path):
+    exp = tmp_path / "exp"
+    shutil.copytree(served["exp"], exp)
+    g = Gateway(served["tmp"] / "conf.yaml", exp, "--resume", "--steps", "2")
+    try:
+        g.wait_for(lambda: sum("training done" in line for line in g.lines) == 1)
+    finally:
+        g.stop()
+    with sqlite3.connect(exp / "trajectories.sqlite") as db:
+        by_step = {s: {e for (e,) in db.execute("SELECT episode_id FROM trained WHERE step = ?", (s,))} for s in (1, 2)}
+    assert by_step == {1: set(served["trained"]), 2: set(served["after"])}
