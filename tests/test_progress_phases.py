@@ -22,6 +22,7 @@ from rich.console import Console
 
 import ajet.progress
 from ajet.progress import Phase, Reporter
+from tests.test_gateway import gw  # noqa: F401 - the served gateway fixture
 
 TASKS = Path(__file__).resolve().parent.parent / "tutorial" / "example_swe_tasks"
 
@@ -179,6 +180,57 @@ def test_serve_shows_the_episodes_in_flight_per_client(monkeypatch):
             q.begin(f"c{i}")
         assert bar.fields["per client"] == "c0 2, alice 1, c1 1, c2 1, c3 1, +2 more", bar.fields
         assert bar.fields["in flight"] == 8
+
+
+def test_a_gateway_step_shows_the_sessions_it_waits_for(gw, monkeypatch):
+    """While a gateway step waits for rated sessions (a real session book and app over HTTP), its phase shows the
+    sessions open, awaiting feedback (closed, not rated) and rated of the 2 it needs, as they change."""
+    import openai
+    from types import SimpleNamespace
+
+    import httpx
+
+    from ajet.gateway.source import GatewaySource
+    from tests.test_gateway import SECRET, _chat
+
+    url, book, clock = gw
+    rec = _record(monkeypatch)
+    recorded = []
+    ctx = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(num_repeat=2),
+                                              trainer=SimpleNamespace(tasks_per_step=1)),
+                          attempt=0, record=lambda step, ep: recorded.append(ep.episode_id))
+    source = GatewaySource(ctx, None, None)
+    source.book = book
+    client = openai.OpenAI(base_url=url + "/v1", api_key=SECRET, max_retries=0)
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=60)
+
+    def shown(bar, **want) -> dict:
+        """The phase's fields once they equal `want` (bounded wait: the step looks every TICK_S)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and {k: bar.fields.get(k) for k in want} != want:
+            time.sleep(0.05)
+        return {k: bar.fields.get(k) for k in want}
+
+    with ajet.progress.phase("step 1/1 rollout", 2) as bar:
+        taken = []
+        step = threading.Thread(target=lambda: taken.extend(source.collect(1)), daemon=True)
+        step.start()
+        _, ha = _chat(client, [{"role": "user", "content": "First conversation."}])
+        _, hb = _chat(client, [{"role": "user", "content": "Second conversation."}])
+        a, b = ha["x-ajet-session"], hb["x-ajet-session"]
+        want = {"sessions open": 2, "awaiting feedback": 0, "rated": "0/2"}
+        assert shown(bar, **want) == want
+        assert http.post(f"/v1/sessions/{a}/close").status_code == 200
+        want = {"sessions open": 1, "awaiting feedback": 1, "rated": "0/2"}
+        assert shown(bar, **want) == want
+        assert http.post("/v1/feedback", json={"session_id": a, "reward": 1.0}).status_code == 200
+        want = {"sessions open": 1, "awaiting feedback": 0, "rated": "1/2"}
+        assert shown(bar, **want) == want
+        assert step.is_alive()                                 # one rated session is not yet a step
+        http.post("/v1/feedback", json={"session_id": b, "reward": 0.0})
+        http.post(f"/v1/sessions/{b}/close")
+        step.join(60)
+    assert not step.is_alive() and sorted(recorded) == sorted([a, b])
 
 
 def test_gateway_quiet_prints_its_address_and_the_step_lines_only(tmp_path, tiny_model_dir):
