@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from rich.console import Console
 
@@ -185,10 +186,8 @@ def test_serve_shows_the_episodes_in_flight_per_client(monkeypatch):
 def test_a_gateway_step_shows_the_sessions_it_waits_for(gw, monkeypatch):
     """While a gateway step waits for rated sessions (a real session book and app over HTTP), its phase shows the
     sessions open, awaiting feedback (closed, not rated) and rated of the 2 it needs, as they change."""
-    import openai
-    from types import SimpleNamespace
-
     import httpx
+    import openai
 
     from ajet.gateway.source import GatewaySource
     from tests.test_gateway import SECRET, _chat
