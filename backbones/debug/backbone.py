@@ -59,6 +59,8 @@ class DebugBackbone:
         elif cfg.model.lora is not None:
             self.model = _with_lora(self.model, cfg.model.lora)
         self.model.config.use_cache = True
+        if cfg.model.gradient_checkpointing:   # the update recomputes each layer: same gradients, less memory
+            enable_activation_checkpointing(self.model)
         self.device = next(self.model.parameters()).device
         self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
         alg = cfg.algorithm
@@ -486,6 +488,23 @@ def engine_for(model, tokenizer, cfg: AjetConfig, adapter_for=None) -> HFEngine:
                       max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode, adapter_for=adapter_for)
     engine.seed(cfg.trainer.seed)
     return engine
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Checkpoint every decoder layer of `model` in training mode (transformers' activation checkpointing, the
+    non-reentrant `torch.utils.checkpoint`): a training forward keeps only each layer's input, `[batch, seq,
+    hidden]`, and the backward recomputes the layer's activations from it. The recomputation runs the same
+    operations on the same inputs, so losses and gradients are bit-identical to a forward that keeps every
+    activation; the cost is one more forward of the body per backward. The engine's generation (eval mode,
+    no gradient) is unaffected. A PEFT-wrapped model is enabled through its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):      # transformers >= 5.2x
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "enable_input_require_grads") and base is not model:
+        model.enable_input_require_grads()   # frozen embeddings (LoRA): the checkpointed layers still get a grad path
 
 
 def _with_lora(model, lora):
