@@ -288,3 +288,21 @@ def test_verl_and_trinity_refuse_agents(backbone):
         check_supported(cfg, backbone)
     check_supported(cfg, "debug")
     check_supported(AjetConfig(workflow="x:y", data={"train_path": "x"}), backbone)   # no agents: fine
+
+
+def test_the_tutorial_comparison_differs_only_in_the_adapters():
+    """guessing_game_adapters.yaml (an adapter per role) and guessing_game_shared.yaml (one adapter for both) run
+    the same steps, seed, sampling and learning rate, per-role GRPO groups in both."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "tutorial" / "example_guessing_game"
+    roles, shared = (load_config(folder / f"guessing_game_{v}.yaml") for v in ("adapters", "shared"))
+    assert sorted(roles.agents) == ["describer", "guesser"] and roles.model.lora is None
+    assert not shared.agents and shared.model.lora == roles.agents["guesser"].lora == roles.agents["describer"].lora
+    assert shared.algorithm.group_by_agent_tag                    # agents: implies it
+    for section in ("rollout", "trainer", "data", "eval"):
+        a, b = getattr(roles, section).model_dump(), getattr(shared, section).model_dump()
+        assert a == b, section
+    assert roles.algorithm.model_dump(exclude={"group_by_agent_tag"}) == \
+        shared.algorithm.model_dump(exclude={"group_by_agent_tag"})
+    check_supported(roles, "debug")
