@@ -163,3 +163,23 @@ def test_is_weight_mean_and_capped_frac_are_means_over_the_trained_tokens(tiny_m
     assert out["optimizer_steps"] == (1.0 if not steps else 2.0)
     assert out["is_weight_mean"] == pytest.approx(1.5, abs=1e-4)
     assert out["is_capped_frac"] == pytest.approx(0.375, abs=1e-6)
+
+
+def test_an_update_frees_the_prefix_cache_it_makes_stale_and_only_such_an_update(backbone):
+    import asyncio
+
+    from ajet.llm_call import SamplingParams
+
+    async def generate():
+        return await backbone.engine.generate([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=3))
+
+    asyncio.run(generate())
+    cache = backbone.engine.prefix_cache
+    assert len(cache) > 0 and cache.nbytes > 0
+    held = len(cache)
+    assert backbone.update([_sample("c", [5, 6], [7], [0], adv=1.0)]) == {"update_s": 0.0, "optimizer_steps": 0.0}
+    assert len(cache) == held                       # no loss token: nothing trained, the entries stay valid
+    v0 = backbone.engine.policy_version
+    backbone.update([_sample("d", [5, 6, 7], [8, 9], [1, 1], adv=1.0)])
+    assert backbone.engine.policy_version == v0 + 1
+    assert len(cache) == 0 and cache.nbytes == 0    # every entry was the old weights': freed before training

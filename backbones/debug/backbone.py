@@ -116,6 +116,9 @@ class DebugBackbone:
                             if isinstance(self.teacher, RemoteTeacher) else None)
         try:
             with self.engine.weights_lock:   # every adapter moves between the same two decode steps
+                # every stored prefix was computed by the weights this update replaces, so none is reused after it
+                # (the cache skips other versions' entries): free their memory (up to its budget) before training
+                self.engine.prefix_cache.clear()
                 out = self._update_roles(trainable) if self.adapters else self._ppo_update(trainable)
                 self.engine.policy_version += 1
         finally:
