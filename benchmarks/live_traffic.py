@@ -20,6 +20,7 @@ that no answer is ever sampled from it.
 
     python benchmarks/live_traffic.py [--minutes 30] [--users 8] [--delay-scale 1] [--harmful]
     python benchmarks/live_traffic.py --minutes 3 --delay-scale 0.1          # a short smoke run
+    python benchmarks/live_traffic.py --harmful --until-gate 1 ...           # until the gate has decided once
 
 After `--minutes` no new conversation starts; those in flight finish, feedback not yet due is not sent, and the
 gateway is killed with SIGKILL. The figures then come from the clients' own records and the gateway's
@@ -142,14 +143,28 @@ class Population:
         self.http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=900)
         users = [asyncio.create_task(self.user(u, stream=u < round(self.args.users * self.args.stream_frac)))
                  for u in range(self.args.users)]
+        if self.args.until_gate:
+            users.append(asyncio.create_task(self.wait_for_gate()))
         await asyncio.gather(*users)
         for task in list(self.pending):        # feedback not yet due when the time is up: not sent
             task.cancel()
         await asyncio.gather(*self.pending, return_exceptions=True)
         await self.http.aclose()
 
+    async def wait_for_gate(self) -> None:
+        """`--until-gate N`: keep the traffic going past `--minutes` until the gate has decided N updates
+        (GET /v1/admin/versions), at most until `--max-minutes`."""
+        cap = self.t0 + self.args.max_minutes * 60
+        while time.time() < cap:
+            await asyncio.sleep(10)
+            r = await self.http.get("/v1/admin/versions")
+            if r.status_code == 200 and len(r.json().get("gate", [])) >= self.args.until_gate:
+                return
+            self.end = max(self.end, min(cap, time.time() + 30))
+
     async def user(self, u: int, stream: bool) -> None:
-        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=SECRET, max_retries=0, timeout=900)
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=SECRET, max_retries=0,
+                                    timeout=self.args.client_timeout)
         while time.time() < self.end:
             task = self.rng.choice(self.tasks)
             silent = self.rng.random() < self.args.silent_frac
@@ -365,6 +380,11 @@ def main() -> int:
     p.add_argument("--gate-metric", default="reward_mean")
     p.add_argument("--gate-tasks", type=int, default=32, help="held-out problems the gate evaluates")
     p.add_argument("--max-drop", type=float, default=0.1)
+    p.add_argument("--until-gate", type=int, default=0, metavar="N",
+                   help="go on past --minutes until the gate has decided N updates (at most --max-minutes)")
+    p.add_argument("--max-minutes", type=float, default=60.0, help="the cap of --until-gate")
+    p.add_argument("--client-timeout", type=float, default=900.0,
+                   help="seconds a model call may take before its client gives up (a failed request)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="the gateway's OMP_NUM_THREADS (torch's CPU threads): 1 "
                                                            "decodes faster than 2 on a machine loaded by other jobs")
