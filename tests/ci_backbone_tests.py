@@ -1,8 +1,8 @@
 """Where the tests that use a backbone venv run (a pytest plugin, registered by tests/conftest.py).
 
-Those tests (their module imports `venv_python`: tests/test_backbone_conformance.py, tests/test_verl_cpu_train.py)
-run verl and Trinity in their own venvs and Ray workers: the slowest tests of the suite, and the only ones that
-need the venvs that CI builds while the suite runs. So:
+Those tests (their module imports `venv_python`: tests/test_backbone_conformance.py, tests/test_verl_cpu_train.py,
+tests/test_backbone_main_job.py) run verl and Trinity in their own venvs and Ray workers: the slowest tests of the
+suite, and the only ones that need the venvs that CI builds while the suite runs. So:
 
 - by default they run last, in their order (a test waits for a venv still being built, see
   tests/backbone_conformance/venvs.py);

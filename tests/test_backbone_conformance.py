@@ -377,6 +377,8 @@ def test_agg_loss_equals_verls_own_with_fully_masked_rows():
 
 
 TRINITY_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# the modes trained on 2 ranks too: loss tokens (token-mean) and rows (seq-mean-*: the padding row must not count)
+DP_MODES = ["token-mean", "seq-mean-token-mean"]
 
 
 def _main_job_lr() -> float:
@@ -409,7 +411,10 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
     backbone's at the same horizon (pinned), and the debug run of the weights uses the horizon / rows. No gradient
     clipping on either side (max_grad_norm 1e6): clipping is torch's `clip_grad_norm_` on both. The shared modes run
     again with the batch split into >= 3 micro-batches: verl sums their losses, so each must be scaled to its share
-    of the step (`backbones/trinity/loss.py`), else the gradient is ~3x the debug backbone's.
+    of the step (`backbones/trinity/loss.py`), else the gradient is ~3x the debug backbone's. Data parallel: token-mean
+    and seq-mean-token-mean on 2 FSDP ranks (`trinity: {cluster: {gpu_per_node: 2}}`: 2 Ray workers, gloo) train an
+    odd number of rows (one all-masked padding row) to the gradient of 1 rank within GRAD_REL, and to the debug
+    backbone's first update within its bounds (a padding row counted as a row moves seq-mean-token-mean by 1/rows).
     """
     py = venv_python("trinity")
     from ajet.backbones.debug.backbone import DebugBackbone
@@ -423,8 +428,12 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in rows]
     micro = max(max(lengths), sum(lengths) // 3)            # >= 3 micro-batches of whole rows (verl's packing)
     runs = [[m, None] for m in TRINITY_MODES] + [[m, micro] for m in TRINITY_MODES[:3]]
+    # data parallel: 1 and 2 FSDP ranks (2 Ray workers, gloo) on an odd number of rows (one padding row), 1 update
+    odd = len(rows) - 1
+    assert odd % 2 == 1
+    dp_runs = [[m, None, {"rows": odd, "steps": 1, "world_size": w}] for m in DP_MODES for w in (1, 2)]
     inp.write_text(json.dumps({"model_dir": tiny_model_dir, "exp_dir": str(tmp_path / "exp"), "samples": d["samples"],
-                               "runs": runs, "lr": lr, "steps": 3, **CLIP, "max_grad_norm": 1e6}))
+                               "runs": runs + dp_runs, "lr": lr, "steps": 3, **CLIP, "max_grad_norm": 1e6}))
     proc = subprocess.run([py, str(CHECKS / "trinity_update.py"), str(inp), str(out)], capture_output=True, text=True,
                           timeout=1800, cwd=ROOT)       # a bound, not a speed target: 900 s ran out at load ~20
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -438,7 +447,7 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
                        "clip_ratio_low": CLIP["clip_ratio_low"], "clip_ratio_high": CLIP["clip_ratio_high"],
                        "clip_ratio_c": CLIP["clip_ratio_c"]}))
 
-    def reference(mode):                                   # the debug backbone's gradients and weights
+    def reference(mode, rows=rows):                        # the debug backbone's gradients and weights
         norm = mode == "seq-mean-token-sum-norm"
         bb = debug(mode, None)
         bb.optimizer.zero_grad(set_to_none=True)
@@ -492,6 +501,20 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
         if tokens is not None:     # the step really ran as several micro-batches, each scaled to its share
             share = trinity[key]["metrics"][0]["actor/micro_batch_share"]
             assert 0 < share < 0.6, (key, share)
+    # 2 ranks train the odd batch (padded by one all-masked row) as 1 rank does, and as the debug backbone
+    for mode in DP_MODES:
+        ref = reference(mode, rows[:odd])
+        one, two = (trinity[f"{mode}@None/rows{odd}/dp{w}"] for w in (1, 2))
+        m = {"grad_rel_2_vs_1": _rel_l2(two["grads"], one["grads"]), "grad_rel": _rel_l2(two["grads"], ref["grads"]),
+             "adam_rel": first_update_rel(two["grads"], ref["stepped"], lr, ref["eps"], 1e6),
+             "weight_rel_1": _rel_l2({k: two["weights_1"][k] - ref["initial"][k] for k in ref["weights"]},
+                                     {k: ref["weights_1"][k] - ref["initial"][k] for k in ref["weights"]})}
+        print(f"{mode} on {odd} rows, 2 ranks: vs 1 rank {m['grad_rel_2_vs_1']:.2e}, grads vs debug "
+              f"{m['grad_rel']:.2e}, weights after 1 {m['weight_rel_1']:.3e} (AdamW of the gradients "
+              f"{m['adam_rel']:.3e})")
+        assert m["grad_rel_2_vs_1"] < GRAD_REL and m["grad_rel"] < GRAD_REL, (mode, m)
+        assert abs(m["weight_rel_1"] - m["adam_rel"]) <= STEP1_REL * m["adam_rel"] + STEP1_ABS, (mode, m)
+        assert [s["optimizer_steps"] for s in two["metrics"]] == [1.0]
     # the modes really differ on this batch (else the test could not tell them apart)
     g = [torch.cat([v.flatten() for v in trinity[f"{m}@None"]["grads"].values()]) for m in TRINITY_MODES[:3]]
     assert float((g[0] - g[1]).norm()) > 1e-3 * float(g[0].norm()) and float((g[0] - g[2]).norm()) > 1e-3 * float(
@@ -500,11 +523,12 @@ def test_trinity_update_equals_the_debug_backbones(recorded, tiny_model_dir, tmp
 
 TRINITY_CONFIG_CHECK = """
 import sys
-from ajet.backbones.trinity.config import trinity_config
+from ajet.backbones.trinity.config import trinity_config, world_size_of
 from ajet.config import load_config
 from ajet.errors import ConfigError
 try:
-    c = trinity_config(load_config(sys.argv[1]), "MODEL", "/tmp/ckpt", on_cpu=True)
+    cfg = load_config(sys.argv[1])
+    c = trinity_config(cfg, "MODEL", "/tmp/ckpt", world_size_of(cfg, on_cpu=True), on_cpu=True)
 except ConfigError as exc:
     print("ConfigError:", exc)
     sys.exit(0)
@@ -525,6 +549,9 @@ print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_ar
     ("algorithm: {loss_agg_mode: seq-mean-token-sum-norm, micro_batch_tokens: 4096}\n",
      "ConfigError: algorithm.micro_batch_tokens with loss_agg_mode seq-mean-token-sum-norm"),
     ("algorithm: {micro_batch_tokens: 1024}\n", "ConfigError: algorithm.micro_batch_tokens=1024 < model.max_model_len"),
+    ("algorithm: {loss_agg_mode: seq-mean-token-sum-norm}\ntrinity: {cluster: {gpu_per_node: 2}}\n",
+     "ConfigError: loss_agg_mode seq-mean-token-sum-norm with 2 Trinity ranks"),
+    ("trinity: {cluster: {node_num: 2, gpu_per_node: 1}}\n", "ConfigError: `trinity.cluster.node_num: 2` on a machine"),
 ])
 def test_the_trinity_block_reaches_trinitys_config(tmp_path, extra, expected):
     """ajet's keys and the `trinity:` block compose into Trinity's own typed Config (its validators run, in the

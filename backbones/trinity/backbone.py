@@ -17,8 +17,8 @@ weight sync the way Trinity's explorer does with `sync_method: memory`.
 
 On a machine without CUDA the worker group runs on a local Ray cluster with logical GPU slots and the
 verl changes of `backbones/trinity/cpu.py` (gloo, a CPU engine registration, pure-torch padding helpers,
-fp32, sdpa attention, FSDP2). On CUDA the same code trains on GPUs; generation stays ajet's engine (Trinity's
-vLLM explorer is not used).
+fp32, sdpa attention, FSDP2), one Ray worker per FSDP rank (`trinity: {cluster: {gpu_per_node: N}}`). On CUDA
+the same code trains on GPUs; generation stays ajet's engine (Trinity's vLLM explorer is not used).
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ class TrinityBackbone:
     """`Backbone` whose update is Trinity-RFT's `VERLTrainer.train_step` (see the module docstring).
 
     Args:
-        cfg: the experiment config; `cfg.trinity` is merged into Trinity's config (`backbones/trinity/config.py`).
+        cfg: the experiment config; `cfg.trinity` is merged into Trinity's config (`backbones/trinity/config.py`);
+            Trinity's `cluster.gpu_per_node` there (default 1) is the number of FSDP ranks (data parallel; on CPU
+            one Ray worker process each, gloo). Each step's rows are padded to a multiple of it
+            (`pad_experiences`).
     Raises:
         ConfigError: an ajet setting this backbone cannot honour, or a `trinity:` key Trinity's config lacks.
         BackboneUnavailable: Ray could not start Trinity's workers.
@@ -48,14 +51,14 @@ class TrinityBackbone:
         import ray
         from trinity.manager.synchronizer import Synchronizer
 
-        from ajet.backbones.trinity.config import trinity_config
+        from ajet.backbones.trinity.config import trinity_config, world_size_of
         from ajet.backbones.trinity.cpu import WORKER_SETUP_HOOK, patch_verl_for_cpu, ray_init_kwargs
         from ajet.errors import BackboneUnavailable
         from ajet.model import resolve_model_path
 
         self.cfg = cfg
         self.on_cpu = not torch.cuda.is_available()
-        self.world_size = 1
+        self.world_size = world_size_of(cfg, self.on_cpu)   # FSDP ranks: `trinity: {cluster: {gpu_per_node: N}}`
         path = str(resolve_model_path(cfg.model.path))
         self.model, self.tokenizer, self.engine = _explorer_engine(cfg, path)
         exp_dir = Path(cfg.trainer.exp_dir) if cfg.trainer.exp_dir else Path(".")
@@ -83,6 +86,9 @@ class TrinityBackbone:
         try:
             self.trainer = VERLTrainer(self.config)
             self._run(self.trainer.prepare())
+            self._real_rows = 0
+            self.trainer.actor_rollout_wg.update_actor = _counting_real_rows(self.trainer.actor_rollout_wg.update_actor,
+                                                                             self)
         except ray.exceptions.RayError as exc:   # e.g. a worker killed by Ray's memory monitor
             self.close()
             raise BackboneUnavailable(f"Trinity's trainer workers failed to start: {str(exc).splitlines()[0]}") \
@@ -113,9 +119,10 @@ class TrinityBackbone:
         if not trainable:
             return {"optimizer_steps": 0.0}
         t0 = time.perf_counter()
-        exps = to_experiences(trainable)
+        exps = pad_experiences(to_experiences(trainable), self.world_size)
         # verl 0.8 splits the rows into mini-batches of exactly this many rows: all of them = one optimizer step
         self.trainer.config.actor.ppo_mini_batch_size = len(exps)
+        self._real_rows = len(trainable)
         self.trainer.global_config.model.temperature = batch_temperature(trainable)
         try:
             metrics = self._run(self.trainer.train_step(exps))
@@ -174,6 +181,40 @@ class TrinityBackbone:
         self.engine.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         ray.shutdown()
+
+
+def pad_experiences(exps: list, multiple: int) -> list:
+    """`exps` plus copies of the first with an all-False `action_mask` (advantages and logprobs 0) up to a multiple
+    of `multiple` rows: verl 0.8 splits a step evenly over the data-parallel ranks and asserts that the mini-batch
+    divides by their number. A padding row adds 0 to the loss, to its gradient and to verl's loss-token count
+    (`batch_num_tokens`); the `seq-mean-*` modes' row count is kept to the real rows by `_counting_real_rows`."""
+    import copy
+
+    import torch
+
+    pad = (-len(exps)) % multiple
+    blank = copy.deepcopy(exps[0])
+    blank.action_mask = torch.zeros_like(blank.action_mask)
+    blank.advantages = torch.zeros_like(blank.advantages)
+    blank.logprobs = torch.zeros_like(blank.logprobs)
+    blank.info = {**blank.info, "episode_id": "_pad"}
+    return exps + [copy.deepcopy(blank) for _ in range(pad)]
+
+
+def _counting_real_rows(update_actor, backbone: TrinityBackbone):
+    """Trinity's `actor_rollout_wg.update_actor` (the worker group's dispatch, driver side) with the step's
+    `global_batch_size` set to its rows without padding (`backbone._real_rows`). Trinity's `_update_actor` passes
+    the mini-batch size (padded rows) there; its seq-mean losses average over a micro-batch's rows, padding rows
+    included as 0, and `MicroBatchShareLoss` scales each micro-batch by `rows * dp_size / global_batch_size`
+    (backbones/trinity/loss.py): with the real row count the step's loss is the mean over the real rows."""
+    from verl.utils import tensordict_utils as tu
+
+    def update(data, *args, **kwargs):
+        if backbone._real_rows:
+            tu.assign_non_tensor(data, global_batch_size=backbone._real_rows)
+        return update_actor(data, *args, **kwargs)
+
+    return update
 
 
 class _ExplorerHandle:

@@ -37,6 +37,11 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
     # micro-batches of micro_batch_tokens, each loss scaled to its share of the step (backbones/trinity/loss.py);
     # seq-mean-token-sum-norm divides by each micro-batch's padded width, which no share undoes: one per step
     tokens = a.micro_batch_tokens
+    if a.loss_agg_mode == "seq-mean-token-sum-norm" and world_size > 1:
+        raise ConfigError(f"loss_agg_mode seq-mean-token-sum-norm with {world_size} Trinity ranks (`trinity.cluster`): "
+                          f"Trinity divides each rank's micro-batch by its own padded width, so the ranks would "
+                          f"weigh the rows differently from one rank; train it on one rank or pick another "
+                          f"loss_agg_mode")
     if a.loss_agg_mode == "seq-mean-token-sum-norm":
         if "micro_batch_tokens" in a.model_fields_set:
             raise ConfigError("algorithm.micro_batch_tokens with loss_agg_mode seq-mean-token-sum-norm: Trinity "
@@ -124,6 +129,27 @@ def trinity_config(cfg: AjetConfig, model_path: str, checkpoint_root: str, world
         return config.check_and_update()
     except ValueError as exc:
         raise ConfigError(f"Trinity refused the config: {exc}") from exc
+
+
+def world_size_of(cfg: AjetConfig, on_cpu: bool) -> int:
+    """The number of FSDP ranks Trinity's trainer runs (data parallel): Trinity's own keys in the `trinity:` block,
+    `cluster.node_num` x `cluster.gpu_per_node` (default 1 x 1). On CPU each rank is a process of the local Ray
+    cluster (gloo), e.g. `trinity: {cluster: {gpu_per_node: 2}}` for 2 ranks.
+
+    Raises:
+        ConfigError: a count below 1 or not an integer, or several nodes on CPU (the CPU trainer's Ray cluster is
+            this machine).
+    """
+    cluster = _nested(cfg.trinity or {}).get("cluster", {}) if isinstance(cfg.trinity, dict) else {}
+    nodes, per_node = cluster.get("node_num", 1), cluster.get("gpu_per_node", 1)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (nodes, per_node)):
+        raise ConfigError(f"`trinity.cluster`: node_num ({nodes!r}) and gpu_per_node ({per_node!r}) must be integers "
+                          f">= 1 (the trinity backbone's FSDP ranks)")
+    if on_cpu and nodes != 1:
+        raise ConfigError(f"`trinity.cluster.node_num: {nodes}` on a machine without CUDA: the trinity backbone "
+                          f"trains on this machine's local Ray cluster; set node_num: 1 and gpu_per_node: N for N "
+                          f"ranks")
+    return nodes * per_node
 
 
 def _nested(tree: dict[str, Any]) -> dict[str, Any]:

@@ -7,8 +7,10 @@ Trinity's Synchronizer).
     .venvs/trinity/bin/python tests/backbone_conformance/trinity_update.py IN.json OUT.pt
 
 IN.json: {"model_dir", "exp_dir", "samples", "runs", "lr", "steps", "clip_ratio_low", "clip_ratio_high",
-"clip_ratio_c"}; "runs": [[loss_agg_mode, micro_batch_tokens or null (the whole batch in one micro-batch)], ...].
-OUT.pt: {"MODE@TOKENS": {"grads": {name: tensor}, "weights_1": {name: tensor} (after the first update),
+"clip_ratio_c"}; "runs": [[loss_agg_mode, micro_batch_tokens or null (the whole batch in one micro-batch)
+(, {"rows": the first N samples only, "steps": updates instead of "steps", "world_size": FSDP ranks})], ...].
+The runs of one world size share one backbone (`trinity: {cluster: {gpu_per_node: N}}`), one after the other.
+OUT.pt: {run_key(run): {"grads": {name: tensor}, "weights_1": {name: tensor} (after the first update),
 "weights": {name: tensor} (after the last), "metrics": [dict per step]}}.
 """
 
@@ -22,9 +24,17 @@ from pathlib import Path
 import torch
 
 
+def run_key(run: list) -> str:
+    """"MODE@TOKENS", plus "/rowsN/dpW" for a run with options."""
+    mode, tokens, *opts = run
+    o = opts[0] if opts else {}
+    return f"{mode}@{tokens}" + (f"/rows{o.get('rows')}/dp{o.get('world_size', 1)}" if o else "")
+
+
 def capture_grads(backbone) -> None:
-    """Make the FSDP actor inside its Ray worker keep a copy of every parameter's `.grad` (full tensors, HF names)
-    each time its optimizer steps (verl zeroes the gradients after the step); `worker_grads` reads the copy."""
+    """Make the FSDP actor inside each Ray worker keep a copy of every parameter's `.grad` (full tensors, HF names)
+    each time its optimizer steps (verl zeroes the gradients after the step); `worker_grads` reads rank 0's copy.
+    Every rank installs it: gathering a sharded gradient (`full_tensor`) is a collective of all ranks."""
     import ray
 
     def install(worker_dict):
@@ -42,7 +52,7 @@ def capture_grads(backbone) -> None:
             opt.step = step
         return True
 
-    ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(install))
+    ray.get([w.__ray_call__.remote(install) for w in backbone.trainer.actor_rollout_wg.workers])
 
 
 def worker_grads(backbone) -> dict[str, torch.Tensor]:
@@ -65,47 +75,66 @@ def set_micro_batch_tokens(backbone, tokens: int) -> None:
         object.__setattr__(worker.actor.engine_config, "max_token_len_per_gpu", tokens)   # a frozen verl dataclass
         return True
 
-    ray.get(backbone.trainer.actor_rollout_wg.workers[0].__ray_call__.remote(put))
+    ray.get([w.__ray_call__.remote(put) for w in backbone.trainer.actor_rollout_wg.workers])
 
 
 def main(inp: str, out: str) -> None:
+    d = json.load(open(inp))
+    res = {}
+    by_world: dict[int, list] = {}
+    for run in d["runs"]:
+        by_world.setdefault((run[2] if len(run) > 2 else {}).get("world_size", 1), []).append(run)
+    for world_size, runs in by_world.items():
+        res.update(train(d, runs, world_size))
+    torch.save(res, out)
+
+
+def train(d: dict, runs: list, world_size: int) -> dict:
+    """The `runs` on one backbone of `world_size` FSDP ranks, each from the initial weights."""
+    import ray
+
     from ajet.backbones.trinity import TrinityBackbone
     from ajet.config import AjetConfig
     from ajet.tracker.sample import Sample
 
-    d = json.load(open(inp))
     samples = [Sample(**s) for s in d["samples"]]
-    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, trainer={"exp_dir": d["exp_dir"]},
+    exp_dir = Path(d["exp_dir"]) / f"dp{world_size}"
+    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, trainer={"exp_dir": str(exp_dir)},
                      model={"path": d["model_dir"], "device": "cpu", "max_model_len": 1024},
-                     algorithm={"lr": d["lr"], "loss_agg_mode": d["runs"][0][0], "max_grad_norm": d["max_grad_norm"],
+                     algorithm={"lr": d["lr"], "loss_agg_mode": runs[0][0], "max_grad_norm": d["max_grad_norm"],
                                 "clip_ratio_low": d["clip_ratio_low"],
-                                "clip_ratio_high": d["clip_ratio_high"], "clip_ratio_c": d["clip_ratio_c"]})
+                                "clip_ratio_high": d["clip_ratio_high"], "clip_ratio_c": d["clip_ratio_c"]},
+                     trinity={"cluster": {"gpu_per_node": world_size}})
     bb = TrinityBackbone(cfg)
-    init = Path(d["exp_dir"]) / "init"
+    assert len(bb.trainer.actor_rollout_wg.workers) == world_size
+    init = exp_dir / "init"
     bb.save_checkpoint(init)
     capture_grads(bb)
     res = {}
     try:
-        whole = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        for mode, tokens in d["runs"]:
+        for run in runs:
+            mode, tokens, *opts = run
+            o = opts[0] if opts else {}
+            rows = samples[:o.get("rows", len(samples))]
             bb.load_checkpoint(init)
-            set_micro_batch_tokens(bb, tokens or whole)
+            set_micro_batch_tokens(bb, tokens or sum(len(s.prompt_ids) + len(s.response_ids) for s in rows))
             algo = copy.deepcopy(bb.config.algorithm)        # Trinity's own way to set the loss on its workers
             algo.loss_agg_mode = mode
             algo.policy_loss_fn_args = {**algo.policy_loss_fn_args, "loss_agg_mode": mode}
             bb.trainer.actor_rollout_wg.set_trinity_config(algo_config=algo, rollout_engine_type="vllm",
                                                            ray_namespace=bb.config.ray_namespace)
             metrics, grads, weights_1 = [], None, None
-            for step in range(d["steps"]):
-                metrics.append(bb.update(samples))
+            for step in range(o.get("steps", d["steps"])):
+                metrics.append(bb.update(rows))
                 if step == 0:
                     grads = worker_grads(bb)
                     weights_1 = {k: v.detach().clone() for k, v in bb.model.state_dict().items()}
-            res[f"{mode}@{tokens}"] = {"grads": grads, "metrics": metrics, "weights_1": weights_1,
-                         "weights": {k: v.detach().clone() for k, v in bb.model.state_dict().items()}}
+            res[run_key(run)] = {"grads": grads, "metrics": metrics, "weights_1": weights_1,
+                                 "weights": {k: v.detach().clone() for k, v in bb.model.state_dict().items()}}
     finally:
         bb.close()
-    torch.save(res, out)
+    assert not ray.is_initialized()
+    return res
 
 
 if __name__ == "__main__":
