@@ -386,8 +386,7 @@ def main() -> int:
     p.add_argument("--client-timeout", type=float, default=900.0,
                    help="seconds a model call may take before its client gives up (a failed request)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="the gateway's OMP_NUM_THREADS (torch's CPU threads): 1 "
-                                                           "decodes faster than 2 on a machine loaded by other jobs")
+    p.add_argument("--threads", type=int, default=1, help="the gateway's OMP_NUM_THREADS (torch's CPU threads)")
     p.add_argument("--run-dir", help="keep the gateway's config, log and experiment folder here")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
