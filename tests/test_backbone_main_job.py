@@ -158,6 +158,8 @@ def check_against_debug(exp: Path, debug: Path) -> None:
     assert sorted(ours) == sorted(ref)                        # the same episodes, each once
     assert live_episodes(exp) == live_episodes_of(debug)
     assert all(r["error"] is None for r in ref.values())
+    # (a near tie can fall the other way when the engine batches the calls differently, which timing decides:
+    # seen once in 4 runs, docs/backbones.md; a batch-independent rollout would remove it)
     differ = [k for k in ref if ours[k]["tokens"] != ref[k]["tokens"]]
     assert not differ, f"{len(differ)} of {len(ref)} episodes sampled other tokens, e.g. {differ[:3]}"
     assert {k: v["reward"] for k, v in ours.items()} == {k: v["reward"] for k, v in ref.items()}
