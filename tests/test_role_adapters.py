@@ -21,6 +21,7 @@ from ajet.engine import reset_calling_agent, set_calling_agent  # noqa: E402
 from ajet.errors import ConfigError  # noqa: E402
 from ajet.llm_call import SamplingParams  # noqa: E402
 from ajet.tracker.sample import Sample  # noqa: E402
+from tests.test_trainable_targets import WORKFLOW  # noqa: E402  (planner/solver: two agents, one sample each)
 
 AGENTS = {"planner": {"lora": {"r": 4, "alpha": 8}}, "solver": {"lora": {"r": 2, "target_modules": ["q_proj"]}}}
 
@@ -219,23 +220,6 @@ def test_the_proxy_routes_each_agent_to_its_adapter_in_the_remote_engine_model(t
     finally:
         proxy.stop()
         server.stop()
-
-
-WORKFLOW = '''
-from ajet.workflow import Workflow, WorkflowOutput
-
-
-class PlannerSolver(Workflow):
-    async def execute(self, task, tuner):
-        planner, solver = tuner.agent("planner"), tuner.agent("solver")
-        plan = await planner.client.chat.completions.create(
-            model=tuner.model, messages=[{"role": "user", "content": "Plan: " + task.query}])
-        answer = await solver.client.chat.completions.create(model=tuner.model, messages=[
-            {"role": "system", "content": plan.choices[0].message.content or ""},
-            {"role": "user", "content": task.query}])
-        text = answer.choices[0].message.content or ""
-        return WorkflowOutput(reward=float(len(text) % 3), final_answer=text)
-'''
 
 
 def test_a_two_agent_run_trains_an_adapter_per_role_and_logs_per_role_figures(tiny_model_dir, tmp_path):
