@@ -34,6 +34,7 @@ import yaml
 
 from ajet.trajectory_store import TrajectoryStore
 from tests.backbone_conformance.venvs import ROOT, venv_python
+from tests.test_verl_cpu_train import assert_verl_checkpoint_merges_to_served_weights
 
 TUTORIAL = ROOT / "tutorial" / "example_math_agent"
 OPT_IN = "AJET_BACKBONE_MAIN_JOB"     # =1 runs these tests (several minutes each; see docs/backbones.md)
@@ -187,22 +188,13 @@ def test_the_main_job_through_verl_killed_and_resumed_equals_the_debug_backbones
     killed_and_resumed(py, conf, "verl", exp)
     check_against_debug(exp, debug)
 
-    # verl's actor checkpoint -> a Hugging Face folder (verl's model_merger) that transformers loads, holding the
-    # weights ajet's engine served at that step (saved beside it as a HF folder)
+    # verl's actor checkpoint converts (verl's model_merger) to the weights ajet's engine served
     import torch
     from transformers import AutoModelForCausalLM
 
-    ckpt, hf = exp / "checkpoints" / f"step_{STEPS}", tmp_path / "merged"
-    merge = subprocess.run([py, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir",
-                            str(ckpt / "actor"), "--target_dir", str(hf)], capture_output=True, text=True,
-                           timeout=600, cwd=ROOT)
-    assert merge.returncode == 0, merge.stdout[-3000:] + merge.stderr[-3000:]
-    merged = AutoModelForCausalLM.from_pretrained(hf).state_dict()
-    served = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
+    _, served = assert_verl_checkpoint_merges_to_served_weights(py, exp / "checkpoints" / f"step_{STEPS}",
+                                                                tmp_path / "merged")
     step1 = AutoModelForCausalLM.from_pretrained(exp / "checkpoints" / "step_1").state_dict()
-    assert set(merged) == set(served)
-    for k in served:        # the merger writes verl's default bf16: the served fp32 weights, rounded to it
-        assert merged[k].dtype == torch.bfloat16 and torch.equal(merged[k], served[k].to(torch.bfloat16)), k
     assert any(not torch.equal(served[k], step1[k]) for k in served)      # the resumed run's update moved them
 
 

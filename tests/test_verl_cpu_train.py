@@ -57,19 +57,28 @@ def test_verl_on_cpu_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model_
     assert steps == [1, 2, 3]
     assert json.loads((killed / "metrics.jsonl").read_text().splitlines()[-1])["policy_version"] == 3
 
-    # verl's actor checkpoint -> a Hugging Face folder (verl's model_merger) that transformers loads, holding the
-    # weights ajet's engine served at that step (saved beside it as a HF folder)
+    _, served = assert_verl_checkpoint_merges_to_served_weights(py, straight / "checkpoints" / "step_3",
+                                                                tmp_path / "merged")
     from transformers import AutoModelForCausalLM
 
-    ckpt, hf = straight / "checkpoints" / "step_3", tmp_path / "merged"
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(served[k], initial[k]) for k in served)      # 3 updates moved the weights
+
+
+def assert_verl_checkpoint_merges_to_served_weights(py: str, ckpt, hf) -> tuple[dict, dict]:
+    """verl's actor checkpoint `ckpt/actor` -> a Hugging Face folder `hf` (verl's model_merger, run with the verl
+    venv's python `py`) that transformers loads, holding the weights ajet's engine served at that step (saved
+    beside it in `ckpt` as a HF folder), rounded to the merger's default bf16. Returns (merged, served) state
+    dicts. Raises AssertionError when the merger fails or any tensor differs."""
+    from transformers import AutoModelForCausalLM
+
     merge = subprocess.run([py, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir",
                             str(ckpt / "actor"), "--target_dir", str(hf)], capture_output=True, text=True,
-                           timeout=300, cwd=ROOT)
+                           timeout=600, cwd=ROOT)
     assert merge.returncode == 0, merge.stdout[-3000:] + merge.stderr[-3000:]
     merged = AutoModelForCausalLM.from_pretrained(hf).state_dict()
     served = AutoModelForCausalLM.from_pretrained(ckpt).state_dict()
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert set(merged) == set(served)
     for k in served:        # the merger writes verl's default bf16: the served fp32 weights, rounded to it
         assert merged[k].dtype == torch.bfloat16 and torch.equal(merged[k], served[k].to(torch.bfloat16)), k
-    assert any(not torch.equal(served[k], initial[k]) for k in served)      # 3 updates moved the weights
+    return merged, served
