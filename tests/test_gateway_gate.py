@@ -35,7 +35,10 @@ class Exact(Workflow):
         return WorkflowOutput(reward=1.0 if text == task.answer else 0.0, final_answer=text)
 '''
 
-QUERIES = ["Tom has 3 apples and buys 4 more.", "A box holds 12 pens.", "What is 7 plus 9?"]
+# 8 held-out questions: the refusal needs one greedy answer of 8 to change after the harmful update (with 3, all
+# three once stayed the same on a CI run and the update was served)
+QUERIES = ["Tom has 3 apples and buys 4 more.", "A box holds 12 pens.", "What is 7 plus 9?", "Name a colour.",
+           "How many legs has a spider?", "Spell the word cat.", "What comes after Monday?", "Is 15 odd or even?"]
 PROBE = "The quick brown fox: what is 0 plus 1?"
 MAX_TOKENS = 6
 
@@ -96,7 +99,8 @@ def test_a_harmful_update_is_refused_and_the_serving_weights_stay(tmp_path, tiny
         metrics = g.http.get("/metrics").text
     finally:
         g.stop()
-    assert decision["served"] is False and decision["candidate_version"] == 1 and decision["serving_version"] == 0
+    assert decision["served"] is False and decision["candidate_version"] == 1 and decision["serving_version"] == 0, (
+        decision, "".join(g.lines[-40:]))
     assert decision["serving_figure"] == 1.0                       # the held-out answers are its own
     assert decision["candidate_figure"] < 1.0 - 0.1, decision
     assert "below the serving policy's" in decision["reason"]
