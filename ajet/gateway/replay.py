@@ -30,14 +30,13 @@ that were served, not the candidate's.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from ajet.gateway.sessions import MAX_QUERY_CHARS, message_text
 from ajet.gateway.store import GatewayStore
 from ajet.task import Task
 from ajet.workflow import Workflow, WorkflowOutput
 
-MAX_QUERY_CHARS = 2000   # of the last user message kept as a replay task's query (as sessions.MAX_QUERY_CHARS)
 
 
 def replay_tasks(store: GatewayStore, n: int) -> list[Task]:
@@ -47,7 +46,7 @@ def replay_tasks(store: GatewayStore, n: int) -> list[Task]:
     out = []
     for session_id, reward, call in store.replay_set(n):
         messages = call.get("messages") or []
-        query = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+        query = next((message_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
         out.append(Task(task_id=f"replay-{session_id}", query=query[:MAX_QUERY_CHARS],
                         metadata={"messages": messages, "tools": call.get("tools"), "session": session_id,
                                   "recorded_reward": reward}))
@@ -68,8 +67,3 @@ class ReplayWorkflow(Workflow):
         return WorkflowOutput(reward=None, final_answer=message.content or "", metadata={"message": {
             "role": "assistant", "content": message.content, **({"tool_calls": calls} if calls else {})}})
 
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return "" if content is None else content if isinstance(content, str) else json.dumps(content)

@@ -136,7 +136,7 @@ class Session:
                 "reward": self.reward, "reward_source": self.reward_source, "comment": self.comment,
                 "dropped": self.dropped,
                 "candidates": [{"episode_id": c.episode_id, "response_id": c.response_id, "index": c.index,
-                                "score": c.score, "text": _text(c.call.response_message.get("content"))}
+                                "score": c.score, "text": message_text(c.call.response_message.get("content"))}
                                for c in self.candidates],
                 "picks": dict(self.picks)}
 
@@ -256,7 +256,8 @@ class SessionBook:
 
     def _open(self, session_id: str | None, messages: list[dict[str, Any]] | None, found_by: str) -> Session:
         sid = session_id or "s-" + secrets.token_hex(8)
-        query = next((_text(m.get("content")) for m in messages or [] if m.get("role") == "user"), "")[:MAX_QUERY_CHARS]
+        query = next((message_text(m.get("content")) for m in messages or [] if m.get("role") == "user"),
+                     "")[:MAX_QUERY_CHARS]
         self.store.open_session(sid, query, found_by)
         s = Session(sid, query, found_by, endpoint=self.proxy.open_episode(sid), last_seen=self._clock())
         self._sessions[sid] = self._by_token[s.endpoint.api_key] = s
@@ -309,12 +310,13 @@ class SessionBook:
         failed or returned a non-finite number scores None and is never chosen unless all failed, then 0).
         The scores are kept for `recorded` under the turn's response id."""
         messages = prep.messages or []
-        query = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
+        query = next((message_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
         task = Task(task_id=ep.episode_id, query=query[:MAX_QUERY_CHARS],
                     metadata={"session": ep.episode_id, "messages": messages})
 
         async def score(c) -> float | None:
-            output = WorkflowOutput(final_answer=_text(c.message.get("content")), metadata={"message": c.message})
+            output = WorkflowOutput(final_answer=message_text(c.message.get("content")),
+                                    metadata={"message": c.message})
             try:
                 if inspect.iscoroutinefunction(self.judge) or inspect.iscoroutinefunction(
                         getattr(self.judge, "__call__", None)):
@@ -535,7 +537,9 @@ class SessionBook:
                     **{f"gateway/{k}": v for k, v in self.counts.items()}}
 
 
-def _text(content: Any) -> str:
+def message_text(content: Any) -> str:
+    """The text of a chat message's `content` (OpenAI wire form): a string as is, the text parts of a list joined
+    by spaces, "" for None."""
     if isinstance(content, list):
         return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
@@ -543,4 +547,4 @@ def _text(content: Any) -> str:
 
 def _last_answer(calls: list[LLMCall]) -> str:
     """The text of the session's last answer (what a judge reads)."""
-    return _text(calls[-1].response_message.get("content")) if calls else ""
+    return message_text(calls[-1].response_message.get("content")) if calls else ""
