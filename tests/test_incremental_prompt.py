@@ -12,7 +12,8 @@ Templates: the tool template of the tiny model and of SmolLM2 (its 49k BPE), Smo
 the Qwen3-style and DeepSeek-R1-style templates that drop earlier thinking, a Qwen3-like one that re-renders
 thinking after the last real user query, a Llama-3-like layout (tools in the first user turn, no separator
 after the end-of-turn), the two templates with an unusual end-of-turn (none after a reply; one per tool call),
-and the templates that rewrite earlier turns (which never take the incremental path).
+the two custom templates `tests/test_model.py` loads (message contents alone, no roles or end-of-turn; a constant
+text), and the templates that rewrite earlier turns (which never take the incremental path).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ LLAMA_STYLE = (
 SPECIAL = _replace(TOOL_CHAT_TEMPLATE, "{{- '<|im_start|>' + m.role + '\\n' + text(m.content) + '<|im_end|>\\n' -}}",
                    "{{- '<|im_start|>' + m.role + '\\n' + ('[!] ' if m.role == 'user' and not loop.first and "
                    "text(rest[0].content) == 'SPECIAL' else '') + text(m.content) + '<|im_end|>\\n' -}}")
+
+# the custom templates tests/test_model.py loads: message contents alone (no roles, no end-of-turn), a constant text
+CONTENT_ONLY = "{% for m in messages %}{{ m.content }}{% endfor %}"
+CONSTANT = "{{ 'x' }}"
 
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} a path.", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string"}},
@@ -177,7 +182,7 @@ def _builders(tok, template: str | None = None, **kw) -> tuple[PromptBuilder, Pr
 FIRST = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix f."}]
 TEMPLATES = {"tool": TOOL_CHAT_TEMPLATE, "qwen3_style": QWEN3_STYLE, "r1_style": R1_STYLE,
              "qwen3_query_style": QWEN3_QUERY_STYLE, "llama_style": LLAMA_STYLE, "no_eot_after_reply": DROP_EOT,
-             "eot_per_tool_call": TURN_PER_CALL}
+             "eot_per_tool_call": TURN_PER_CALL, "content_only": CONTENT_ONLY, "constant": CONSTANT}
 INDEPENDENT = {"tool", "qwen3_style", "r1_style", "qwen3_query_style", "llama_style"}   # `_expected` applies
 
 
