@@ -215,3 +215,30 @@ def test_byte_level_encoder_refuses_other_pipelines(tokenizer):
     assert ByteLevelEncoder.of(variant(lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])))) is None
     assert ByteLevelEncoder.of(variant(lambda b: b.add_special_tokens([AddedToken("<x>", lstrip=True)]))) is None
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_decode_gives_the_tokenizers_text(tokenizer, smollm2_tokenizer, which):
+    """`PromptBuilder.decode` (the Rust tokenizer's decode, called directly) is `tokenizer.decode(ids,
+    skip_special_tokens=True, clean_up_tokenization_spaces=False)` on random ids (special tokens, partial UTF-8
+    bytes and all), on encoded text, and on none; a tokenizer whose `_decode` is its own keeps it."""
+    import random
+
+    tok = tokenizer if which == "tiny" else smollm2_tokenizer
+    builder = PromptBuilder(tok)
+    assert builder._decoder is not None
+    rnd, n = random.Random(7), len(tok)
+    cases = [[rnd.randrange(n) for _ in range(rnd.randint(0, 60))] for _ in range(2000)] + [
+        [], tok.encode("héllo 日本語 😀 <|im_end|> it's  x", add_special_tokens=False) + [tok.eos_token_id]]
+    for ids in cases:
+        assert builder.decode(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    class Own(type(tok)):
+        def _decode(self, token_ids, **kw):
+            return "own"
+
+    tok.__class__, cls = Own, tok.__class__
+    try:
+        assert PromptBuilder(tok).decode([1, 2]) == "own"
+    finally:
+        tok.__class__ = cls

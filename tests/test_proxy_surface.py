@@ -291,3 +291,24 @@ def test_engine_failure_before_the_first_token_keeps_its_status_when_streaming(t
     assert first.status_code == 503 and first.json()["error"]["code"] == "engine_error"
     assert first.headers["retry-after"] == "1"
     assert second.status_code == 200 and "data: [DONE]" in second.text and len(calls) == 1
+
+
+def test_the_first_start_freezes_the_objects_alive_then(tokenizer, monkeypatch):
+    """The objects alive when the process's first proxy starts (libraries, model, tokenizer) move to the garbage
+    collector's permanent generation (`gc.freeze`), so that the full collections the proxy's per-call garbage
+    triggers no longer walk them; objects made later stay collectable, and a later start freezes nothing more."""
+    import gc
+
+    from ajet.proxy import server
+
+    monkeypatch.setattr(server, "_HEAP_FROZEN", False)     # as in a process whose proxy starts for the first time
+    before = [object()]
+    proxy = ProxyServer(ScriptedEngine(tokenizer, ["a"]), tokenizer, SamplingParams(max_tokens=8)).start()
+    between = [object()]
+    again = ProxyServer(ScriptedEngine(tokenizer, ["a"]), tokenizer, SamplingParams(max_tokens=8)).start()
+    try:
+        collectable = {id(o) for o in gc.get_objects()}    # every generation but the permanent one
+        assert id(before) not in collectable and id(between) in collectable
+    finally:
+        proxy.stop()
+        again.stop()

@@ -75,6 +75,20 @@ except ImportError:  # another transformers: render through apply_chat_template
     _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+def _plain_rust_decode(tokenizer) -> bool:
+    """Whether `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)` of a list of ints
+    is `tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=...)`: a transformers `TokenizersBackend` (the
+    fast tokenizers) whose `decode` and `_decode` are transformers' own."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:   # another transformers: decode through the tokenizer
+        return False
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend) and cls._decode is TokenizersBackend._decode
+            and cls.decode is PreTrainedTokenizerBase.decode)
+
+
 @dataclass(frozen=True)
 class Prompt:
     """A built prompt.
@@ -153,6 +167,9 @@ class PromptBuilder:
             else None
         # the same ids, faster on ASCII text, for a GPT-2-style byte-level BPE tokenizer (else None)
         self._byte_level = ByteLevelEncoder.of(self._backend) if self._backend is not None else None
+        # the Rust tokenizer's decode, when the tokenizer's own (transformers' `TokenizersBackend._decode`, not
+        # overridden) is that call plus an argument check that walks every id (`to_py_obj`)
+        self._decoder = backend if backend is not None and _plain_rust_decode(tokenizer) else None
         self.single_render = self._append_only_probe()
         self.recheck_every = recheck_every
         self.drops_thinking = self._drops_thinking_probe()
@@ -220,6 +237,13 @@ class PromptBuilder:
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        """Completion ids `[n]` to text, special tokens dropped: `tokenizer.decode(ids, skip_special_tokens=True,
+        clean_up_tokenization_spaces=False)`, through the Rust tokenizer directly where that is what it runs."""
+        if self._decoder is not None:
+            return self._decoder.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def build(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
               history: list[LLMCall], rendered: dict[str, str | None] | None = None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import hashlib
 import logging
 import secrets
@@ -168,16 +169,19 @@ class ProxyServer:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0) -> ProxyServer:
-        """Bind a free port on `host` and serve in a daemon thread. Raises RuntimeError if it won't start."""
+        """Bind a free port on `host` and serve in a daemon thread (the process's first start also freezes its
+        heap: `freeze_heap_once`). Raises RuntimeError if it won't start."""
+        freeze_heap_once()
         # proto IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and without it
         # Nagle holds each response body behind its headers for a delayed ACK (~40 ms a request)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port or 0))   # `port` set before start (ajet serve), else a free one
         self.port = sock.getsockname()[1]
-        # "auto": uvloop and httptools (the `uvicorn[standard]` extras ajet depends on) when importable
+        # "auto": uvloop and httptools (the `uvicorn[standard]` extras ajet depends on) when importable;
+        # proxy_headers off: nothing reads the client address that X-Forwarded-For would rewrite
         config = uvicorn.Config(self.app, log_level="warning", loop="auto", http="auto", access_log=False,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, proxy_headers=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="ajet-proxy", daemon=True)
@@ -436,7 +440,9 @@ class ProxyServer:
             return choice
 
         async def run() -> list[Choice]:
-            choices = others = await asyncio.gather(*(generate(i) for i in range(max(turn.n, best_of))))
+            count = max(turn.n, best_of)      # one choice: awaited here, without a task of its own
+            choices = others = [await generate(0)] if count == 1 else \
+                list(await asyncio.gather(*(generate(i) for i in range(count))))
             if best_of > 1 and ep.open:                 # the chosen one is answered as choice 0
                 pick = await self.choose(ep, turn, prep, choices)
                 choices, others = [replace(choices[pick], index=0)], [c for c in choices if c.index != pick]
@@ -491,7 +497,7 @@ class ProxyServer:
 
     def decode(self, ids: list[int]) -> str:
         """Completion ids to text, special tokens dropped (what the client is answered)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.prompts.decode(ids)
 
     async def _stored_response(self, api: Api, ep: Episode, request: Request, _agent_tag: str):
         """`GET /v1/responses/{id}`: a response of this episode, as it was answered."""
@@ -563,6 +569,25 @@ class _CatchAll:
             await response(scope, receive, send)
 
 
+_HEAP_FROZEN = False
+
+
+def freeze_heap_once() -> None:
+    """Once per process (the first proxy start): collect garbage, then move every object still alive (the
+    libraries, the model, the tokenizer: ~340k objects in a process with torch and transformers loaded) to the
+    garbage collector's permanent generation (the standard library's `gc.freeze`).
+
+    The proxy's per-call garbage triggers full collections, and each one walked that whole heap: 0.25 s a time,
+    about 0.3 ms per call at 64 episodes (benchmarks/proxy_overhead.py; docs/benchmarks.md). Frozen objects
+    are never collected: one of them that later becomes part of unreachable reference cycles stays in memory.
+    """
+    global _HEAP_FROZEN
+    if not _HEAP_FROZEN:
+        _HEAP_FROZEN = True
+        gc.collect()
+        gc.freeze()
+
+
 def _token(request: Request) -> str | None:
     """The episode token of a bare `/v1/...` request: `Authorization: Bearer`, Anthropic's `x-api-key`, or
     Google's `x-goog-api-key` / `?key=`."""
@@ -573,7 +598,10 @@ def _token(request: Request) -> str | None:
 def _route(request: Request) -> dict[str, Any]:
     """What an adapter may read of a request besides its body (`Api.parse_request`): path, path parameters,
     query parameters (plain values, safe to hand to the prepare pool)."""
-    return {"path": request.url.path, "path_params": dict(request.path_params), "query": dict(request.query_params)}
+    scope = request.scope   # the path as `request.url.path` gives it, without building the whole URL
+    path = scope["path"].replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
+    return {"path": path, "path_params": dict(request.path_params),
+            "query": dict(request.query_params) if scope.get("query_string") else {}}
 
 
 def _api_for_path(proxy: ProxyServer, path: str) -> Api:
