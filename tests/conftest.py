@@ -2,8 +2,8 @@ import pytest
 
 from tests.tiny_model import build_tiny_model
 
-# the tests that use a backbone venv run last, or in CI beside the rest of the suite (tests/ci_backbone_tests.py)
-from tests.ci_backbone_tests import pytest_collection_modifyitems, pytest_sessionfinish  # noqa: F401
+# the tests that use a backbone venv run first under pytest-xdist, last without it (tests/ci_backbone_tests.py)
+from tests.ci_backbone_tests import pytest_collection_modifyitems  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """What keeps `.ci/run` short: a backbone venv built once per machine and copied into each checkout
 (.ci/make_backbone_env.sh); the tests that use a backbone venv wait for one still being built
-(tests/backbone_conformance/venvs.py) and run last, or (AJET_CI_BACKBONE_TESTS_BESIDE=1) in a pytest process of
-their own beside the rest of the suite (tests/ci_backbone_tests.py)."""
+(tests/backbone_conformance/venvs.py); under pytest-xdist (the README's `pytest -n 3`) their files are handed out
+first, in one process they run last (tests/ci_backbone_tests.py)."""
 
 from __future__ import annotations
 
@@ -122,41 +122,32 @@ def test_the_tests_that_use_a_backbone_venv_run_last():
     assert modules[first_backbone:] == sorted(modules[first_backbone:], key=files.index)
 
 
-def _suite(tmp_path: Path, backbone_test_passes: bool) -> Path:
-    """A suite of two modules with this repo's plugin: one that uses a backbone venv (it imports `venv_python`; its
-    test does not call it) and one that does not."""
+def _suite(tmp_path: Path) -> Path:
+    """A suite with this repo's plugin and pytest options: a module that uses a backbone venv (it imports
+    `venv_python`; its test does not call it), collected after two that do not."""
     tmp_path.mkdir()
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --dist loadfile --no-loadscope-reorder\n")
     (tmp_path / "conftest.py").write_text(
-        "from tests.ci_backbone_tests import pytest_collection_modifyitems, pytest_sessionfinish  # noqa: F401\n")
-    (tmp_path / "test_a_backbone.py").write_text(
-        "import os\nfrom tests.backbone_conformance.venvs import venv_python\n\n"
-        "def test_in_a_backbone_venv():\n"
-        "    print('ran in pytest', os.getpid())\n"
-        f"    assert {backbone_test_passes}, 'the backbone test failed'\n")
-    (tmp_path / "test_b_core.py").write_text("import os\n\ndef test_core():\n    print('core', os.getpid())\n")
+        "from tests.ci_backbone_tests import pytest_collection_modifyitems  # noqa: F401\n")
+    (tmp_path / "test_a_core.py").write_text("def test_a1():\n    pass\n\ndef test_a2():\n    pass\n")
+    (tmp_path / "test_b_core.py").write_text("def test_b():\n    pass\n")
+    (tmp_path / "test_z_backbone.py").write_text(
+        "from tests.backbone_conformance.venvs import venv_python\n\ndef test_in_a_backbone_venv():\n    pass\n")
     return tmp_path
 
 
-def _pytest(suite: Path, beside: bool) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AJET_CI_BACKBONE_TESTS_BESIDE": "1" if beside else "0"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider"], cwd=suite, env=env,
-                          capture_output=True, text=True, timeout=300)
+def _ran(suite: Path, *args: str) -> list[str]:
+    """The modules of the tests that passed, in the order they ran."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *args], cwd=suite,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [line.split("::")[0].split()[-1] for line in proc.stdout.splitlines() if "PASSED" in line]
 
 
-def test_backbone_tests_run_last_or_beside_the_suite_whose_exit_status_they_decide(tmp_path):
-    last = _pytest(_suite(tmp_path / "last", backbone_test_passes=True), beside=False)
-    assert last.returncode == 0, last.stdout + last.stderr
-    ran = [line.split("::")[0] for line in last.stdout.splitlines() if " PASSED" in line]
-    assert ran == ["test_b_core.py", "test_a_backbone.py"]                  # last, though collected first
-
-    beside = _pytest(_suite(tmp_path / "beside", backbone_test_passes=True), beside=True)
-    assert beside.returncode == 0, beside.stdout + beside.stderr
-    assert "1 passed, 1 deselected" in beside.stdout                          # the session ran the core test
-    lines = beside.stdout.splitlines()
-    at = lines.index("backbone tests (test_a_backbone.py), run beside the rest of the suite: exit status 0")
-    assert lines[at + 1].startswith("1 passed")                               # the other process's summary
-
-    failing = _pytest(_suite(tmp_path / "failing", backbone_test_passes=False), beside=True)
-    assert failing.returncode == 1, failing.stdout + failing.stderr          # its failure fails the session
-    assert "exit status 1" in failing.stdout and "the backbone test failed" in failing.stdout
+def test_backbone_files_run_first_on_xdist_workers_and_last_in_one_process(tmp_path):
+    # one worker runs the units in the order they are handed out: the backbone file, then the rest as collected
+    # (xdist's own default would hand out test_a_core.py first: it has the most tests)
+    assert _ran(_suite(tmp_path / "xdist"), "-n", "1") == ["test_z_backbone.py", "test_a_core.py", "test_a_core.py",
+                                                          "test_b_core.py"]
+    assert _ran(_suite(tmp_path / "serial")) == ["test_a_core.py", "test_a_core.py", "test_b_core.py",
+                                                 "test_z_backbone.py"]

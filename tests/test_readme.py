@@ -14,7 +14,7 @@ def _commands() -> list[str]:
 def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
     main_job, tests = _commands()
     assert "ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug" in main_job
-    assert tests.endswith("python -m pytest -q")
+    assert tests.endswith("python -m pytest -q -n 3")
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
     conf = main_job.split("--conf ")[1].split()[0]
     assert (ROOT / conf).is_file()
