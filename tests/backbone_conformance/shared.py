@@ -19,7 +19,6 @@ from ajet.tracker.sample import Sample
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).resolve().parent
-CHECKS = Path(__file__).resolve().parent / "backbone_conformance"
 CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "loss_scale_factor": 64.0}
 
 # Bounds of the update comparisons (verl's and Trinity's update against the debug backbone's, on the one recorded
