@@ -14,7 +14,7 @@ the ids the engine actually sampled; ajet builds the multi-turn Experience from 
     info                    episode_id, group_id, agent_tag, call_ids
 
 Trinity stacks Experiences into the same layout verl uses (prompt left-padded, response right-padded:
-`trinity.common.experience.gather_*`), which tests/test_backbone_conformance.py checks tensor by tensor.
+`trinity.common.experience.gather_*`), which tests/test_backbone_conformance_trinity.py checks tensor by tensor.
 """
 
 from __future__ import annotations
