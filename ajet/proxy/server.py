@@ -598,10 +598,7 @@ def _token(request: Request) -> str | None:
 def _route(request: Request) -> dict[str, Any]:
     """What an adapter may read of a request besides its body (`Api.parse_request`): path, path parameters,
     query parameters (plain values, safe to hand to the prepare pool)."""
-    scope = request.scope   # the path as `request.url.path` gives it, without building the whole URL
-    path = scope["path"].replace("?", "%3F").replace("#", "%23").replace("\\", "%5C")
-    return {"path": path, "path_params": dict(request.path_params),
-            "query": dict(request.query_params) if scope.get("query_string") else {}}
+    return {"path": request.url.path, "path_params": dict(request.path_params), "query": dict(request.query_params)}
 
 
 def _api_for_path(proxy: ProxyServer, path: str) -> Api:
