@@ -297,14 +297,22 @@ def test_acknowledged_feedback_survives_kill_9_and_resume(tmp_path, tiny_model_d
         other = g.http.get(f"/v1/sessions/{h2['x-ajet-session']}").json()
         assert other["reward"] == -1.0 and other["state"] in ("rated", "trained"), other
         # the restored sessions are ready to train (the resumed gateway may have taken them already): two of
-        # them make the first step's group
-        g.wait_for(lambda: g.http.get("/healthz").json()["policy_version"] >= 1)
+        # them make the first step's group. Waited for in the ledger itself: the new policy version is served
+        # before the trainer writes which episodes its update used, so a kill right after it would lose that
+        g.wait_for(lambda: all(_ledger(exp).get(s) for s in (session, h2["x-ajet-session"])))
     finally:
         g.stop()
+    trained = _ledger(exp)
+    assert set(trained) == {session, h2["x-ajet-session"]} and all(len(t) == 1 for t in trained.values()), trained
+
+
+def _ledger(exp: Path) -> dict[str, list]:
+    """episode id -> the live updates that trained it (the trajectory store's ledger; readable while it runs)."""
     store = TrajectoryStore(exp / "trajectories.sqlite")
-    trained = {e["episode_id"]: e["trained_in"] for e in store.ledger()}
-    store.close()
-    assert set(trained) == {session, h2["x-ajet-session"]} and all(len(t) == 1 for t in trained.values())
+    try:
+        return {e["episode_id"]: e["trained_in"] for e in store.ledger()}
+    finally:
+        store.close()
 
 
 def test_gateway_trains_from_feedback(tmp_path, tiny_model_dir):
