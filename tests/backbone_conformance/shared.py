@@ -87,8 +87,10 @@ def ajet_losses(d, samples, loss_scale_factor=CLIP["loss_scale_factor"]):
     return t, out, agg
 
 
-
 def run_check(py, script, payload, tmp_path, timeout=400):
+    """Run the check script `script` (this folder) with the backbone venv's python `py` on `payload` (JSON, written
+    to tmp_path/in.json) and return what it wrote to tmp_path/out.json. Raises AssertionError (its output's tail)
+    when it exits non-zero; subprocess.TimeoutExpired after `timeout` seconds."""
     inp, out = tmp_path / "in.json", tmp_path / "out.json"
     inp.write_text(json.dumps(payload))
     proc = subprocess.run([py, str(CHECKS / script), str(inp), str(out)], capture_output=True, text=True,
@@ -98,6 +100,7 @@ def run_check(py, script, payload, tmp_path, timeout=400):
 
 
 def main_job_lr() -> float:
+    """The main job's learning rate (tutorial/example_math_agent/math_agent.yaml's algorithm.lr)."""
     return float(yaml.safe_load((ROOT / "tutorial/example_math_agent/math_agent.yaml").read_text())["algorithm"]["lr"])
 
 
