@@ -12,9 +12,10 @@ renders, without the tool-call opening ajet's proxy forces: TRL has no such opti
 then the answer turn), and the reward is the main job's (`math_agent_reward`).
 
 Each step appends one JSON line to `--out`: wall seconds (step_s), generation seconds (rollout_s: TRL's
-`_generate`, tools included), update seconds (the rest), generated tokens, forwarded tokens (prompt + completion
-of every sequence in the update), trained tokens (completion tokens under the loss mask), and the process's
-peak RSS so far.
+`_generate`, tools included), update seconds (the rest), generated tokens (the sampled ones: the completion less
+the tool results TRL splices into it), forwarded tokens (prompt + completion of every sequence in the update),
+trained tokens (completion tokens under the loss mask), episodes and model calls (assistant messages), and the
+process's peak RSS so far.
 """
 
 from __future__ import annotations
@@ -83,10 +84,14 @@ def main() -> None:
                                           {"role": "user", "content": t["query"]}],
                                "answer": t["answer"], "task_id": t["task_id"], "query": t["query"]} for t in tasks])
 
+    timing = {"rollout_s": 0.0, "generated": 0, "forwarded": 0, "trained": 0, "episodes": 0, "calls": 0}
+
     def reward(completions, answer, task_id, query, **_):
         # the main job's metrics from TRL's messages: each assistant tool call with the tool message that answered
         # it, counted by the main job's own CalculatorTool (valid, grounded)
         out = []
+        timing["episodes"] += len(completions)
+        timing["calls"] += sum(1 for messages in completions for m in messages if m.get("role") == "assistant")
         for messages, ans, tid, q in zip(completions, answer, task_id, query):
             final = messages[-1].get("content") or "" if messages else ""
             calls = [tc for m in messages if m.get("role") == "assistant" for tc in m.get("tool_calls") or []]
@@ -111,7 +116,7 @@ def main() -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, tools=[calculate])
 
-    timing = {"rollout_s": 0.0, "generated": 0, "forwarded": 0, "trained": 0}
+
     generate = trainer._generate
 
     def timed_generate(prompts):
@@ -125,9 +130,10 @@ def main() -> None:
 
     def counted_loss(model_, inputs):
         prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+        sampled = int((completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))).sum())
         timing["forwarded"] += int(prompt_mask.sum() + completion_mask.sum())
-        timing["trained"] += int((completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))).sum())
-        timing["generated"] += int(completion_mask.sum())
+        timing["trained"] += sampled
+        timing["generated"] += sampled        # the completion less the tool results TRL splices into it
         return compute_loss(model_, inputs)
 
     trainer._compute_loss = counted_loss
@@ -135,13 +141,14 @@ def main() -> None:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
             self.t0 = time.perf_counter()
-            timing.update(rollout_s=0.0, generated=0, forwarded=0, trained=0)
+            timing.update(rollout_s=0.0, generated=0, forwarded=0, trained=0, episodes=0, calls=0)
 
         def on_step_end(self, _args, state, *_a, **_k):
             step_s = time.perf_counter() - self.t0
             line = {"step": state.global_step, "step_s": step_s, "rollout_s": timing["rollout_s"],
                     "update_s": step_s - timing["rollout_s"], "generated_tokens": timing["generated"],
                     "forwarded_tokens": timing["forwarded"], "trained_tokens": timing["trained"],
+                    "episodes": timing["episodes"], "calls": timing["calls"],
                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(args.out, "a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -12,9 +12,11 @@ update seconds, generated tokens, forwarded tokens (prompt + completion in the u
 the loss mask); per run: peak RSS of the process (`wait4`). Printed: steps/min, generation tokens/s, forwarded
 and trained tokens/s, peak memory, as ajet/TRL ratios with min / median / max over the paired timed steps.
 
-Known difference: ajet's proxy forces the tool-call opening on the first turn (`tool_choice` names the function);
-TRL has no such option, so a TRL episode whose first turn makes no tool call ends after one turn. The turns each
-side generated are printed with the figures (generated tokens per step).
+Equal work: TRL cannot force a tool call and makes at most two generations per episode (one tool round), so ajet
+runs the main job's agent with TRL's turns (`benchmarks/vs_trl_workflow.py`: first turn free, at most two model
+calls) and without dynamic sampling (TRL rolls out 4 tasks x 4 per step). Both sample from the same weights at the
+same temperature (TRL's top_k 0, top_p 1), so the work is equal in expectation; the per-episode model calls and
+generated tokens of both sides are printed, with a flag where they differ by more than 10%.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml"
+EQUAL_WORK = f"{ROOT / 'benchmarks' / 'vs_trl_workflow.py'}:TRLTurnsMathAgentWorkflow"
+WORK_TOLERANCE = 0.10          # per-episode calls and generated tokens within 10% of TRL's, or the run says so
 
 
 def trl_python(venv: Path) -> tuple[Path | None, str]:
@@ -63,6 +67,7 @@ def ajet_steps(exp: Path) -> list[dict]:
                       "update_s": m["time/step_s"] - m["time/rollout_s"],
                       "generated_tokens": m["rollout/generated_tokens"],
                       "forwarded_tokens": m["tracker/tokens_merged"], "trained_tokens": m["tracker/loss_tokens"],
+                      "episodes": m["rollout/episodes"], "calls": m["rollout/calls"],
                       "failed_episodes": m["rollout/failed"]})
     return steps
 
@@ -88,6 +93,24 @@ def ratio_line(name: str, ajet: list[float], trl: list[float]) -> str:
         return f"{name:<28} n/a"
     return (f"{name:<28} ajet/TRL median {statistics.median(r):5.2f}  (min {min(r):.2f}, max {max(r):.2f}, "
             f"{len(r)} paired)   ajet median {statistics.median(ajet):8.1f}   TRL median {statistics.median(trl):8.1f}")
+
+
+def equal_work(ajet: list[dict], trl: list[dict]) -> bool:
+    """Print both sides' work per episode over all timed steps: model calls (turns) and generated tokens.
+
+    Both sample from the same weights at the same temperature, so their work is equal in expectation, not token for
+    token; a side whose per-episode figure is off by more than WORK_TOLERANCE is flagged. Returns True when equal.
+    """
+    ok = True
+    for name, key in (("model calls / episode", "calls"), ("generated tokens / episode", "generated_tokens")):
+        per_ajet = sum(s[key] for s in ajet) / max(1, sum(s["episodes"] for s in ajet))
+        per_trl = sum(s[key] for s in trl) / max(1, sum(s["episodes"] for s in trl))
+        ratio = per_ajet / per_trl if per_trl else float("nan")
+        same = abs(ratio - 1) <= WORK_TOLERANCE
+        ok &= same
+        print(f"{name:<28} ajet {per_ajet:6.2f}   TRL {per_trl:6.2f}   ajet/TRL {ratio:.2f}   "
+              + ("equal work (within 10%)" if same else "NOT EQUAL WORK: the ratios below compare different work"))
+    return ok
 
 
 def main() -> None:
@@ -123,9 +146,11 @@ def main() -> None:
             t0 = time.perf_counter()
             run_dir = work / f"{side}_{pair}"
             if side == "ajet":
-                # the main job as the CLI runs it, without its held-out evaluation (TRL's run has none)
+                # the main job as the CLI runs it, doing TRL's work: no held-out evaluation (TRL's run has none),
+                # no dynamic sampling (TRL rolls out each step's 4 tasks only), TRL's turns (EQUAL_WORK)
                 overrides = {"backbone": "debug", "trainer.total_steps": total, "trainer.exp_dir": str(run_dir),
-                             "trainer.val_freq": 0}
+                             "trainer.val_freq": 0, "algorithm.dynamic_sampling.enabled": False,
+                             "workflow": EQUAL_WORK}
                 peak = run_measured([sys.executable, "-c", "import sys, json; from ajet.config import load_config; "
                                      "from ajet.trainer import run; run(load_config(sys.argv[1], json.loads(sys.argv[2])))",
                                      str(CONF), json.dumps(overrides)], work / f"{side}_{pair}.log")
@@ -154,6 +179,7 @@ def main() -> None:
     n = min(len(a), len(t))
     a, t = a[:n], t[:n]
     print(f"\nvs_trl: {n} paired timed steps (ajet step k of pair p with TRL step k of pair p)")
+    equal_work(a, t)
     print(ratio_line("steps/min", [60 / s["step_s"] for s in a], [60 / s["step_s"] for s in t]))
     print(ratio_line("generation tokens/s", [s["generated_tokens"] / s["rollout_s"] for s in a],
                      [s["generated_tokens"] / s["rollout_s"] for s in t]))

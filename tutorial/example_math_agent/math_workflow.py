@@ -13,6 +13,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 from ajet import Task, Tuner, Workflow, WorkflowOutput
 from ajet.judges import math_answer_judge
@@ -35,13 +36,16 @@ CALCULATE_TOOL = {
 
 
 class MathAgentWorkflow(Workflow):
+    max_turns = MAX_TURNS                                                  # model calls per episode, at most
+    first_turn_tool_choice: ClassVar[str | dict] = {"type": "function", "function": {"name": "calculate"}}
+
     async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.query}]
         calculator, answer = CalculatorTool(task.query), ""
-        for turn in range(1, MAX_TURNS + 1):
+        for turn in range(1, self.max_turns + 1):
             response = await tuner.client.chat.completions.create(
                 model=tuner.model, messages=messages, tools=[CALCULATE_TOOL],
-                tool_choice={"type": "function", "function": {"name": "calculate"}} if turn == 1 else "auto")
+                tool_choice=self.first_turn_tool_choice if turn == 1 else "auto")
             message = response.choices[0].message
             answer = message.content or ""
             if not message.tool_calls:
