@@ -1,8 +1,8 @@
 """When the tests that use a backbone venv run (a pytest plugin, registered by tests/conftest.py).
 
 Those tests (their module imports `venv_python`: tests/test_backbone_conformance.py,
-tests/test_backbone_conformance_trinity.py, tests/test_verl_cpu_train.py, tests/test_backbone_main_job.py) run verl
-and Trinity in their own venvs and Ray workers: the slowest files of the suite, and the only ones that need the
+tests/test_backbone_conformance_trinity.py, tests/test_backbone_main_job.py, tests/test_backbone_main_job_trinity.py)
+run verl and Trinity in their own venvs and Ray workers: the slowest files of the suite, and the only ones that need the
 venvs that CI builds in the background while the README's test install runs (.ci/run). So:
 
 - under pytest-xdist (the README's test command, `python -m pytest -q -n 3`; pyproject's addopts give

@@ -109,15 +109,16 @@ def test_a_backbone_test_waits_for_its_venvs_build_and_not_for_a_dead_one(tmp_pa
 
 
 def test_the_tests_that_use_a_backbone_venv_run_last():
-    files = ["tests/test_verl_cpu_train.py", "tests/test_backbone_conformance.py", "tests/test_readme.py"]
+    files = ["tests/test_backbone_main_job_trinity.py", "tests/test_backbone_conformance.py", "tests/test_readme.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider", *files],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     ids = [line for line in proc.stdout.splitlines() if "::" in line]
     assert ids, proc.stdout + proc.stderr
     modules = [i.split("::")[0] for i in ids]
-    first_backbone = modules.index("tests/test_verl_cpu_train.py")
+    first_backbone = modules.index("tests/test_backbone_main_job_trinity.py")
     assert set(modules[:first_backbone]) == {"tests/test_readme.py"}
-    assert set(modules[first_backbone:]) == {"tests/test_verl_cpu_train.py", "tests/test_backbone_conformance.py"}
+    assert set(modules[first_backbone:]) == {"tests/test_backbone_main_job_trinity.py",
+                                             "tests/test_backbone_conformance.py"}
     # in their own order, as given
     assert modules[first_backbone:] == sorted(modules[first_backbone:], key=files.index)
 
