@@ -7,9 +7,15 @@ says what and why). verl's run: tests/test_backbone_main_job.py.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from tests.backbone_conformance.main_job import check_against_debug, debug_reference, killed_and_resumed
+from tests.backbone_conformance.main_job import (
+    check_against_debug,
+    debug_reference,
+    killed_and_resumed,
+)
 from tests.backbone_conformance.venvs import venv_python
 
 
@@ -24,3 +30,4 @@ def test_the_main_job_through_trinity_killed_and_resumed_equals_the_debug_backbo
     exp = tmp_path / "trinity"
     killed_and_resumed(py, conf, "trinity", exp)
     check_against_debug(exp, debug)
+    shutil.rmtree(exp / "checkpoints")          # checked: GBs the suite's disk need not hold (kept on a failure)

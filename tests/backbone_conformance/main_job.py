@@ -136,6 +136,7 @@ def debug_reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
             shutil.rmtree(exp, ignore_errors=True)      # a failed earlier try (the other worker's)
             main_job_conf(shared)
             _run(_cmd(sys.executable, conf, "debug", exp), shared)
+            shutil.rmtree(exp / "checkpoints")          # 3 GB no check reads (disk: docs/backbones.md)
             done.touch()
     return conf, exp
 
