@@ -10,31 +10,20 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.backbone_conformance.main_job import (
+from tests.backbone_conformance.main_job import (  # noqa: F401 - debug_run is this module's fixture
     STEPS,
     assert_verl_checkpoint_merges_to_served_weights,
-    check_against_debug,
-    debug_reference,
-    killed_and_resumed,
+    debug_run,
+    killed_resumed_and_checked,
 )
-from tests.backbone_conformance.venvs import venv_python
+from tests.backbone_conformance.venvs import venv_python  # noqa: F401 - marks the module as a backbone-venv one
 
 
-@pytest.fixture(scope="module")
-def debug_run(request, tmp_path_factory):
-    return debug_reference(request, tmp_path_factory)
-
-
-def test_the_main_job_through_verl_killed_and_resumed_equals_the_debug_backbones(debug_run, tmp_path):
-    py = venv_python("verl")
-    conf, debug = debug_run
-    exp = tmp_path / "verl"
-    killed_and_resumed(py, conf, "verl", exp)
-    check_against_debug(exp, debug)
+def test_the_main_job_through_verl_killed_and_resumed_equals_the_debug_backbones(debug_run, tmp_path):  # noqa: F811
+    py, exp = killed_resumed_and_checked("verl", debug_run, tmp_path)
 
     # verl's actor checkpoint converts (verl's model_merger) to the weights ajet's engine served
     _, served = assert_verl_checkpoint_merges_to_served_weights(py, exp / "checkpoints" / f"step_{STEPS}",

@@ -9,25 +9,13 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
-
-from tests.backbone_conformance.main_job import (
-    check_against_debug,
-    debug_reference,
-    killed_and_resumed,
+from tests.backbone_conformance.main_job import (  # noqa: F401 - debug_run is this module's fixture
+    debug_run,
+    killed_resumed_and_checked,
 )
-from tests.backbone_conformance.venvs import venv_python
+from tests.backbone_conformance.venvs import venv_python  # noqa: F401 - marks the module as a backbone-venv one
 
 
-@pytest.fixture(scope="module")
-def debug_run(request, tmp_path_factory):
-    return debug_reference(request, tmp_path_factory)
-
-
-def test_the_main_job_through_trinity_killed_and_resumed_equals_the_debug_backbones(debug_run, tmp_path):
-    py = venv_python("trinity")
-    conf, debug = debug_run
-    exp = tmp_path / "trinity"
-    killed_and_resumed(py, conf, "trinity", exp)
-    check_against_debug(exp, debug)
+def test_the_main_job_through_trinity_killed_and_resumed_equals_the_debug_backbones(debug_run, tmp_path):  # noqa: F811
+    _, exp = killed_resumed_and_checked("trinity", debug_run, tmp_path)
     shutil.rmtree(exp / "checkpoints")          # checked: GBs the suite's disk need not hold (kept on a failure)

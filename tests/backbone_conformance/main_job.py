@@ -38,7 +38,7 @@ import yaml
 from filelock import FileLock
 
 from ajet.trajectory_store import TrajectoryStore
-from tests.backbone_conformance.venvs import ROOT
+from tests.backbone_conformance.venvs import ROOT, venv_python
 
 TUTORIAL = ROOT / "tutorial" / "example_math_agent"
 STEPS = 2
@@ -121,7 +121,8 @@ def live_episodes(exp: Path) -> Counter:
     return live
 
 
-def debug_reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+@pytest.fixture(scope="module")
+def debug_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The uninterrupted debug-backbone run of the main job's 2-step config (core environment): (conf, exp dir).
 
     Run once per test session: under pytest-xdist the workers share their session's base folder, and the first
@@ -164,6 +165,17 @@ def killed_and_resumed(python: str, conf: Path, backbone: str, exp: Path) -> sub
     finally:
         store.close()
     return resumed
+
+
+def killed_resumed_and_checked(backbone: str, debug_run: tuple[Path, Path], tmp_path: Path) -> tuple[str, Path]:
+    """The main job through `backbone` (verl | trinity) in its venv, killed and resumed (`killed_and_resumed`), then
+    checked against `debug_run` (`check_against_debug`); returns (the venv's python, the run's exp dir)."""
+    python = venv_python(backbone)
+    conf, debug = debug_run
+    exp = tmp_path / backbone
+    killed_and_resumed(python, conf, backbone, exp)
+    check_against_debug(exp, debug)
+    return python, exp
 
 
 def check_against_debug(exp: Path, debug: Path) -> None:
