@@ -84,7 +84,10 @@ def main() -> None:
                                           {"role": "user", "content": t["query"]}],
                                "answer": t["answer"], "task_id": t["task_id"], "query": t["query"]} for t in tasks])
 
-    timing = {"rollout_s": 0.0, "generated": 0, "forwarded": 0, "trained": 0, "episodes": 0, "calls": 0}
+    def zeroed() -> dict:   # one step's figures (the generated tokens are the trained ones: the sampled tokens)
+        return {"rollout_s": 0.0, "forwarded": 0, "trained": 0, "episodes": 0, "calls": 0}
+
+    timing = zeroed()
 
     def reward(completions, answer, task_id, query, **_):
         # the main job's metrics from TRL's messages: each assistant tool call with the tool message that answered
@@ -130,10 +133,9 @@ def main() -> None:
 
     def counted_loss(model_, inputs):
         prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
-        sampled = int((completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))).sum())
         timing["forwarded"] += int(prompt_mask.sum() + completion_mask.sum())
-        timing["trained"] += sampled
-        timing["generated"] += sampled        # the completion less the tool results TRL splices into it
+        # the completion less the tool results TRL splices into it: what was sampled, all of it trained
+        timing["trained"] += int((completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))).sum())
         return compute_loss(model_, inputs)
 
     trainer._compute_loss = counted_loss
@@ -141,12 +143,12 @@ def main() -> None:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
             self.t0 = time.perf_counter()
-            timing.update(rollout_s=0.0, generated=0, forwarded=0, trained=0, episodes=0, calls=0)
+            timing.update(zeroed())
 
         def on_step_end(self, _args, state, *_a, **_k):
             step_s = time.perf_counter() - self.t0
             line = {"step": state.global_step, "step_s": step_s, "rollout_s": timing["rollout_s"],
-                    "update_s": step_s - timing["rollout_s"], "generated_tokens": timing["generated"],
+                    "update_s": step_s - timing["rollout_s"], "generated_tokens": timing["trained"],
                     "forwarded_tokens": timing["forwarded"], "trained_tokens": timing["trained"],
                     "episodes": timing["episodes"], "calls": timing["calls"],
                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

@@ -109,7 +109,7 @@ def equal_work(ajet: list[dict], trl: list[dict]) -> bool:
         same = abs(ratio - 1) <= WORK_TOLERANCE
         ok &= same
         print(f"{name:<28} ajet {per_ajet:6.2f}   TRL {per_trl:6.2f}   ajet/TRL {ratio:.2f}   "
-              + ("equal work (within 10%)" if same else "NOT EQUAL WORK: the ratios below compare different work"))
+              + (f"equal work (within {WORK_TOLERANCE:.0%})" if same else "NOT EQUAL WORK: the ratios below compare different work"))
     return ok
 
 

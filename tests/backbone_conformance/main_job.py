@@ -193,14 +193,8 @@ def check_against_debug(exp: Path, debug: Path) -> None:
 
 
 def live_episodes_of(debug: Path) -> Counter:
-    """`live_episodes` of the uninterrupted run (one attempt)."""
-    store = TrajectoryStore(debug / "trajectories.sqlite")
-    try:
-        records = {r["episode_id"]: r for r in store.episodes()}
-        out = Counter((e["step"], records[e["episode_id"]]["task"]["task_id"], records[e["episode_id"]]["repeat_index"])
-                      for e in store.ledger() if e["trained_in"] or e["not_trained"])
-    finally:
-        store.close()
+    """`live_episodes` of the uninterrupted run (one attempt), each exactly once."""
+    out = live_episodes(debug)
     assert set(out.values()) == {1}
     return out
 
