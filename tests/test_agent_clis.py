@@ -53,6 +53,15 @@ def _cli(name: str) -> str:
     return found
 
 
+@pytest.fixture
+def short_tmp():
+    """A folder of its own with a short path (not under pytest's tree; the CLIs' sockets need short paths),
+    removed after the test."""
+    folder = Path(tempfile.mkdtemp(prefix="ajet-cli-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _run(tokenizer, tool_call: dict | list[dict], command) -> tuple[subprocess.CompletedProcess, list, ScriptedEngine]:
     """Serve one episode whose engine calls `tool_call` (or each of a list, one call a turn) then answers; run
     `command(endpoint)` -> (argv, env, cwd)."""
@@ -72,9 +81,9 @@ def _run(tokenizer, tool_call: dict | list[dict], command) -> tuple[subprocess.C
     return result, calls, engine
 
 
-def test_claude_code_runs_a_tool_episode_into_one_sample(tokenizer):
+def test_claude_code_runs_a_tool_episode_into_one_sample(tokenizer, short_tmp):
     claude = _cli("claude")
-    tmp_path = Path(tempfile.mkdtemp(prefix="ajet-claude-"))   # a short path of its own (not under pytest's tree)
+    tmp_path = short_tmp
 
     def command(ep):
         env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": ep.anthropic_base_url,
@@ -93,11 +102,11 @@ def test_claude_code_runs_a_tool_episode_into_one_sample(tokenizer):
     assert "4" in tokenizer.decode(bridges[0])                          # the Bash output, loss mask 0
 
 
-def test_claude_code_that_edits_a_file_is_one_sample(tokenizer):
+def test_claude_code_that_edits_a_file_is_one_sample(tokenizer, short_tmp):
     """Issue 22: Claude Code sends its `Edit` call back with the schema default `"replace_all": false` added;
     the later calls find their parent by the tool-call id the proxy issued, and the episode is one sample."""
     claude = _cli("claude")
-    work = Path(tempfile.mkdtemp(prefix="ajet-claude-"))
+    work = short_tmp
     (work / "a.py").write_text("x = 1\n")
 
     def command(ep):
@@ -140,9 +149,9 @@ def test_codex_cli_runs_a_tool_episode_into_one_sample(tokenizer, tmp_path):
     assert_one_exact_sample(calls, engine)
 
 
-def test_gemini_cli_runs_a_tool_episode_into_one_sample(tokenizer):
+def test_gemini_cli_runs_a_tool_episode_into_one_sample(tokenizer, short_tmp):
     gemini = _cli("gemini")
-    home = Path(tempfile.mkdtemp(prefix="ajet-gemini-"))
+    home = short_tmp
     (home / ".gemini").mkdir()
     (home / ".gemini" / "settings.json").write_text(json.dumps({
         "security": {"auth": {"selectedType": "gemini-api-key"}}, "privacy": {"usageStatisticsEnabled": False},

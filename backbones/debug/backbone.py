@@ -33,6 +33,7 @@ from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters
                                                 save_adapters, with_role_adapters)
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
+from ajet.heap import trim_free_memory
 from ajet.model import load_model, load_tokenizer, resolve_model_path
 from ajet.remote_teacher import RemoteTeacher
 from ajet.sampling_dist import entropy, processed_logprobs
@@ -119,10 +120,14 @@ class DebugBackbone:
                 # every stored prefix was computed by the weights this update replaces, so none is reused after it
                 # (the cache skips other versions' entries): free their memory (up to its budget) before training
                 self.engine.prefix_cache.clear()
+                # and hand back what the engine's thread freed (its malloc arena keeps it otherwise: ajet/heap.py),
+                # so that the update's activations do not come on top of it
+                trim_free_memory()
                 out = self._update_roles(trainable) if self.adapters else self._ppo_update(trainable)
                 self.engine.policy_version += 1
         finally:
             self._prox = self._teacher_lp = None
+            trim_free_memory()     # the activations' memory, freed in this thread: back before the next sampling
         out["update_s"] = time.perf_counter() - t0
         return out
 
