@@ -4,7 +4,8 @@ Why: the debug backbone samples in the engine's worker thread and trains in the 
 thread its own malloc arena, and memory freed in one arena is kept for that arena's later allocations: after a
 held-out evaluation of 160 problems the engine's arena held several GB of freed KV-cache blocks (every decode step
 reallocates each layer's cache), which the update, allocating in another arena, could not reuse, so its peak came on
-top of them (the main job: 11.8 GB resident at most, where one update alone peaks at 5.9 GB; docs/benchmarks.md).
+top of them (the main job peaked at 11.2 GB resident without this trim, 8.2 GB with it, where one update alone
+peaks at 5.9 GB; docs/benchmarks.md).
 `malloc_trim(0)` returns the free pages of every arena (glibc >= 2.8 also releases whole free pages inside a heap),
 so the update starts from what is really in use.
 """

@@ -123,7 +123,10 @@ async def calculate_tool(arguments: str) -> str:
     """The tool: JSON arguments {"expression": str} -> the value as text, or "error: ..." (never raises).
 
     The expression is evaluated by `calculator.safe_eval` in the tool sandbox (`ajet.tools.sandbox`: no network,
-    no environment, 2 s, 256 MiB), so nothing the model writes can hang, exhaust or read the training process.
+    no environment, 10 s, 256 MiB), so nothing the model writes can hang, exhaust or read the training process.
+    A calculation takes milliseconds (`safe_eval` caps exponents at 100); the limit is that long because it
+    counts the sandbox's start-up too, which took over 2 s (the earlier limit) on the 2-core machine at load
+    ~10, where a right call then failed as "took too long" and the episode's reward depended on the load.
     It is awaited: while the child runs, the event loop serves the other episodes' model calls, so their
     next turns reach the engine in the same batch instead of waiting behind this tool.
     """
@@ -131,7 +134,7 @@ async def calculate_tool(arguments: str) -> str:
         expression = str(json.loads(arguments)["expression"])
     except Exception as exc:  # noqa: BLE001 - the model sees the error and may try again
         return f"error: {exc}"
-    result = await run_python_async(CALCULATOR_SOURCE, timeout_s=2.0, memory_mb=256, stdin=expression)
+    result = await run_python_async(CALCULATOR_SOURCE, timeout_s=10.0, memory_mb=256, stdin=expression)
     if result.timed_out:
         return "error: the calculation took too long"
     return result.stdout.strip() if result.ok else "error: the calculation failed"
