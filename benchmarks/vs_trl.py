@@ -108,8 +108,9 @@ def equal_work(ajet: list[dict], trl: list[dict]) -> bool:
         ratio = per_ajet / per_trl if per_trl else float("nan")
         same = abs(ratio - 1) <= WORK_TOLERANCE
         ok &= same
-        print(f"{name:<28} ajet {per_ajet:6.2f}   TRL {per_trl:6.2f}   ajet/TRL {ratio:.2f}   "
-              + (f"equal work (within {WORK_TOLERANCE:.0%})" if same else "NOT EQUAL WORK: the ratios below compare different work"))
+        verdict = (f"equal work (within {WORK_TOLERANCE:.0%})" if same
+                   else "NOT EQUAL WORK: the ratios below compare different work")
+        print(f"{name:<28} ajet {per_ajet:6.2f}   TRL {per_trl:6.2f}   ajet/TRL {ratio:.2f}   {verdict}")
     return ok
 
 
