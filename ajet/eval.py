@@ -42,6 +42,7 @@ from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.failures import failure_counts, failure_summary
+from ajet.heap import trim_free_memory
 from ajet.llm_call import SamplingParams
 from ajet.task import Task
 
@@ -219,6 +220,9 @@ class Validator:
                                f"(episodes: {self.cfg.exp_path() / 'val' / f'step_{step}'})")
         metrics = {f"val/{k}": v for k, v in result.metrics.items()}
         metrics["val/time_s"] = time.perf_counter() - t0
+        # the evaluation's freed KV and activations, kept by the engine thread's C heap otherwise (ajet/heap.py),
+        # go back before the next rollout, update or checkpoint comes on top of them
+        trim_free_memory()
         return metrics
 
 
