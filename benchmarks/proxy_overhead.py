@@ -21,8 +21,13 @@ round (one call per episode), then rounds of `episodes` concurrent episodes unti
 were measured.
 Exits 1 when a reply differs from the scripted one or the proxy recorded fewer calls than were sent.
 
+`--also PATH` adds, per engine client, a proxy process that imports ajet from the checkout at PATH (another version
+of the code), measured right after this checkout's at every point, so that both meet the same machine load; its
+rows are marked `@also`.
+
     python benchmarks/proxy_overhead.py [--concurrency 1 64 256] [--calls 5] [--clients aiohttp httpx]
                                         [--apis chat responses messages] [--tokenizer smollm2-135m-instruct|tiny]
+                                        [--also PATH]
 """
 
 from __future__ import annotations
@@ -53,10 +58,17 @@ TARGET = {"p50_ms": 1.0, "p99_ms": 5.0, "calls_per_s": 1500, "stream_p50_ms": 1.
 
 
 # ---- the proxy process ----------------------------------------------------------------------------
-def proxy_process(conn, engine_url: str, client: str, tokenizer_dir: str) -> None:
+def proxy_process(conn, engine_url: str, client: str, tokenizer_dir: str, root: str | None = None) -> None:
     """Serve the proxy over a `RemoteEngine(engine_url)`; obey commands from `conn`: ("open", n) -> n
     (base_url, api_key) pairs; ("cpu", None) -> CPU seconds used so far; ("close", None) -> the recorded call count of every open episode, which
-    closes them; ("stop", None) -> None, then exit."""
+    closes them; ("stop", None) -> None, then exit. `root`: import ajet from that checkout instead of this one."""
+    if root is not None:
+        if "ajet" in sys.modules:
+            raise RuntimeError("ajet was imported before the proxy process could import it from " + root)
+        sys.path.insert(0, root)
+        import ajet
+        if not ajet.__file__.startswith(root):
+            raise RuntimeError(f"ajet came from {ajet.__file__}, not from {root}")
     from ajet.llm_call import SamplingParams
     from ajet.model import load_tokenizer
     from ajet.proxy.server import ProxyServer
@@ -90,23 +102,29 @@ class Proxy:
     client: str
     conn: object
     process: multiprocessing.Process
+    name: str = ""          # its rows' label: the client, `@also` for the --also checkout
+
+    def __post_init__(self):
+        self.name = self.name or self.client
 
     def ask(self, cmd: str, arg=None):
         self.conn.send((cmd, arg))
         return self.conn.recv()
 
 
-def start_proxies(clients: list[str], engine_url: str, tokenizer_dir: str) -> list[Proxy]:
+def start_proxies(clients: list[str], engine_url: str, tokenizer_dir: str, also: str | None = None) -> list[Proxy]:
+    """One proxy process per client (and per client one more importing ajet from the checkout `also`)."""
     ctx = multiprocessing.get_context("spawn")
     proxies = []
     for client in clients:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=proxy_process, args=(child, engine_url, client, tokenizer_dir), daemon=True)
-        p.start()
-        proxies.append(Proxy(client, parent, p))
+        for root in (None, also) if also else (None,):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=proxy_process, args=(child, engine_url, client, tokenizer_dir, root), daemon=True)
+            p.start()
+            proxies.append(Proxy(client, parent, p, client + ("@also" if root else "")))
     for p in proxies:
         if not p.conn.poll(120) or p.conn.recv() != "ready":
-            raise RuntimeError(f"the proxy process ({p.client}) did not start")
+            raise RuntimeError(f"the proxy process ({p.name}) did not start")
     return proxies
 
 
@@ -255,7 +273,10 @@ def main() -> int:
     ap.add_argument("--tokenizer", default="smollm2-135m-instruct", help="a model path/alias, or 'tiny'")
     ap.add_argument("--min-calls", type=int, default=1000, help="measured calls per point, at least")
     ap.add_argument("--no-coding-agent", action="store_true", help="skip the 40 KB / 15-tool CPU table")
+    ap.add_argument("--also", metavar="PATH", help="also measure a proxy importing ajet from this checkout")
     args = ap.parse_args()
+    if args.also and not (Path(args.also) / "ajet" / "__init__.py").is_file():
+        ap.error(f"--also {args.also}: not an ajet checkout (no ajet/__init__.py)")
 
     from ajet.model import load_tokenizer
 
@@ -266,18 +287,20 @@ def main() -> int:
     expected = tok.decode(reply_ids, skip_special_tokens=True)
     server = InstantServer.start(reply_ids, [tok.decode([t]) for t in reply_ids[:-1]] + [""],
                                  max_model_len=MAX_MODEL_LEN)
-    proxies = start_proxies(args.clients, server.url, d)
+    proxies = start_proxies(args.clients, server.url, d, args.also and str(Path(args.also).resolve()))
     direct_endpoints = lambda n: [(server.url + "/v1", "direct")] * n  # noqa: E731
 
     failed = False
     load = lambda: " ".join(f"{x:.1f}" for x in os.getloadavg())  # noqa: E731
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average {load()}")
-    sent = {p.client: 0 for p in proxies}
-    recorded = {p.client: 0 for p in proxies}
+    sent = {p.name: 0 for p in proxies}
+    recorded = {p.name: 0 for p in proxies}
     rows = []
     print(f"tokenizer: {d}")
-    print(f"{'mode':<10} {'episodes':>8} {'api':<9} {'client':<7} | {'direct p50':>10} {'p99':>7} | {'proxy p50':>9} "
-          f"{'p99':>7} | {'added p50':>9} {'p99':>7} | {'calls/s direct':>14} {'proxy':>6} | {'CPU/call':>8}")
+    width = max(len(p.name) for p in proxies)
+    print(f"{'mode':<10} {'episodes':>8} {'api':<9} {'client':<{width}} | {'direct p50':>10} {'p99':>7} | "
+          f"{'proxy p50':>9} {'p99':>7} | {'added p50':>9} {'p99':>7} | {'calls/s direct':>14} {'proxy':>6} | "
+          f"{'CPU/call':>8}")
     for stream in (False, True):
         for n in args.concurrency:
             rounds = 1 + math.ceil(args.min_calls / (n * args.calls))     # + the warm-up round
@@ -292,19 +315,22 @@ def main() -> int:
                         cpu = p.ask("cpu") - cpu0
                         counts = p.ask("close")
                     n_sent = n * (1 + (rounds - 1) * args.calls)
-                    sent[p.client] += n_sent
-                    recorded[p.client] += sum(counts)
-                    row = dict(stream=stream, n=n, api=api, client=p.client, d50=d50, d99=d99, p50=p50, p99=p99,
+                    sent[p.name] += n_sent
+                    recorded[p.name] += sum(counts)
+                    row = dict(stream=stream, n=n, api=api, client=p.name, d50=d50, d99=d99, p50=p50, p99=p99,
                                a50=p50 - d50, a99=p99 - d99, dcps=dcps, pcps=pcps, cpu_ms=cpu / n_sent * 1e3)
                     rows.append(row)
-                    print(f"{'stream' if stream else 'non-stream':<10} {n:>8} {api:<9} {p.client:<7} | {d50:>8.2f}ms "
-                          f"{d99:>5.2f}ms | {p50:>7.2f}ms {p99:>5.2f}ms | {p50 - d50:>7.2f}ms {p99 - d99:>5.2f}ms | "
-                          f"{dcps:>14.0f} {pcps:>6.0f} | {row['cpu_ms']:>6.2f}ms", flush=True)
+                    print(f"{'stream' if stream else 'non-stream':<10} {n:>8} {api:<9} {p.name:<{width}} | "
+                          f"{d50:>8.2f}ms {d99:>5.2f}ms | {p50:>7.2f}ms {p99:>5.2f}ms | "
+                          f"{p50 - d50:>7.2f}ms {p99 - d99:>5.2f}ms | {dcps:>14.0f} {pcps:>6.0f} | "
+                          f"{row['cpu_ms']:>6.2f}ms", flush=True)
     if not args.no_coding_agent:
         print("\ncoding-agent shape (40 KB system prompt, 15 tools), proxy CPU per call, non-stream:")
         for api in args.apis:
-            t1, t20 = uvloop.run(coding_agent_cpu(proxies[0], api, expected))
-            print(f"  {api:<9} turn 1: {t1:6.2f} ms   turn 20: {t20:6.2f} ms", flush=True)
+            for p in proxies[:2 if args.also else 1]:
+                t1, t20 = uvloop.run(coding_agent_cpu(p, api, expected))
+                print(f"  {api:<9} {p.name if args.also else '':<13} turn 1: {t1:6.2f} ms   turn 20: {t20:6.2f} ms",
+                      flush=True)
     for p in proxies:
         p.ask("stop")
         p.process.join(timeout=10)
@@ -317,7 +343,7 @@ def main() -> int:
         failed |= lost != 0
         print(f"proxy ({client}) recorded {recorded[client]} of {sent[client]} calls" + (f": {lost} LOST" if lost else ""))
     for r in rows:
-        if r["n"] == 64 and r["client"] == proxies[0].client:
+        if r["n"] == 64 and r["client"] == proxies[0].name:
             mode = "stream" if r["stream"] else "non-stream"
             cps_ok, cpu_ok = r["pcps"] >= TARGET["calls_per_s"], r["cpu_ms"] <= TARGET["cpu_ms_per_call"]
             print(f"target, {mode}, {r['api']}, 64 episodes: {r['pcps']:.0f} calls/s >= {TARGET['calls_per_s']}: "

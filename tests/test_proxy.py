@@ -183,3 +183,27 @@ def test_tool_choice_required_forces_only_the_tag(tokenizer):
     finally:
         proxy.stop()
     assert r.choices[0].message.tool_calls[0].function.name == "calculate"
+
+
+def test_wire_messages_and_tools_are_each_items_model_dump_without_none():
+    """`wire_messages` / `wire_tools` (one serializer call for the whole list) give exactly each item's
+    `model_dump(exclude_none=True)`: the same keys in the same order, vendor fields kept, None-valued fields dropped
+    (not None inside free-form values such as arguments or schemas)."""
+    from ajet.proxy.schema import ChatCompletionRequest
+
+    messages = [
+        {"role": "user", "content": "hi", "name": None, "vendor": {"a": None}},
+        {"role": "developer", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "assistant", "content": None, "reasoning_content": "r", "tool_calls": [
+            {"id": None, "type": "function", "function": {"name": "f", "arguments": {"k": [1, None]}}},
+            {"function": {"name": "g"}}]},
+        {"role": "tool", "content": "o", "tool_call_id": "c", "name": None},
+        {"role": "system", "content": None}]
+    tools = [{"type": "function", "x": None, "function": {"name": "f", "description": None, "strict": None,
+              "parameters": {"type": "object", "properties": {"a": {"type": "string", "default": None}}}}}]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "tools": tools})
+    want = [m.model_dump(exclude_none=True) for m in req.messages]
+    assert json.dumps(req.wire_messages()) == json.dumps(want)
+    assert want[0] == {"role": "user", "content": "hi", "vendor": {"a": None}} and want[4] == {"role": "system"}
+    assert json.dumps(req.wire_tools()) == json.dumps([t.model_dump(exclude_none=True) for t in req.tools])
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": messages}).wire_tools() is None

@@ -85,6 +85,25 @@ def test_a_7mib_request_does_not_stall_other_episodes(tokenizer):
                 f"(p99 s, 7 MiB request s, calls): {seen}")
 
 
+def test_a_small_body_is_prepared_on_the_event_loop_and_a_larger_one_in_the_pool(tokenizer):
+    """A body of at most INLINE_PREPARE_BYTES is prepared on the event loop's thread (no hop to the pool and
+    back); one byte more goes to a prepare thread. Both answer the same."""
+    from ajet.proxy.server import INLINE_PREPARE_BYTES
+
+    with running(tokenizer, replies=("ok",) * 4) as (proxy, _, ep, http):
+        threads: list[str] = []
+        prepare = proxy._prepare
+        proxy._prepare = lambda *a: threads.append(threading.current_thread().name) or prepare(*a)
+        small = json.dumps({"model": "m", "messages": USER}).encode()
+        for size in (len(small), INLINE_PREPARE_BYTES, INLINE_PREPARE_BYTES + 1):
+            body = small[:-1] + b" " * (size - len(small)) + b"}"      # JSON whitespace pads it to `size` bytes
+            assert len(body) == size
+            r = http.post(chat_url(ep), content=body, headers={"Content-Type": "application/json"})
+            assert_ok(r)
+            assert r.json()["choices"][0]["message"]["content"] == "ok"
+        assert threads[0] == threads[1] == "ajet-proxy" and threads[2].startswith("ajet-prepare"), threads
+
+
 def test_an_over_long_prompt_is_rejected_before_it_is_tokenized(tokenizer):
     """The rendered text's length bounds its token count from below: 7 MiB cannot fit 4,096 tokens, so
     the 400 comes without tokenizing it; a prompt the bound cannot rule out is tokenized, then rejected."""

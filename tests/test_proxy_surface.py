@@ -302,13 +302,37 @@ def test_the_first_start_freezes_the_objects_alive_then(tokenizer, monkeypatch):
     from ajet.proxy import server
 
     monkeypatch.setattr(server, "_HEAP_FROZEN", False)     # as in a process whose proxy starts for the first time
+    thresholds = gc.get_threshold()
+    gc.set_threshold(700, 11, 12)                          # CPython's young threshold; older ones of its own
     before = [object()]
     proxy = ProxyServer(ScriptedEngine(tokenizer, ["a"]), tokenizer, SamplingParams(max_tokens=8)).start()
     between = [object()]
+    gc.set_threshold(500, 11, 12)
     again = ProxyServer(ScriptedEngine(tokenizer, ["a"]), tokenizer, SamplingParams(max_tokens=8)).start()
     try:
         collectable = {id(o) for o in gc.get_objects()}    # every generation but the permanent one
         assert id(before) not in collectable and id(between) in collectable
+        assert gc.get_threshold() == (500, 11, 12)         # the first start raised the young one; the later left it
     finally:
+        gc.set_threshold(*thresholds)
         proxy.stop()
         again.stop()
+
+
+def test_the_first_start_raises_the_young_collection_threshold_only(tokenizer, monkeypatch):
+    """The first start raises the young generation's threshold to YOUNG_GC_THRESHOLD and keeps the older ones; a
+    process that turned collection off (threshold 0) keeps it off."""
+    import gc
+
+    from ajet.proxy import server
+
+    thresholds = gc.get_threshold()
+    try:
+        for given, expected in (((700, 11, 12), (server.YOUNG_GC_THRESHOLD, 11, 12)), ((0, 11, 12), (0, 11, 12)),
+                                ((9000, 10, 10), (9000, 10, 10))):
+            monkeypatch.setattr(server, "_HEAP_FROZEN", False)
+            gc.set_threshold(*given)
+            server.freeze_heap_once()
+            assert gc.get_threshold() == expected, given
+    finally:
+        gc.set_threshold(*thresholds)
