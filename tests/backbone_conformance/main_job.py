@@ -15,7 +15,7 @@ What is checked, for each backbone (`check_against_debug`):
 
 The config differs from the shipped one only where a 2-step check in CI's time needs it: no held-out evaluation
 (`val_freq: 0`), a checkpoint every step, the paths absolute, one task a step (`TASKS_PER_STEP`, dynamic sampling:
-one extra at most), micro-batches of `max_model_len` tokens (memory), and `rollout.max_batch_size: 1`: each call
+one extra at most), and `rollout.max_batch_size: 1`: each call
 decoded alone, so its tokens do not depend on which calls shared its batch, which timing decides
 (tests/test_batching_numerics.py); batched, a near tie fell the other way in 1 of 4 runs compared.
 """
@@ -57,9 +57,6 @@ def main_job_conf(folder: Path) -> Path:
     conf["algorithm"]["dynamic_sampling"]["max_oversample"] = TASKS_PER_STEP
     conf["rollout"]["episode_timeout_s"] = RUN_S     # a loaded machine must not time out an episode in one run only
     conf["rollout"]["max_batch_size"] = 1            # tokens independent of timing (module docstring)
-    # half the default micro-batch: a verl/Trinity worker's memory is mostly one micro-batch's [tokens, vocab] logits
-    # and activations (Ray's memory monitor killed verl's actor at 4,096 on the shared 23 GB machine)
-    conf["algorithm"]["micro_batch_tokens"] = conf["model"]["max_model_len"]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "math_agent.yaml"
     path.write_text(yaml.safe_dump(conf))
