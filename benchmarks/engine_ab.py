@@ -36,6 +36,7 @@ def engine_at(rev: str):
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("engine_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["engine_baseline"] = module          # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
