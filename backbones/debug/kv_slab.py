@@ -65,9 +65,15 @@ class SlabLayer(DynamicLayer):
         self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """`DynamicLayer`'s batch selection (`indices` `[B']` long), kept in a slab: `keep(indices, 0)`."""
         self.keep(indices, 0)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """`DynamicLayer`'s crop: drop the last `-tokens_to_remove` columns (the slab keeps them as spare).
+
+        Raises:
+            ValueError: `tokens_to_remove` is positive (transformers' legacy meaning, not supported).
+        """
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of columns to remove, got {tokens_to_remove}")
         self.n += tokens_to_remove
