@@ -182,7 +182,8 @@ class HFEngine:
         heap_trim_interval_s: when rows leave the batch, hand the C heap's free memory back to the system
             (`ajet.heap.trim_free_memory`) if this many seconds have passed since the last time; 0: never.
             The worker's freed KV blocks stay in its malloc arena otherwise (a 160-problem evaluation of the
-            main job held 3.3 GB of them).
+            main job held 3.3 GB of them). A 160-problem `ajet eval` of the main job peaked at 5.62 GB resident with
+            5 s, 4.51 GB with 1 s and 4.07 GB with 0.2 s (216-252 s each, the same answers).
 
     Attributes:
         policy_version: the optimizer step of the weights served; the trainer bumps it after an update.
@@ -195,7 +196,7 @@ class HFEngine:
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, max_batch_size: int = 32,
                  max_model_len: int = 4096, decode_fn=None, batch_wait_s: float = 0.02,
                  prefix_cache_bytes: int = 1 << 30, adapter_for: Callable[[str | None], str] | None = None,
-                 heap_trim_interval_s: float = 5.0):
+                 heap_trim_interval_s: float = 1.0):
         self.model = model
         self.heap_trim_interval_s = heap_trim_interval_s
         self._last_trim = time.perf_counter()
