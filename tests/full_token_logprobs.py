@@ -7,9 +7,10 @@ from ajet.sampling_dist import entropy, processed_logprobs
 
 
 def full_token_logprobs(model, input_ids, attention_mask, temperatures, top_ps=None, with_entropy=False,
-                        score_mask=None):
+                        score_mask=None, share_prefixes=None):
     """`token_logprobs` computed the old way: `model(...).logits` and the processed log-softmax over the full
-    vocabulary at EVERY position (prompt, tool results and padding included); score_mask is ignored.
+    vocabulary at EVERY position (prompt, tool results and padding included), one row per sequence;
+    score_mask and share_prefixes are ignored.
     Shapes and returns as `ajet.backbones.debug.backbone.token_logprobs` with score_mask=None."""
     B, S = input_ids.shape
     temps = temperatures.expand(B, S)[:, 1:]

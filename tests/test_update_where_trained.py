@@ -64,6 +64,7 @@ def _grads_and_stats(bb, samples):
                          ids=["seq-mean-token-mean", "token-mean+kl"])
 def test_loss_gradients_and_metrics_equal_the_full_vocabulary_computation(tiny_model_dir, monkeypatch, algorithm):
     bb = _backbone(tiny_model_dir, **algorithm)
+    bb.share_prefixes = False      # the rows the full computation runs (packing: tests/test_shared_prefix.py)
     try:
         samples = _episodes(bb, nucleus="kl_coef" not in algorithm)
         if bb.ref_model is not None:       # a reference policy that differs from the current one: KL > 0

@@ -31,6 +31,7 @@ from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss,
 from ajet.backbones.debug.engine import HFEngine
 from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters, base_state_dict, load_adapters,
                                                 save_adapters, with_role_adapters)
+from ajet.backbones.debug.shared_prefix import pack, pack_rows, supports_packing
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.heap import trim_free_memory
@@ -45,6 +46,12 @@ class DebugBackbone:
 
     Args:
         cfg: the experiment config (model, rollout, algorithm sections are read).
+
+    Attributes:
+        share_prefixes: the update's forwards pack samples that share a prefix (a GRPO group's prompt) into
+            rows that run it once (`backbones/debug/shared_prefix.py`): the same loss and gradients up to float
+            rounding in less time. On where the model `supports_packing`; set False for one row per sample
+            (`benchmarks/update_shared_prefix.py` times both).
     """
 
     def __init__(self, cfg: AjetConfig):
@@ -64,6 +71,7 @@ class DebugBackbone:
             enable_activation_checkpointing(self.model)
         self.device = next(self.model.parameters()).device
         self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
+        self.share_prefixes = supports_packing(self.model)
         alg = cfg.algorithm
         groups = ({name: adapter_parameters(self.model, name) for name in self.adapters} if self.adapters else
                   {None: [p for p in self.model.parameters() if p.requires_grad]})
@@ -228,12 +236,13 @@ class DebugBackbone:
                     weights = loss_token_weights(list(range(len(mb))), [s.num_loss_tokens for s in mb], "token-mean")
                     self.optimizer.zero_grad(set_to_none=True)
                     total = 0.0
-                    for micro in _micro_batches(list(zip(mb, weights)), alg.micro_batch_tokens):
+                    for micro in self._micro_batches(list(zip(mb, weights))):
                         batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id,
                                          self.device)
                         logprobs, _ = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                      torch.ones_like(batch["temperatures"]),
-                                                     score_mask=batch["loss_mask"])
+                                                     score_mask=batch["loss_mask"],
+                                                     share_prefixes=self._packed_row_tokens)
                         loss = sft_loss(logprobs, batch["weights"])
                         loss.backward()
                         total += float(loss.detach())
@@ -257,6 +266,15 @@ class DebugBackbone:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {**stats, "grad_norm": float(grad_norm)}
+
+    @property
+    def _packed_row_tokens(self) -> int | None:
+        """`token_logprobs`' share_prefixes: the micro-batch budget (tokens) with `share_prefixes`, else None."""
+        return self.cfg.algorithm.micro_batch_tokens if self.share_prefixes else None
+
+    def _micro_batches(self, items: list) -> list[list]:
+        """(sample, weight) pairs in micro-batches of `algorithm.micro_batch_tokens` (`_micro_batches`)."""
+        return _micro_batches(items, self.cfg.algorithm.micro_batch_tokens, self.share_prefixes)
 
     def _trained_parameters(self) -> list[torch.nn.Parameter]:
         """The parameters `self.optimizer` steps (the whole trainable policy, or one adapter's LoRA weights)."""
@@ -297,12 +315,12 @@ class DebugBackbone:
         if isinstance(self.teacher, RemoteTeacher):   # fetched by `update` once; a direct call fetches its own
             per_token["teacher_logprobs"] = (self._teacher_lp
                                              or _remote_teacher_logprobs(self.teacher, [s for s, _ in items]))
-        for micro in _micro_batches(items, alg.micro_batch_tokens):
+        for micro in self._micro_batches(items):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device,
                              per_token)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                batch["temperatures"], batch["top_ps"], with_entropy=True,
-                                               score_mask=batch["loss_mask"])
+                                               score_mask=batch["loss_mask"], share_prefixes=self._packed_row_tokens)
             ref = self._ref_logprobs(batch) if alg.kl_coef > 0 else None
             old, weights = batch["old_logprobs"], batch["weights"]
             if self.is_cap is not None:   # off-policy tokens: ratio against pi_prox, loss weighted by pi_prox / pi_old
@@ -320,7 +338,8 @@ class DebugBackbone:
                     with torch.no_grad():
                         teacher, _ = token_logprobs(self.teacher, batch["input_ids"], batch["attention_mask"],
                                                     batch["temperatures"], batch["top_ps"],
-                                                    score_mask=batch["loss_mask"])
+                                                    score_mask=batch["loss_mask"],
+                                                    share_prefixes=self._packed_row_tokens)
                 d_loss, s["distill/kl"] = distill_loss(logprobs, batch["old_logprobs"], teacher, batch["weights"])
                 d = alg.distill
                 loss = d.coef * d_loss if d.mode == "replace" else loss + d.coef * d_loss
@@ -339,10 +358,12 @@ class DebugBackbone:
         if self.lora:
             with self.model.disable_adapter():
                 ref, _ = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                        batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+                                        batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"],
+                                        share_prefixes=self._packed_row_tokens)
             return ref
         ref, _ = token_logprobs(self.ref_model, batch["input_ids"], batch["attention_mask"],
-                                batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+                                batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"],
+                                share_prefixes=self._packed_row_tokens)
         return ref
 
     @torch.no_grad()
@@ -353,10 +374,11 @@ class DebugBackbone:
         out: dict[int, list[float]] = {}
         items = [(s, 1.0) for s in samples if self._forwarded(s)]
         self.model.eval()
-        for micro in _micro_batches(items, self.cfg.algorithm.micro_batch_tokens):
+        for micro in self._micro_batches(items):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
             logprobs, _ = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
-                                         batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"])
+                                         batch["temperatures"], batch["top_ps"], score_mask=batch["loss_mask"],
+                                         share_prefixes=self._packed_row_tokens)
             for i, (s, _) in enumerate(micro):
                 P = len(s.prompt_ids)
                 out[id(s)] = logprobs[i, P:P + len(s.response_ids)].tolist()
@@ -370,11 +392,11 @@ class DebugBackbone:
         sums = {"_entropy": 0.0, "_logprob_diff": 0.0, "_tokens": 0.0}
         items = [(s, 1.0) for s in samples if self._forwarded(s)]
         self.model.eval()
-        for micro in _micro_batches(items, self.cfg.algorithm.micro_batch_tokens):
+        for micro in self._micro_batches(items):
             batch = _collate([s for s, _ in micro], [w for _, w in micro], self.tokenizer.pad_token_id, self.device)
             logprobs, entropy = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"],
                                                batch["temperatures"], batch["top_ps"], with_entropy=True,
-                                               score_mask=batch["loss_mask"])
+                                               score_mask=batch["loss_mask"], share_prefixes=self._packed_row_tokens)
             for k, v in _first_pass_sums(logprobs, entropy, batch).items():
                 sums[k] += v
         n = sums["_tokens"]
@@ -545,7 +567,7 @@ def merged_lora_state_dict(peft_model) -> dict[str, torch.Tensor]:
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperatures: torch.Tensor,
                    top_ps: torch.Tensor | None = None, with_entropy: bool = False,
-                   score_mask: torch.Tensor | None = None):
+                   score_mask: torch.Tensor | None = None, share_prefixes: int | None = None):
     """log pi(x_t | x_<t) of the scored tokens under the distribution each was sampled from.
 
     Each scored token is scored with its own temperature and top_p through
@@ -574,6 +596,9 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         score_mask: `[batch, seq]` nonzero at the tokens to score (the trainer passes the loss mask: the
             loss weights, the KL term and the logprob_diff / entropy metrics all live there); None scores
             every token 1..seq-1 (the full computation).
+        share_prefixes: pack sequences that share a prefix (a GRPO group's prompt) into rows of at most this many
+            tokens, the prefix run once per row (`backbones/debug/shared_prefix.py`); the same values up to float
+            rounding. None, or a model `supports_packing` refuses: one row per sequence.
     Returns:
         (logprobs, entropy): `[batch, seq]` each; position t holds the value for token t (predicted from
         position t-1); position 0 and unscored positions hold 0. A token outside its nucleus gets -inf.
@@ -588,9 +613,18 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     greedy = temps <= 0                  # greedy: scored at T = 1 without a nucleus, as the engine records it
     temps = torch.where(greedy, torch.ones_like(temps), temps)
     tops = None if top_ps is None else torch.where(greedy, torch.ones_like(temps), top_ps.expand(B, S)[rows, cols])
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 use_cache=False).last_hidden_state             # [B, S, H]
-    logits = _lm_head(model, hidden[rows, cols - 1])                            # [N, V]: token t from t-1
+    packed = None
+    if share_prefixes and supports_packing(model):
+        packed = pack(input_ids, attention_mask, share_prefixes, dtype=model.get_output_embeddings().weight.dtype)
+    if packed is None:
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     use_cache=False).last_hidden_state         # [B, S, H]
+        before = hidden[rows, cols - 1]                                         # [N, H]: token t from t-1
+    else:                                                                       # [R, L, H] -> [R * L, H]
+        hidden = model.get_decoder()(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                                     position_ids=packed.position_ids, use_cache=False).last_hidden_state
+        before = hidden.flatten(0, 1)[packed.index[rows, cols - 1]]             # [N, H]
+    logits = _lm_head(model, before)                                            # [N, V]
     logp_all = processed_logprobs(logits, temps, tops)                          # [N, V]
     lp_n = logp_all.gather(-1, input_ids[rows, cols, None]).squeeze(-1)         # [N]
     lp = torch.zeros((B, S), dtype=lp_n.dtype, device=lp_n.device).index_put((rows, cols), lp_n)
@@ -657,19 +691,32 @@ def _collate(samples: list[Sample], weights: list[float], pad_id: int, device,
     return {k: v.to(device) for k, v in out.items()}
 
 
-def _micro_batches(items: list, max_tokens: int) -> list[list]:
-    """Greedy packing of (sample, weight) pairs, longest first, into chunks of <= max_tokens padded tokens."""
-    items = sorted(items, key=lambda it: -len(it[0].input_ids))
+def _micro_batches(items: list, max_tokens: int, share_prefixes: bool = False) -> list[list]:
+    """Greedy packing of (sample, weight) pairs, longest first, into chunks of <= max_tokens padded tokens.
+
+    share_prefixes: the units are packed rows (`shared_prefix.pack_rows` over all items, rows of at most
+    max_tokens tokens): a chunk holds whole rows, <= max_tokens counting each row padded to its chunk's longest;
+    `token_logprobs(..., share_prefixes=max_tokens)` packs a chunk into those rows again (or fewer)."""
+    if share_prefixes:
+        rows = pack_rows([s.input_ids for s, _ in items], max_tokens)
+        units = [([items[i] for i in r.members], r.length) for r in rows]
+        return _chunks(sorted(units, key=lambda u: -u[1]), max_tokens)
+    return _chunks([([it], len(it[0].input_ids)) for it in sorted(items, key=lambda it: -len(it[0].input_ids))],
+                   max_tokens)
+
+
+def _chunks(units: list[tuple[list, int]], max_tokens: int) -> list[list]:
+    """(items, tokens) units, longest first, into chunks whose count x longest is <= max_tokens (a longer unit
+    alone); returns each chunk's items."""
     chunks, cur, cur_max = [], [], 0
-    for it in items:
-        n = len(it[0].input_ids)
+    for members, n in units:
         if cur and max(cur_max, n) * (len(cur) + 1) > max_tokens:
-            chunks.append(cur)
+            chunks.append([it for m in cur for it in m])
             cur, cur_max = [], 0
-        cur.append(it)
+        cur.append(members)
         cur_max = max(cur_max, n)
     if cur:
-        chunks.append(cur)
+        chunks.append([it for m in cur for it in m])
     return chunks
 
 
