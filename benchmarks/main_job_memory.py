@@ -1,6 +1,7 @@
 """Peak resident memory of the main job, per phase: model load, rollout, held-out evaluation, update, checkpoint.
 
     python benchmarks/main_job_memory.py [--steps 3] [--val-tasks 64] [--seed 0] [--full] [--set KEY=VALUE ...]
+        [--heap-trim-interval S] [--eval-only] [--update-only GROUPS]
 
 Runs the README's main job (`tutorial/example_math_agent/math_agent.yaml`, debug backbone) in this process with
 the same shapes, shortened by default: `--steps` GRPO steps (each 4 tasks x 4 episodes, dynamic sampling on),
@@ -13,6 +14,10 @@ the phase running then (the trainer's own calls are wrapped: `source.collect`, `
 `--set KEY=VALUE` overrides a config field (e.g. `--set model.gradient_checkpointing=false` for the update without
 activation checkpointing; on a loaded machine `--set rollout.episode_timeout_s=7200`, so that slow episodes are not
 cut off before the update has anything to train on).
+
+`--eval-only`: only `ajet eval` of the main job's config (the base model) on the first `--val-tasks` problems, its
+peak RSS and wall time; `--heap-trim-interval S` sets how often the debug engine may hand the heap back (e.g.
+`--eval-only --val-tasks 160 --heap-trim-interval 5` against the engine's default).
 
 Printed: per phase, the peak RSS (GB) and the RSS when the phase last ended; the process's high-water mark
 (`ru_maxrss`); wall time; and a digest (sha256) of every token id the run sampled (training episodes in store
@@ -130,6 +135,27 @@ def token_digest(exp: Path) -> tuple[str, int]:
     return h.hexdigest()[:16], n
 
 
+def eval_only(val_tasks: int) -> None:
+    """`ajet eval --conf <the main job's YAML>` on the first `val_tasks` held-out problems, in this process:
+    prints the peak RSS (sampled, and `ru_maxrss`), the wall time and pass@1."""
+    from ajet.cli import main as cli
+
+    with tempfile.TemporaryDirectory(prefix="ajet-mem-") as tmp:
+        val = Path(tmp) / "val.jsonl"
+        val.write_text("\n".join((CONF.parent / "tasks" / "val.jsonl").read_text().splitlines()[:val_tasks]) + "\n")
+        mem = PhaseMemory().start()
+        token = mem.enter("eval")
+        t0 = time.perf_counter()
+        cli(["eval", "--conf", str(CONF), "--data", str(val), "--out", str(Path(tmp) / "out"), "--quiet"])
+        wall = time.perf_counter() - t0
+        mem.leave(token)
+        mem.stop()
+        pass1 = json.loads((Path(tmp) / "out" / "eval_metrics.json").read_text()).get("pass@1")
+    print(f"eval only: {val_tasks} held-out problems, load {os.getloadavg()[0]:.1f}; peak RSS "
+          f"{mem.peak['eval'] / 1e9:.2f} GB (ru_maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f}"
+          f" GB); wall {wall:.0f} s; pass@1 {pass1}")
+
+
 def update_only(groups: int, overrides: dict) -> None:
     """One update of the main job's shape (`groups` GRPO groups of 4 samples: a ~270-token prompt, a 48-token
     call, a 12-token tool result, a 30-48-token call; `benchmarks/update_where_trained.py`'s samples) on the main
@@ -171,9 +197,21 @@ def main() -> None:
     ap.add_argument("--exp-dir", help="where the run goes (default: a temporary folder, removed after)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override (YAML value), e.g. model.gradient_checkpointing=false")
+    ap.add_argument("--eval-only", action="store_true", help="only `ajet eval` of the main job's config (the base "
+                    "model, greedy) on the first --val-tasks held-out problems: its peak RSS and wall time")
+    ap.add_argument("--heap-trim-interval", type=float, metavar="S", help="the debug engine's heap_trim_interval_s "
+                    "(hand the heap back at most every S seconds when rows leave; default: the engine's)")
     ap.add_argument("--update-only", type=int, metavar="GROUPS", help="only one update of GROUPS main-job GRPO "
                                                                         "groups (synthetic samples; no rollout)")
     args = ap.parse_args()
+    if args.heap_trim_interval is not None:
+        from ajet.backbones.debug import engine
+
+        init = engine.HFEngine.__init__
+        engine.HFEngine.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "heap_trim_interval_s":
+                                                                             args.heap_trim_interval})
+    if args.eval_only:
+        return eval_only(args.val_tasks)
     if args.update_only:
         return update_only(args.update_only, {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.set)})
     if args.full:

@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import yaml  # noqa: E402
-
-from benchmarks.main_job_memory import CONF, PhaseMemory, rss_bytes  # noqa: E402
-from benchmarks.update_where_trained import main_job_samples  # noqa: E402
+from benchmarks.main_job_memory import CONF, PhaseMemory, rss_bytes
+from benchmarks.update_where_trained import main_job_samples
 
 
 def main() -> None:

@@ -7,10 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ajet.backbones.debug.backbone import DebugBackbone, _collate, _micro_batches, token_logprobs
+from ajet.backbones.debug.backbone import _collate, _micro_batches, token_logprobs
 from ajet.backbones.debug.shared_prefix import pack, pack_rows, supports_packing
-from ajet.config import AjetConfig
-from tests.test_update_where_trained import _episodes, _grads_and_stats
+from tests.test_update_where_trained import _backbone, _episodes, _grads_and_stats
 
 A = [5, 6, 7, 8, 9, 10, 11, 12, 20, 21]      # shares 8 tokens with B
 B = [5, 6, 7, 8, 9, 10, 11, 12, 30]
@@ -40,7 +39,7 @@ def test_packed_layout_written_out():
                                 [0, 1, 2, 3, 4, 5, 6, 7, 10, 0],
                                 [11, 12, 13, 0, 0, 0, 0, 0, 0, 0]]
     allowed = (p.attention_mask[:, 0] == 0)                                  # [R, L, L]
-    keys = lambda r, q: allowed[r, q].nonzero().flatten().tolist()          # noqa: E731
+    keys = lambda r, q: allowed[r, q].nonzero().flatten().tolist()
     assert keys(0, 3) == [0, 1, 2, 3]                                       # the shared prefix: causal
     assert keys(0, 8) == list(range(9))                                     # A's first own token
     assert keys(0, 9) == list(range(10))
@@ -52,7 +51,7 @@ def test_packed_layout_written_out():
 
 def test_rows_follow_the_tokens_not_the_order_and_respect_the_budget():
     seqs = [A, B, C, A[:9] + [99], list(range(50, 80))]
-    rows = lambda order: sorted(tuple(tuple(seqs[order[i]]) for i in r.members)      # noqa: E731
+    rows = lambda order: sorted(tuple(tuple(seqs[order[i]]) for i in r.members)
                                 for r in pack_rows([seqs[i] for i in order], 100, min_shared=4))
     order = list(range(len(seqs)))
     shuffled = order[:]
@@ -68,7 +67,7 @@ def test_rows_follow_the_tokens_not_the_order_and_respect_the_budget():
 
 
 def test_sliding_window_and_flash_models_are_not_packed():
-    cfg = lambda **kw: SimpleNamespace(config=SimpleNamespace(**kw))   # noqa: E731
+    cfg = lambda **kw: SimpleNamespace(config=SimpleNamespace(**kw))
     assert supports_packing(cfg(_attn_implementation="sdpa"))
     assert supports_packing(cfg(_attn_implementation="eager", sliding_window=4096,
                                 layer_types=["full_attention"] * 2))   # Qwen2 without its window
@@ -79,9 +78,7 @@ def test_sliding_window_and_flash_models_are_not_packed():
 
 @pytest.fixture(scope="module")
 def backbone(tiny_model_dir):
-    cfg = AjetConfig(workflow="x:y", data={"train_path": "x"}, model={"path": tiny_model_dir, "device": "cpu"},
-                     algorithm={"micro_batch_tokens": 100})
-    bb = DebugBackbone(cfg)
+    bb = _backbone(tiny_model_dir, micro_batch_tokens=100)
     yield bb
     bb.close()
 
@@ -108,7 +105,7 @@ def test_token_logprobs_and_gradients_as_one_row_per_sample(backbone):
     batch = _collate(samples, [1.0] * len(samples), backbone.tokenizer.pad_token_id, backbone.device)
     out = {}
     for share in (None, 400):
-        def run():
+        def run(share=share):
             backbone.model.zero_grad(set_to_none=True)
             lp, ent = token_logprobs(backbone.model, batch["input_ids"], batch["attention_mask"], batch["temperatures"],
                                      batch["top_ps"], with_entropy=True, score_mask=batch["loss_mask"],
