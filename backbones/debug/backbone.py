@@ -696,7 +696,7 @@ def _micro_batches(items: list, max_tokens: int, share_prefixes: bool = False) -
 
     share_prefixes: the units are packed rows (`shared_prefix.pack_rows` over all items, rows of at most
     max_tokens tokens): a chunk holds whole rows, <= max_tokens counting each row padded to its chunk's longest;
-    `token_logprobs(..., share_prefixes=max_tokens)` packs a chunk into those rows again (or fewer)."""
+    `token_logprobs(..., share_prefixes=max_tokens)` packs each chunk's sequences by the same rule."""
     if share_prefixes:
         rows = pack_rows([s.input_ids for s, _ in items], max_tokens)
         units = [([items[i] for i in r.members], r.length) for r in rows]
