@@ -135,14 +135,25 @@ def token_digest(exp: Path) -> tuple[str, int]:
     return h.hexdigest()[:16], n
 
 
+def parse_overrides(sets: list[str]) -> dict:
+    """`--set KEY=VALUE` arguments as config overrides, each value read as YAML (`4096`, `false`, `[1, 2]`)."""
+    return {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in sets)}
+
+
+def held_out_subset(folder: Path, n: int) -> Path:
+    """`folder/val.jsonl`: the first `n` problems of the main job's held-out set (`tasks/val.jsonl`)."""
+    val = folder / "val.jsonl"
+    val.write_text("\n".join((CONF.parent / "tasks" / "val.jsonl").read_text().splitlines()[:n]) + "\n")
+    return val
+
+
 def eval_only(val_tasks: int) -> None:
     """`ajet eval --conf <the main job's YAML>` on the first `val_tasks` held-out problems, in this process:
     prints the peak RSS (sampled, and `ru_maxrss`), the wall time and pass@1."""
     from ajet.cli import main as cli
 
     with tempfile.TemporaryDirectory(prefix="ajet-mem-") as tmp:
-        val = Path(tmp) / "val.jsonl"
-        val.write_text("\n".join((CONF.parent / "tasks" / "val.jsonl").read_text().splitlines()[:val_tasks]) + "\n")
+        val = held_out_subset(Path(tmp), val_tasks)
         mem = PhaseMemory().start()
         token = mem.enter("eval")
         t0 = time.perf_counter()
@@ -213,7 +224,7 @@ def main() -> None:
     if args.eval_only:
         return eval_only(args.val_tasks)
     if args.update_only:
-        return update_only(args.update_only, {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.set)})
+        return update_only(args.update_only, parse_overrides(args.set))
     if args.full:
         args.steps, args.val_tasks, args.save_freq = 16, 160, 8
 
@@ -227,14 +238,12 @@ def main() -> None:
 
     tmp = tempfile.TemporaryDirectory(prefix="ajet-mem-")
     exp = Path(args.exp_dir) if args.exp_dir else Path(tmp.name) / "exp"
-    val = Path(tmp.name) / "val.jsonl"
-    lines = (CONF.parent / "tasks" / "val.jsonl").read_text().splitlines()
-    val.write_text("\n".join(lines[: args.val_tasks]) + "\n")
+    val = held_out_subset(Path(tmp.name), args.val_tasks)
     cfg = load_config(CONF, {"trainer.total_steps": args.steps, "trainer.val_freq": args.steps,
                              "trainer.save_freq": args.save_freq, "trainer.seed": args.seed,
                              "trainer.exp_dir": str(exp), "trainer.progress": False,
                              "data.val_path": str(val), "backbone": "debug",
-                             **{k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.set)}})
+                             **parse_overrides(args.set)})
 
     mem = PhaseMemory().start()
     wrap(DynamicSampling, "collect", mem, "rollout")

@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.main_job_memory import CONF, PhaseMemory, rss_bytes
+from benchmarks.main_job_memory import CONF, PhaseMemory, parse_overrides, rss_bytes
 from benchmarks.update_where_trained import main_job_samples
 
 
@@ -43,7 +42,7 @@ def main() -> None:
     from ajet.config import load_config
     from ajet.heap import trim_free_memory
 
-    cfg = load_config(CONF, {"backbone": "debug", **{k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.set)}})
+    cfg = load_config(CONF, {"backbone": "debug", **parse_overrides(args.set)})
     bb = DebugBackbone(cfg)
     samples = main_job_samples(bb.model.config.vocab_size, args.groups, 4, 268)
     bb.update(samples)                       # warm-up: builds AdamW's state, so that every timed run has it
