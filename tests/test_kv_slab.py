@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ajet.backbones.debug.engine import HFEngine
-from ajet.backbones.debug.kv_slab import SlabLayer, slab_cache
+from ajet.backbones.debug.kv_slab import SlabLayer, drop_moves, slab_cache
 from ajet.llm_call import SamplingParams
 
 
@@ -39,6 +39,59 @@ def test_a_slab_layer_holds_what_concatenation_would_through_growth_selection_an
     k, v = _kv(2, 1, 99), _kv(2, 1, 98)
     got_k, _ = layer.update(k, v)
     assert torch.equal(got_k, torch.cat([want_k[rows][:, :, 3:], k], dim=2))
+
+
+def _left_padded(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`x` `[b, H, m, D]` with `n - m` zero columns before it."""
+    return torch.cat([torch.zeros((x.shape[0], x.shape[1], n - x.shape[2], x.shape[3])), x], dim=2)
+
+
+def test_rows_join_and_leave_a_slab_in_place_as_indexing_and_concatenation_would_place_them():
+    k0, v0 = _kv(3, 4, 1), _kv(3, 4, 2)
+    layer = slab_cache([[(k0, v0)]], spare=2).layers[0]
+    want_k, want_v = k0, v0
+    storage = layer._k.data_ptr()
+    # a shorter row joins: written into a new row (the slab reallocates once: it had no spare rows), zeros before it
+    a_k, a_v = _kv(1, 2, 3), _kv(1, 2, 4)
+    layer.append_rows([(a_k, a_v)], max_rows=8)
+    want_k, want_v = torch.cat([want_k, _left_padded(a_k, 4)]), torch.cat([want_v, _left_padded(a_v, 4)])
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
+    assert layer._k.shape[0] == 8 and layer._k.data_ptr() != storage      # room for twice the rows needed
+    storage = layer._k.data_ptr()
+    # a longer row joins: the batch's columns grow at the front (zeros for the rows already there), in place
+    b_k, b_v = _kv(1, 6, 5), _kv(1, 6, 6)
+    layer.append_rows([(b_k, b_v)], max_rows=8)
+    want_k, want_v = torch.cat([_left_padded(want_k, 6), b_k]), torch.cat([_left_padded(want_v, 6), b_v])
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v) and layer._k.data_ptr() == storage
+    k, v = _kv(5, 1, 7), _kv(5, 1, 8)            # a decode step writes its column after the last one
+    layer.update(k, v)
+    want_k, want_v = torch.cat([want_k, k], dim=2), torch.cat([want_v, v], dim=2)
+    # rows 0 and 3 leave: the last row takes row 0's place, row 3 is past the new end
+    src, dst = drop_moves(5, [0, 3])
+    assert (src, dst) == ([4], [0])
+    layer.drop_rows(torch.tensor(src), torch.tensor(dst), 3)
+    order = torch.tensor([4, 1, 2])
+    want_k, want_v = want_k[order], want_v[order]
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v) and layer._k.data_ptr() == storage
+    layer.trim_front(2)                          # the first two columns: padding in every row left
+    want_k, want_v = want_k[:, :, 2:], want_v[:, :, 2:]
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v) and layer._k.data_ptr() == storage
+    c_k, c_v = _kv(1, 7, 9), _kv(1, 7, 10)       # a row as long as the batch before the trim: fits in place again
+    layer.append_rows([(c_k, c_v)], max_rows=8)
+    want_k, want_v = torch.cat([_left_padded(want_k, 7), c_k]), torch.cat([_left_padded(want_v, 7), c_v])
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v) and layer._k.data_ptr() == storage
+
+
+@pytest.mark.parametrize("rows, leaving", [(5, [0, 3]), (4, [3]), (4, [0, 1, 2, 3]), (6, [1, 2, 5]), (3, []),
+                                           (7, [6, 0, 2])])
+def test_drop_moves_keeps_every_staying_row_once_in_the_new_batch(rows, leaving):
+    src, dst = drop_moves(rows, leaving)
+    where = list(range(rows))                    # where[i]: the old row now at index i
+    for s, d in zip(src, dst):
+        where[d] = s
+    staying = rows - len(set(leaving))
+    assert sorted(where[:staying]) == [i for i in range(rows) if i not in leaving]
+    assert len(src) == len(dst) == len([i for i in leaving if i < staying])     # one copy per place to fill
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ Continuous batching (Yu et al. 2022, "Orca"): one worker thread runs decode step
 each step it admits the requests that have arrived (up to `max_batch_size` rows): each is prefilled on its own
 and joins the running batch at that step; a row that finishes (end-of-turn, stop string, max_tokens) leaves
 the batch at once and its caller is answered. The batch's KV cache is one transformers `DynamicCache` whose
-layers are slabs written in place (`backbones/debug/kv_slab.py`: a decode step writes its column, never copies the
-cache), left-padded to the longest row (each row's tokens are a contiguous suffix of the columns; the attention
-mask hides the padding, position ids count each row's own tokens).
+layers are slabs written in place (`backbones/debug/kv_slab.py`: a decode step writes its column, a joining row is
+written into a free row, a leaving row's place is taken by the batch's last row; the whole cache is copied only
+when the slab runs out of rows or columns), left-padded to the longest row (each row's tokens are a contiguous
+suffix of the columns; the attention mask hides the padding, position ids count each row's own tokens).
 
 Logits only where a token is sampled: prefill asks the model for the last position only (`logits_to_keep=1`),
 never `[rows, prompt, vocab]`.
@@ -58,7 +59,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from ajet.backbones.debug.kv_slab import slab_cache
+from ajet.backbones.debug.kv_slab import drop_moves, slab_cache
 from ajet.backbones.debug.prefix_cache import KV, PrefixCache
 from ajet.engine import QueueTicket, TokenCallback, calling_agent, queue_ticket
 from ajet.heap import trim_free_memory
@@ -383,19 +384,20 @@ class HFEngine:
         self._join([(row, kv) for row, kv in zip(rows, kvs) if row.finish is None])
 
     def _join(self, joining: list[tuple[_Row, KV]]) -> None:
-        """Append rows (each with its cache, `[1, H, n, D]` per layer) to the running batch: one new slab per layer
-        (`kv_slab.slab_cache`), every part left-padded to the longest so that each row's last token sits in the
-        last column."""
+        """Append rows (each with its cache, `[1, H, n, D]` per layer) to the running batch, every row left-padded to
+        the longest so that each row's last token sits in the last column: the first rows make the slabs
+        (`kv_slab.slab_cache`), later ones are written into them in place (`SlabLayer.append_rows`)."""
         if not joining:
             return
         lens = [kv[0][0].shape[2] for _, kv in joining]
         L_old = 0 if self._cache is None else self._attn.shape[1]
         L = max([L_old, *lens])
         device = joining[0][1][0][0].device
-        parts = [kv for _, kv in joining]
-        if self._cache is not None:
-            parts.insert(0, [(layer.keys, layer.values) for layer in self._cache.layers])
-        self._cache = slab_cache(parts)                                                 # [B', H, L, D] per layer
+        if self._cache is None:
+            self._cache = slab_cache([kv for _, kv in joining])                       # [B', H, L, D] per layer
+        else:
+            for li, layer in enumerate(self._cache.layers):
+                layer.append_rows([kv[li] for _, kv in joining], self.max_batch_size)
         masks = [_pad_left(torch.ones((1, n), dtype=torch.long, device=device), L - n) for n in lens]
         if self._attn is not None:
             masks.insert(0, _pad_left(self._attn, L - L_old))
@@ -453,23 +455,32 @@ class HFEngine:
                   for layer in self._cache.layers]                                  # [1, H, n_ctx, D]
             self.prefix_cache.insert(row.req.prompt_ids + row.out_ids[:-1], kv, row.version, row.req.adapter)
             self._answer(row)
-        keep = [i for i in range(len(self._rows)) if i not in set(done)]
-        if not keep:
+        if len(done) == len(self._rows):
             self._rows, self._cache, self._attn = [], None, None
         else:
-            self._keep_rows(keep)
+            self._drop_rows(done)
         if self.heap_trim_interval_s and time.perf_counter() - self._last_trim >= self.heap_trim_interval_s:
-            trim_free_memory()          # the left rows' slabs (and earlier ones) are free now
+            trim_free_memory()          # freed slabs and evicted prefixes: handed back
             self._last_trim = time.perf_counter()
 
-    def _keep_rows(self, keep: list[int]) -> None:
-        """Keep only the batch rows at indices `keep` (and the columns some kept row needs)."""
-        self._rows = [self._rows[i] for i in keep]
-        index = torch.tensor(keep, device=self._attn.device)
-        attn = self._attn[index]                                # [B', L]
+    def _drop_rows(self, done: list[int]) -> None:
+        """Drop the batch rows at indices `done`, in place: the staying rows at or past the new batch size take their
+        places (`kv_slab.drop_moves`; the batch's order changes, which nothing reads), then the leading columns no
+        staying row needs are dropped."""
+        src, dst = drop_moves(len(self._rows), done)
+        size = len(self._rows) - len(done)
+        for s, d in zip(src, dst):
+            self._rows[d] = self._rows[s]
+        del self._rows[size:]
+        device = self._attn.device
+        src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)   # [k] each
+        if src:
+            self._attn[dst_t] = self._attn[src_t]
+        attn = self._attn[:size]                                # [B', L]
         first = int(attn.any(0).long().argmax())                # leading columns that are padding in every row
         for layer in self._cache.layers:
-            layer.keep(index, first)                            # one copy per layer: kept rows, needed columns
+            layer.drop_rows(src_t, dst_t, size)                 # one row copied per leaving row before the new end
+            layer.trim_front(first)
         self._attn = attn[:, first:]
 
     def _adapters(self, reqs: list[_Request]) -> dict[str, list[str]]:
