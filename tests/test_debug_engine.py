@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ajet.backbones.debug.backbone import token_logprobs
-from ajet.backbones.debug.engine import HFEngine
+from ajet.backbones.debug.engine import HFEngine, _Row, sample_rows
 from ajet.llm_call import SamplingParams
 
 
@@ -84,6 +84,30 @@ def test_top_p_logprobs_are_the_processed_distribution_and_never_leave_the_nucle
         assert all(inside)                                     # no token outside the nucleus was ever drawn
         n += len(out.token_ids)
     assert n >= 60          # enough draws that sampling from the full distribution would leave the nucleus
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p):
+    """`sample_rows`' draws over 40,000 rows: each token's frequency within 5 standard errors of its probability
+    under softmax(logits / T) truncated to the nucleus and renormalised (written out here), and never a token
+    outside it; a row's token depends on its own seed only."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])      # [V]
+    p = torch.softmax(logits / temperature, -1)
+    order = p.argsort(descending=True)
+    before = p[order].cumsum(0) - p[order]                    # mass of the tokens ranked above each one
+    nucleus = torch.zeros_like(p, dtype=torch.bool)
+    nucleus[order[before < top_p]] = True                     # the smallest top set reaching top_p
+    want = torch.where(nucleus, p, 0.0) / p[nucleus].sum()
+    n = 40_000
+    rows = [_Row(None, temperature, top_p, False, torch.Generator().manual_seed(i), 1, 0) for i in range(n)]
+    _, tokens = sample_rows(logits.expand(n, -1), rows)
+    freq = torch.bincount(tokens, minlength=len(logits)).double() / n
+    stderr = (want * (1 - want) / n).sqrt()
+    assert ((freq - want).abs() <= 5 * stderr + 1e-12).all(), (freq, want)
+    assert freq[~nucleus].sum() == 0
+    # each row draws from its own generator only: the first 50 seeds in reverse order draw the same tokens reversed
+    again = [_Row(None, temperature, top_p, False, torch.Generator().manual_seed(i), 1, 0) for i in reversed(range(50))]
+    assert torch.equal(sample_rows(logits.expand(50, -1), again)[1], tokens[:50].flip(0))
 
 
 def test_temperature_zero_is_greedy_with_logprobs_under_temperature_one(engine):

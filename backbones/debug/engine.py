@@ -149,19 +149,29 @@ class _Row:
 def sample_rows(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from `logits` `[B, vocab]` (each row's last position).
 
+    A sampled row draws by inverting its distribution's CDF: one uniform number `u` from the row's generator, the
+    first token whose cumulative probability (float64) exceeds `u` times the total. This is a draw from the same
+    distribution as `torch.multinomial`, which spends an exponential variate per vocabulary entry (49k for SmolLM2:
+    about 1.3 ms a row on the 2-core CPU, a fifth of a 32-row decode step); it takes other tokens for a seed.
+
     Returns:
         (logprobs `[B, vocab]` float32 under each row's processed distribution (-inf outside its nucleus),
         tokens `[B]` long on the CPU: a draw from that distribution with the row's generator (never outside the
-        nucleus), or the argmax for greedy rows).
+        nucleus: a token of probability 0 adds nothing to the CDF, so no `u` lands on it), or the argmax for greedy
+        rows).
     """
     device = logits.device
     temperature = torch.tensor([r.temperature for r in rows], device=device)    # [B]
     top_p = torch.tensor([r.top_p for r in rows], device=device)                # [B]
     logprobs = processed_logprobs(logits, temperature, top_p)                   # [B, V]
-    probs = logprobs.exp().cpu()                                                # [B, V], 0 outside the nucleus
-    argmax = logits.argmax(-1).cpu()                                            # [B]
-    tokens = torch.stack([argmax[i] if r.greedy else torch.multinomial(probs[i], 1, generator=r.generator)[0]
-                          for i, r in enumerate(rows)])
+    tokens = logits.argmax(-1).cpu()                                            # [B]
+    sampled = [i for i, r in enumerate(rows) if not r.greedy]
+    if sampled:
+        chosen = logprobs if len(sampled) == len(rows) else logprobs[torch.tensor(sampled, device=device)]
+        cdf = torch.cumsum(chosen.exp(), -1, dtype=torch.float64)               # [S, V], 0 outside the nucleus adds 0
+        u = torch.cat([torch.rand(1, generator=rows[i].generator, dtype=torch.float64) for i in sampled])   # [S]
+        draw = torch.searchsorted(cdf, (u.to(device) * cdf[:, -1])[:, None], right=True)[:, 0]          # [S]
+        tokens[sampled] = draw.clamp(max=cdf.shape[1] - 1).cpu()
     return logprobs, tokens
 
 
