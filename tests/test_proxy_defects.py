@@ -141,11 +141,13 @@ def _tool_turns(arguments: str) -> str:
             '{"role": "tool", "tool_call_id": "c1", "content": "2"}]')
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["small body", "body over 16 KiB"])
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH - 10, MAX_JSON_DEPTH + 1, 900, 5000])
-def test_deep_nesting_anywhere_is_answered_or_a_400_never_a_500(tokenizer, depth):
+def test_deep_nesting_anywhere_is_answered_or_a_400_never_a_500(tokenizer, depth, padded):
     """Messages, tool parameters and tool-call arguments (as an object, and as a JSON string) nested
     `depth` levels: within the limit they are answered; deeper, a 400 names where (a JSON string of
-    arguments is text to the proxy: always answered)."""
+    arguments is text to the proxy: always answered). Also in a body over 16 KiB (20 KB of `user` text), which the
+    proxy walks without counting its brackets first."""
     deep, user, calc = _nested(depth), json.dumps(USER), json.dumps([CALC_TOOL])
     tool = ('[{"type": "function", "function": {"name": "calculate", "parameters": {"type": "object", "properties": '
             '{"expression": {"type": "string", "default": ' + deep + '}}}}}]')
@@ -155,7 +157,8 @@ def test_deep_nesting_anywhere_is_answered_or_a_400_never_a_500(tokenizer, depth
              "arguments string": f'"messages": {_tool_turns(json.dumps(deep))}, "tools": {calc}'}
     with running(tokenizer, max_model_len=10**5) as (_, _, ep, http):
         for name, body in cases.items():
-            r = http.post(chat_url(ep), content='{"model": "m", ' + body + "}")
+            pad = '"user": "' + "u" * 20_000 + '", ' if padded else ""
+            r = http.post(chat_url(ep), content='{"model": "m", ' + pad + body + "}")
             if depth < MAX_JSON_DEPTH or name == "arguments string":
                 assert r.status_code == 200, (name, r.text[:300])
             else:

@@ -457,7 +457,7 @@ def find_parent(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
         k = len(call.messages)
         if len(messages) <= k + 1 or messages[k].get("role") != "assistant":
             continue
-        if not all(_same(a, b) for a, b in zip(messages[:k], call.messages)):
+        if not all(a == b or _same(a, b) for a, b in zip(messages[:k], call.messages)):   # == first: C speed
             continue
         if not _same(messages[k], call.response_message, ignore_ids=True):
             continue
@@ -483,7 +483,8 @@ def _parent_by_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
     if call is None:
         return None, None
     schemas = _schemas(tools)
-    if j != len(call.messages) or not all(_same(a, b, schemas=schemas) for a, b in zip(messages[:j], call.messages)):
+    if j != len(call.messages) or not all(a == b or _same(a, b, schemas=schemas)
+                                          for a, b in zip(messages[:j], call.messages)):
         return None, "history_edited"
     if not _same(messages[j], call.response_message, schemas=schemas):
         return None, "reply_edited"

@@ -222,8 +222,9 @@ def load_json(raw: bytes, max_items: int = MAX_JSON_ITEMS) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ProxyError(400, "the request body must be a JSON object", code="invalid_json")
     # nesting and size: the bracket count (counted in C) bounds both, so only a body with many brackets is
-    # walked, and the walk stops at the first problem
-    if (raw.count(b"[") + raw.count(b"{") > min(MAX_JSON_DEPTH, max_items)
+    # walked, and the walk stops at the first problem; a body over 16 KiB is walked without counting (an agent's
+    # such body, with its tools, nearly always has more than MAX_JSON_DEPTH brackets: the count would be spent)
+    if ((len(raw) > 16384 or raw.count(b"[") + raw.count(b"{") > min(MAX_JSON_DEPTH, max_items))
             and (problem := _shape_problem(data, MAX_JSON_DEPTH, max_items))):
         message, where = problem
         raise ProxyError(400, message, param=where, code="invalid_value")
