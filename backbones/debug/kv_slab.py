@@ -6,8 +6,8 @@ does at every token.
 Why: with a `DynamicLayer` every decode step of every layer allocates a cache one column longer and frees the old
 one; the freed blocks, of ever-changing sizes, stay in the engine thread's C heap (glibc keeps a thread's arena;
 `ajet.heap.trim_free_memory` hands them back only when called) and the copies cost time (`torch.cat` was 11-15% of
-the engine's time in a 16-32-row decode profile). A slab is reallocated only when rows join or leave the batch (a
-copy the engine made anyway) or when its spare columns run out (every `spare` tokens).
+the engine's time in a 16-32-row decode profile). A decode step reallocates a slab only when its spare columns run
+out (every `spare` tokens).
 
 Rows join and leave in place too (`append_rows`, `drop_rows`, `trim_front`): the slab has spare rows and free
 columns before the first one in use, so a joining row is written into the next free row (its left padding zeroed),
