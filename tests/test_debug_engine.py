@@ -110,6 +110,33 @@ def test_sampled_tokens_follow_the_processed_distribution(temperature, top_p):
     assert torch.equal(sample_rows(logits.expand(50, -1), again)[1], tokens[:50].flip(0))
 
 
+def test_sampled_tokens_are_torch_multinomials_for_the_same_generators():
+    """Each sampled row's token and its generator's state after are those of `torch.multinomial` on that row's
+    processed probabilities with a generator of the same seed (49,152 entries, as SmolLM2's vocabulary; a greedy
+    row between them draws nothing), so a seed's tokens do not change with the batched sampler; and the draw is
+    robust to rounding: logits moved by 3e-4 draw the same tokens in nearly every row (inverting one CDF moves
+    every boundary and fails this)."""
+    from ajet.sampling_dist import processed_logprobs
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(24, 49_152, generator=g) * 2                                     # [B, V]
+    temps, tops = [0.8, 1.0, 0.6, 0.8] * 6, [1.0, 1.0, 0.9, 0.5] * 6
+    greedy = [i % 7 == 3 for i in range(24)]
+    rows = [_Row(None, t, p, gr, torch.Generator().manual_seed(100 + i), 1, 0)
+            for i, (t, p, gr) in enumerate(zip(temps, tops, greedy))]
+    _, tokens = sample_rows(logits, rows)
+    probs = processed_logprobs(logits, torch.tensor(temps), torch.tensor(tops)).exp()     # [B, V]
+    for i in range(24):
+        ref = torch.Generator().manual_seed(100 + i)
+        want = logits[i].argmax() if greedy[i] else torch.multinomial(probs[i], 1, generator=ref)[0]
+        assert tokens[i] == want, i
+        assert torch.equal(rows[i].generator.get_state(), ref.get_state()), i
+    wide = torch.randn(200, 49_152, generator=g) * 2                                     # [200, V]
+    moved = wide + 3e-4 * torch.randn(wide.shape, generator=g)
+    draws = [sample_rows(x, [_Row(None, 0.8, 1.0, False, torch.Generator().manual_seed(i), 1, 0) for i in range(200)])[1]
+             for x in (wide, moved)]
+    assert (draws[0] != draws[1]).sum() <= 1          # the CDF's draw: ~10 of 200 differ
+
+
 def test_temperature_zero_is_greedy_with_logprobs_under_temperature_one(engine):
     eng, model, tok = engine
     p = tok.encode("greedy please", add_special_tokens=False)
