@@ -87,9 +87,14 @@ class Episode(_EpisodeData):
     _client: AjetClient
 
     def openai(self, **kwargs):
-        """An `openai.OpenAI` client bound to this episode (kwargs go to its constructor)."""
+        """An `openai.OpenAI` client bound to this episode (kwargs go to its constructor; without `http_client`
+        it shares the process's TLS context, `ajet.tls`)."""
         from openai import OpenAI
 
+        from ajet.tls import openai_http_client
+
+        if "http_client" not in kwargs:
+            kwargs["http_client"] = openai_http_client(asynchronous=False)
         return OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def finish(self, reward: float | None = None, final_answer: str | None = None,
@@ -148,9 +153,14 @@ class AsyncEpisode(_EpisodeData):
     _client: AsyncAjetClient
 
     def openai(self, **kwargs):
-        """An `openai.AsyncOpenAI` client bound to this episode."""
+        """An `openai.AsyncOpenAI` client bound to this episode (kwargs go to its constructor; without `http_client`
+        it shares the process's TLS context, `ajet.tls`)."""
         from openai import AsyncOpenAI
 
+        from ajet.tls import openai_http_client
+
+        if "http_client" not in kwargs:
+            kwargs["http_client"] = openai_http_client()
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     async def finish(self, reward: float | None = None, final_answer: str | None = None,

@@ -69,11 +69,14 @@ class Tuner:
     @property
     def client(self) -> AsyncOpenAI:
         """A ready `openai.AsyncOpenAI` client bound to this episode (created on first use; 2 retries, a
-        600 s timeout per request)."""
+        600 s timeout per request; the process's shared TLS context, `ajet.tls`, instead of a new one per client)."""
         if self._client is None:
             from openai import AsyncOpenAI
 
-            self._client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2, timeout=600)
+            from ajet.tls import openai_http_client
+
+            self._client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=2, timeout=600,
+                                       http_client=openai_http_client())
         return self._client
 
     @property
