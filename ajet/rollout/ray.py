@@ -27,7 +27,7 @@ from ajet.task import Task
 from ajet.workflow import Workflow
 
 
-_RESTART_RETRIES, _RESTART_WAIT_S = 20, 0.5   # an episode waits up to ~10 s for a restarting actor
+_RESTART_WAIT_S = 0.5   # between two sends of an episode a restarting actor refused (for up to its timeout_s)
 
 
 class _EpisodeWorker:
@@ -88,7 +88,7 @@ class RayRollout:
         async def _one(i: int, ep: Episode) -> Episode:
             async with sem:
                 t0 = time.perf_counter()
-                for attempt_no in range(_RESTART_RETRIES + 1):
+                while True:
                     endpoint = proxy.open_episode(ep.episode_id, seed_key(ep))
                     try:
                         out = await self.workers[i % len(self.workers)].run.remote(
@@ -102,9 +102,10 @@ class RayRollout:
                     finally:
                         ep.calls = proxy.close_episode(endpoint)
                     # an actor that is still restarting (after a kill in an earlier step) refuses the episode;
-                    # when the policy saw no call, nothing was trained-visible yet: wait and send it again
+                    # when the policy saw no call, nothing was trained-visible yet: wait and send it again, for
+                    # as long as the episode's own timeout (a restart takes seconds idle, far longer under load)
                     restarting = ep.error is not None and ep.error.startswith("ActorUnavailableError")
-                    if not (restarting and not ep.calls) or attempt_no == _RESTART_RETRIES:
+                    if not (restarting and not ep.calls) or time.perf_counter() - t0 >= timeout_s:
                         break
                     await asyncio.sleep(_RESTART_WAIT_S)
             if on_episode_done is not None:
