@@ -134,7 +134,7 @@ def test_sampled_tokens_are_torch_multinomials_for_the_same_generators():
     moved = wide + 3e-4 * torch.randn(wide.shape, generator=g)
     draws = [sample_rows(x, [_Row(None, 0.8, 1.0, False, torch.Generator().manual_seed(i), 1, 0) for i in range(200)])[1]
              for x in (wide, moved)]
-    assert (draws[0] != draws[1]).sum() <= 1          # the CDF's draw: ~10 of 200 differ
+    assert (draws[0] != draws[1]).sum() <= 1          # the CDF's draw: 24 of 200 differ
 
 
 def test_temperature_zero_is_greedy_with_logprobs_under_temperature_one(engine):

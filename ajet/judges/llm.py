@@ -110,16 +110,20 @@ class LLMJudge:
         """
         from openai import AsyncOpenAI
 
+        from ajet.tls import openai_http_client
+
         messages = [{"role": "user", "content": self.prompt(task, output)}]
         endpoint = None
         if self.j.base_url:
-            client = AsyncOpenAI(base_url=self.j.base_url, api_key=self.j.api_key or "none", max_retries=2)
+            client = AsyncOpenAI(base_url=self.j.base_url, api_key=self.j.api_key or "none", max_retries=2,
+                                 http_client=openai_http_client())
         else:
             with self._lock:
                 if self._frozen is None:
                     self._frozen = FrozenPolicy(self.cfg)
             endpoint = self._frozen.proxy.open_episode(f"judge-{id(output)}")
-            client = AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=2)
+            client = AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=2,
+                                 http_client=openai_http_client())
         try:
             r = await client.chat.completions.create(model=self.j.model, messages=messages,
                                                      temperature=self.j.temperature, max_tokens=self.j.max_tokens)
