@@ -4,9 +4,9 @@
 plus loading certifi's CA bundle, 20-60 ms of CPU on the 2-core machine (more under load) for every client, whether
 or not it ever speaks TLS. ajet builds one client per episode (`Tuner.client`, `Episode.openai`, `LLMJudge`):
 hundreds per run, nearly all to the plain-HTTP proxy on 127.0.0.1. The clients built here share one context, made on
-first use with httpx's defaults (certifi's bundle; `SSL_CERT_FILE` / `SSL_CERT_DIR` when set), so a client that does reach an
-https URL verifies certificates and host names exactly as before. An `ssl.SSLContext` may be shared by any number
-of connections, threads and event loops.
+first use with httpx's defaults (certifi's bundle; `SSL_CERT_FILE` / `SSL_CERT_DIR` when set), so a client that
+does reach an https URL verifies certificates and host names exactly as before. An `ssl.SSLContext` may be shared by
+any number of connections, threads and event loops.
 """
 
 from __future__ import annotations
