@@ -16,21 +16,34 @@ from ajet.trainer import run
 from ajet.trajectory_store import TrajectoryStore
 
 WORKFLOW = '''
+import asyncio
+
 from ajet.workflow import Workflow, WorkflowOutput
+
+STARTED = set()   # the tasks whose episodes have started in this run (this module is loaded per run)
 
 
 class RepeatReward(Workflow):
     """One policy call; tasks "flat*" always score 1 (a group without signal), the others score their
-    repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises."""
+    repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises. Tasks "wait*"
+    first wait (at most 60 s) until an episode of a "var*" task has started, and answer whether one did."""
 
     async def execute(self, task, tuner):
+        STARTED.add(task.task_id)
+        seen = None
+        if task.task_id.startswith("wait"):
+            for _ in range(600):
+                if seen := any(t.startswith("var") for t in STARTED):
+                    break
+                await asyncio.sleep(0.1)
         r = await tuner.client.chat.completions.create(model=tuner.model,
                                                        messages=[{"role": "user", "content": task.query}])
         repeat = int(tuner.episode_id.rsplit("-r", 1)[1])
         if task.task_id.startswith("fail") and repeat >= 2:
             raise RuntimeError("this repeat of a fail* task always fails")
+        answer = r.choices[0].message.content or ""
         return WorkflowOutput(reward=1.0 if task.task_id.startswith("flat") else float(repeat),
-                              final_answer=r.choices[0].message.content or "")
+                              final_answer=answer if seen is None else f"var started: {seen}")
 '''
 TASKS = ["flat0", "flat1", "var0", "var1", "flat2", "var2", "flat3", "flat4", "flat5", "flat6", "var3", "var4"]
 
@@ -202,3 +215,40 @@ def test_drop_group_refills_a_group_with_a_failed_episode(tiny_model_dir, tmp_pa
                                                                     (True, "failed_group")]
     eps = [_ep("f", 0.0, 0), _ep("f", 1.0, 1), _ep("f", None, 2), _ep("v", 0.0, 0), _ep("v", 1.0, 1)]
     assert groups_with_signal(eps) == ["f", "v"] and groups_with_signal(eps, "drop_group") == ["v"]
+
+
+def test_an_extra_task_starts_as_soon_as_the_group_it_replaces_has_finished(tiny_model_dir, tmp_path):
+    """flat0 finishes at once without signal; wait0's episodes wait for an extra task's episode to start. The
+    extra task (var0) starts beside them: refilled only once the step's tasks had all finished, wait0 would wait
+    its whole 60 s and answer that none started."""
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=1, tasks=["flat0", "wait0", "var0", "var1"]))
+    (m,) = _metrics(exp)
+    assert (m["rollout/episodes"], m["rollout/oversampled_tasks"], m["rollout/trained_episodes"]) == (6, 1, 4)
+    _, records = _store(exp)
+    assert sorted(r["output"]["final_answer"] for r in records if r["task"]["task_id"] == "wait0") == \
+        ["var started: True"] * 2
+
+
+def test_refilling_while_the_step_runs_draws_and_samples_what_refilling_after_it_does(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """The same config run twice, extra tasks started early (the in-process source) and only once all the
+    step's episodes have finished (the other sources' way, forced here): the same draws, episode ids, sampled
+    tokens and rewards, the same ledger, and the same update (loss equal up to float rounding)."""
+    from ajet.rollout.in_process import InProcessRollout
+
+    def runs(exp):
+        out = run(_conf(tmp_path, tiny_model_dir, steps=2, exp=exp))
+        ledger, records = _store(out)
+        tokens = {r["episode_id"]: (r["task"]["task_id"], r["reward"], [c["completion_ids"] for c in r["calls"]])
+                  for r in records}
+        return _metrics(out), sorted((e["episode_id"], e["trained_in"], e["not_trained"]) for e in ledger), tokens
+
+    early = runs("early")
+    monkeypatch.setattr(InProcessRollout, "refills_while_running", property(lambda self: False))
+    late = runs("late")
+    assert early[1] == late[1] and early[2] == late[2] and len(early[2]) == 18
+    for m_early, m_late in zip(early[0], late[0]):
+        for key in ("rollout/episodes", "rollout/oversampled_tasks", "rollout/trained_episodes",
+                    "rollout/zero_std_groups", "tracker/trained_samples"):
+            assert m_early[key] == m_late[key], key
+        assert m_early["train/loss"] == pytest.approx(m_late["train/loss"], rel=1e-4, abs=1e-6)

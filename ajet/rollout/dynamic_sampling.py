@@ -1,8 +1,10 @@
 """Dynamic sampling as a rollout-source wrapper: the trainer's one loop asks it for a step's episodes as
 it asks any source; it drops the groups without signal (ajet/algorithm/sampling.py) and asks the source
 for more tasks until the step has `trainer.tasks_per_step` groups with signal, or `max_oversample` extra
-tasks were rolled out (DAPO, Yu et al. 2025, sec. 3.2). Under `rollout.failed_episode_policy: drop_group` a
-group with a failed episode is not counted: the trainer leaves it out whole, so it is refilled too.
+tasks were rolled out (DAPO, Yu et al. 2025, sec. 3.2). The in-process source starts each extra task as soon
+as the group it replaces has finished, beside the groups still running (`collect_refilling`). Under
+`rollout.failed_episode_policy: drop_group` a group with a failed episode is not counted: the trainer leaves it
+out whole, so it is refilled too.
 
 Nothing is lost: every episode it was handed is returned (and was committed to the store by the source);
 the dropped groups' episodes carry `not_trained = "zero_std_group"`, which the trainer records in the
@@ -47,22 +49,40 @@ class DynamicSampling:
 
     def collect(self, step: int) -> list[Episode]:
         """The source's episodes of `step` plus those of up to `max_oversample` extra tasks, grouped; the
-        episodes of every group without signal get `not_trained = "zero_std_group"`. Each refill asks for the
-        groups still missing, truncated to what is left of `max_oversample`."""
-        episodes = self.source.collect(step)
+        episodes of every group without signal get `not_trained = "zero_std_group"`.
+
+        One extra task replaces each group found without signal, within `max_oversample` (`_refill`). A source
+        that `refills_while_running` starts it as soon as that group has finished (`collect_refilling`), beside
+        the groups still running; any other is asked for the groups still missing once all it rolled out has
+        finished (`collect_more`), again until none is missing or the budget is spent. Both draw the same tasks:
+        the first of the sampler's that give `tasks_per_step` groups with signal, or `tasks_per_step +
+        max_oversample` tasks."""
         self.oversampled = 0
-        while (missing := self.tasks_per_step - len(groups_with_signal(episodes, self.failed_episode_policy))) > 0 \
-                and self.oversampled < self.max_oversample:
-            n = min(missing, self.max_oversample - self.oversampled)
-            if (bar := active("step")) is not None and bar.total is not None:   # the rollout display waits for more
-                bar.set(total=bar.total + n * self.num_repeat, extra_tasks=self.oversampled + n)
-            episodes += self.source.collect_more(step, n)
-            self.oversampled += n
+        if getattr(self.source, "refills_while_running", False):
+            episodes = self.source.collect_refilling(step, self._refill)
+        else:
+            episodes = self.source.collect(step)
+            while (n := self._refill(episodes)) > 0:
+                episodes += self.source.collect_more(step, n)
         flat = set(zero_std_groups(episodes))
         for e in episodes:
             if e.group_id in flat and e.ok and e.not_trained is None:
                 e.not_trained = ZERO_STD_REASON
         return episodes
+
+    def _refill(self, finished: list[Episode]) -> int:
+        """How many extra tasks to draw now, given the episodes of the step's finished groups (the step's tasks
+        and the extra ones drawn so far, or some of them): one for each finished group without signal that no
+        extra task replaces yet, within what is left of `max_oversample`. Counted into `oversampled`."""
+        signal = groups_with_signal(finished, self.failed_episode_policy)
+        without_signal = len({e.group_id for e in finished}) - len(signal)
+        n = min(without_signal - self.oversampled, self.max_oversample - self.oversampled)
+        if n <= 0:
+            return 0
+        if (bar := active("step")) is not None and bar.total is not None:   # the rollout display waits for more
+            bar.set(total=bar.total + n * self.num_repeat, extra_tasks=self.oversampled + n)
+        self.oversampled += n
+        return n
 
     def metrics(self) -> dict[str, Any]:
         return {**self.source.metrics(), "rollout/oversampled_tasks": self.oversampled}

@@ -96,6 +96,55 @@ class InProcessRollout:
         training), the next ones in sampler order; their episode ids continue the step's task numbering."""
         return asyncio.run(self._run_step(step, *self._draw(step, num_tasks), None))
 
+    @property
+    def refills_while_running(self) -> bool:
+        """Whether `collect_refilling` may be used: under synchronous training (an asynchronous step's episodes
+        are started by the producer before the trainer collects them)."""
+        return self.ctx.cfg.trainer.async_.max_staleness is None
+
+    def collect_refilling(self, step: int, refill: Callable[[list[Episode]], int]) -> list[Episode]:
+        """`collect(step)` with dynamic sampling's extra tasks started while the step's other groups still run.
+
+        Each time one of the step's groups finishes (all its `num_repeat` episodes), `refill(the episodes of every
+        group finished so far)` returns how many extra tasks to draw now; they are the next draws in sampler order,
+        numbered and seeded as `collect_more` would number and seed them, and their episodes start at once beside
+        those still running (one `rollout.max_concurrency` bound over all). A refill that `refill` decides from
+        each finished group alone (`DynamicSampling`) thus draws the same tasks as refilling after the whole
+        batch, and their episodes sample the same tokens (up to the engine's batch-dependent float rounding),
+        but the engine is not left decoding a batch's last few episodes alone before the next tasks start.
+
+        Returns:
+            the step's episodes in draw order (the step's tasks, then the extra ones), `num_repeat` per task.
+        """
+        return asyncio.run(self._run_refilling(step, refill))
+
+    async def _run_refilling(self, step: int, refill: Callable[[list[Episode]], int]) -> list[Episode]:
+        sem = asyncio.Semaphore(self.ctx.cfg.rollout.max_concurrency)
+        num_repeat = self.ctx.cfg.rollout.num_repeat
+        running: dict[str, list[Episode]] = {}     # group id -> its finished episodes, until all are
+        finished: list[Episode] = []               # the episodes of the finished groups
+        batches: list[asyncio.Future] = []         # one per draw, in draw order
+
+        def start(num_tasks: int | None) -> None:
+            batches.append(asyncio.ensure_future(self._run_step(step, *self._draw(step, num_tasks), sem, done)))
+
+        def done(ep: Episode) -> None:
+            self.ctx.record(step, ep)
+            group = running.setdefault(ep.group_id, [])
+            group.append(ep)
+            if len(group) == num_repeat:
+                finished.extend(running.pop(ep.group_id))
+                if (n := refill(finished)) > 0:
+                    start(n)
+
+        start(None)
+        episodes: list[Episode] = []
+        i = 0
+        while i < len(batches):   # grows while awaited; a batch's `done` calls run before it ends, so once the
+            episodes += await batches[i]            # last one has ended, no batch is started any more
+            i += 1
+        return episodes
+
     def _draw(self, step: int, num_tasks: int | None = None) -> tuple[list, int, list[str]]:
         """`num_tasks` (default `tasks_per_step`) more draws for `step`: (their tasks, the index in the step of
         the first, their group ids: `ajet.rollout.episodes.group_ids` over all the step's draws)."""
@@ -105,10 +154,14 @@ class InProcessRollout:
         return [d.task for d in new], first, group_ids(step, [d.task.task_id for d in drawn])[first:]
 
     async def _run_step(self, step: int, tasks: list, first_task_index: int, groups: list[str],
-                        sem: asyncio.Semaphore | None) -> list[Episode]:
+                        sem: asyncio.Semaphore | None, on_episode_done: Callable[[Episode], None] | None = None
+                        ) -> list[Episode]:
+        """The episodes of `tasks` (`num_repeat` each), each recorded as it finishes (`on_episode_done`, default
+        `ctx.record`)."""
         r = self.ctx.cfg.rollout
+        done = on_episode_done or (lambda ep: self.ctx.record(step, ep))
         return await self.run_episodes(self.workflow, tasks, r.num_repeat, self.proxy, self.judge, step, r.max_concurrency,
-                                       r.episode_timeout_s, on_episode_done=lambda ep: self.ctx.record(step, ep),
+                                       r.episode_timeout_s, on_episode_done=done,
                                        attempt=self.ctx.attempt, tools=self.ctx.tools, first_task_index=first_task_index,
                                        groups=groups, **({"semaphore": sem} if sem is not None else {}))
 

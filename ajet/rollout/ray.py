@@ -69,8 +69,10 @@ class RayRollout:
     async def __call__(self, workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                        judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
                        on_episode_done: Callable[[Episode], None] | None = None, attempt: int = 0,
-                       tools=None, first_task_index: int = 0, groups: list[str] | None = None) -> list[Episode]:
-        """`ajet.rollout.episodes.rollout` on the pool: episode i runs on worker i mod num_workers.
+                       tools=None, first_task_index: int = 0, groups: list[str] | None = None,
+                       semaphore: asyncio.Semaphore | None = None) -> list[Episode]:
+        """`ajet.rollout.episodes.rollout` on the pool: episode i runs on worker i mod num_workers (`semaphore`,
+        when given, replaces the `max_concurrency` bound, as there).
 
         Returns:
             `[len(tasks) * num_repeat]` episodes, as `ajet.rollout.episodes.new_episodes` names and groups them.
@@ -81,7 +83,7 @@ class RayRollout:
             raise ConfigError("tools.mcp_servers cannot be used with --with-ray yet (the MCP sessions live in the "
                               "trainer process): drop one of the two")
         _pickle_user_code_by_value(workflow, judge)
-        sem = asyncio.Semaphore(max_concurrency)
+        sem = semaphore or asyncio.Semaphore(max_concurrency)
         wf_ref, judge_ref = self._ray.put(workflow), self._ray.put(judge)
         episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index, groups)
 
