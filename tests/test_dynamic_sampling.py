@@ -20,7 +20,7 @@ import asyncio
 
 from ajet.workflow import Workflow, WorkflowOutput
 
-STARTED = set()   # the tasks whose episodes have started in this run (this module is loaded per run)
+STARTED = set()   # the tasks whose episodes have started (the module is loaded once per file: per test)
 
 
 class RepeatReward(Workflow):
