@@ -121,8 +121,11 @@ def test_token_logprobs_and_gradients_as_one_row_per_sample(backbone):
     m = batch["loss_mask"].bool()
     assert torch.equal(torch.isfinite(lp_r[m]), torch.isfinite(lp_s[m]))   # outside the nucleus in both
     f = m & torch.isfinite(lp_r)
-    torch.testing.assert_close(lp_s[f], lp_r[f], rtol=0, atol=2e-6)
-    torch.testing.assert_close(ent_s[m], ent_r[m], rtol=0, atol=2e-6)
+    # equal up to float32 rounding: other row lengths change the kernels' summation order (logprobs of magnitude
+    # up to ~10 moved by 2.4e-6, ~5 ulps, on one CPU); a packing mistake (position ids off by one: 1.6e-3 on this
+    # tiny model) moves them far more
+    torch.testing.assert_close(lp_s[f], lp_r[f], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_s[m], ent_r[m], rtol=0, atol=1e-5)
     assert g_s.keys() == g_r.keys()
     for name in g_r:
         _close(g_s[name], g_r[name], name)
