@@ -1,5 +1,5 @@
-"""The README's two commands stay true: CI runs the test command verbatim; the main job's config exists. The README
-stays short (at most 150 lines), its links resolve, and every figure it states has its source in docs/benchmarks.md."""
+"""The README's two commands stay true: CI runs the test command verbatim; the main job's config exists; the docs'
+copies of both are the README's. The README stays short (at most 150 lines), its links resolve, and every figure it states has its source in docs/benchmarks.md."""
 
 import re
 from pathlib import Path
@@ -18,6 +18,25 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
     conf = main_job.split("--conf ")[1].split()[0]
     assert (ROOT / conf).is_file()
+
+
+def test_the_docs_copies_of_the_two_commands_are_the_readmes():
+    """docs/getting-started.md gives the test command as the README does and the main job's command in two blocks
+    (install, then run) that join into the README's; any other install line in docs/ is one of the two or the start
+    of one of them."""
+    main_job, tests = _commands()
+    install, run = main_job.rsplit(" && ", 1)
+    blocks = re.findall(r"```bash\n(.+?)\n```", (ROOT / "docs" / "getting-started.md").read_text(), flags=re.S)
+    assert tests in blocks, f"docs/getting-started.md's test command is not the README's: {tests}"
+    assert install in blocks and run in blocks, f"docs/getting-started.md does not install and run as: {main_job}"
+    differing = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.findall(r"```(?:bash|sh)\n(.+?)\n```", page.read_text(), flags=re.S):
+            for line in block.splitlines():
+                if line.startswith("pip install torch") and not any(
+                        line == command or command.startswith(line + " && ") for command in (main_job, tests)):
+                    differing.append(f"{page.name}: {line}")
+    assert not differing, f"install commands in docs/ that differ from the README's two: {differing}"
 
 
 README = ROOT / "README.md"
