@@ -1,5 +1,6 @@
 """The README's two commands stay true: CI runs the test command verbatim; the main job's config exists; the docs'
-copies of both are the README's. The README stays short (at most 150 lines), its links resolve, and every figure it states has its source in docs/benchmarks.md."""
+copies of both are the README's. The README stays short (at most 150 lines), its links resolve, and every figure it
+states has its source in docs/benchmarks.md."""
 
 import re
 from pathlib import Path
