@@ -377,6 +377,10 @@ class TrainerConfig(_Section):
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
     val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
                                                "last step (logged as val/*); 0 = never")
+    stop_on_invalid_eval: bool = Field(True, description="stop the run (exit status 2) when the held-out "
+                                                         "evaluation before step 1 is invalid (more than "
+                                                         "eval.max_failed_frac of its episodes failed); false "
+                                                         "trains on, the evaluation reported as INVALID")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async",
                                 description="asynchronous training with bounded staleness (YAML key `async`)")
 

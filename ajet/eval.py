@@ -41,7 +41,7 @@ from ajet import progress
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import ConfigError
-from ajet.failures import failure_counts, failure_summary
+from ajet.failures import failure_counts, failure_lines, failure_summary
 from ajet.heap import trim_free_memory
 from ajet.llm_call import SamplingParams
 from ajet.task import Task
@@ -182,18 +182,23 @@ def write_result(result: EvalResult, out_dir: Path) -> None:
 class Validator:
     """Validation during training (`trainer.val_freq` with `data.val_path`): at step 0, every `val_freq`
     steps and at the last step, `validator(step)` evaluates the current policy and returns `val/*` metrics
-    (an empty dict when no validation is due). Episodes go to `exp_dir/val/step_<N>/`. An invalid evaluation
-    (see the module docstring) is said so on `console`, and its `val/*` carry `val/valid` 0 and no score.
+    (an empty dict when no validation is due). Episodes go to `exp_dir/val/step_<N>/`. Each result is printed
+    on `console` beside the first one ("held-out at step 16: pass@1 0.312 -> 0.450 | ..."); an invalid
+    evaluation (see the module docstring) is said so on `alerts`, with each distinct error of its episodes, and its
+    `val/*` carry `val/valid` 0 and no score.
 
     Raises:
         ConfigError: `trainer.val_freq` is set without `data.val_path` (or the file cannot be read).
     """
 
-    def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None, console=None):
-        """`workflow`/`judge`: the training rollout's (None: loaded from the config when validation is on);
-        `tools`: the run's MCP servers, if any; `console`: a rich console for the invalid-evaluation line."""
+    def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None, console=None, alerts=None):
+        """`backbone`: the run's (it may be set later, before the first call: the tasks load first);
+        `workflow`/`judge`: the training rollout's (None: loaded from the config when validation is on);
+        `tools`: the run's MCP servers, if any; `console`: a rich console for the results; `alerts`: one for the
+        invalid-evaluation line (default `console`)."""
         self.cfg, self.backbone, self.workflow, self.judge, self.tools = cfg, backbone, workflow, judge, tools
-        self.console = console
+        self.console, self.alerts = console, alerts if alerts is not None else console
+        self.first: tuple[int, dict[str, float]] | None = None   # the first valid result: (step, metrics)
         self.freq = cfg.trainer.val_freq
         self.tasks: list[Task] = []
         if self.freq:
@@ -213,17 +218,36 @@ class Validator:
         t0 = time.perf_counter()
         result = evaluate(self.cfg, self.backbone.engine, self.backbone.tokenizer, self.workflow, self.judge,
                           self.tasks, step=step, tools=self.tools)
-        write_result(result, self.cfg.exp_path() / "val" / f"step_{step}")
-        if not result.valid and self.console is not None:
-            self.console.print(f"[bold red]held-out evaluation at step {step} "
-                               f"{result.invalid_reason(self.cfg.eval.max_failed_frac)}[/] "
-                               f"(episodes: {self.cfg.exp_path() / 'val' / f'step_{step}'})")
+        where = self.cfg.exp_path() / "val" / f"step_{step}"
+        write_result(result, where)
+        if not result.valid and self.alerts is not None:
+            self.alerts.print(f"[bold red]held-out evaluation at step {step} "
+                              f"{result.invalid_reason(self.cfg.eval.max_failed_frac)}[/] (episodes: {where})")
+            for line in failure_lines(result.episodes):
+                self.alerts.print(f"  {line}", markup=False, highlight=False)
+        elif result.valid and self.console is not None:
+            if self.first is None:
+                self.first = (step, result.metrics)
+            progress.note(self.console, result_line(step, result.metrics, *self.first))
         metrics = {f"val/{k}": v for k, v in result.metrics.items()}
         metrics["val/time_s"] = time.perf_counter() - t0
         # the evaluation's freed KV and activations, kept by the engine thread's C heap otherwise (ajet/heap.py),
         # go back before the next rollout, update or checkpoint comes on top of them
         trim_free_memory()
         return metrics
+
+
+def result_line(step: int, metrics: dict[str, float], first_step: int, first: dict[str, float]) -> str:
+    """The console line of a valid held-out evaluation at `step`: its scores (pass@1, pass@k, reward_mean; 3
+    decimals) and failed episodes, each score beside the first evaluation's (`first`, at `first_step`) as
+    "before -> after" once there is an earlier one, e.g. "held-out at step 16 (vs step 0): pass@1 0.312 -> 0.450 |
+    reward_mean 0.400 -> 0.520 | failed 0/160"."""
+    later = step != first_step
+    parts = []
+    for k in sorted((k for k in metrics if k in SCORE_KEYS or k.startswith("pass@")), key=lambda k: k == "reward_mean"):
+        parts.append(f"{k} {first[k]:.3f} -> {metrics[k]:.3f}" if later and k in first else f"{k} {metrics[k]:.3f}")
+    parts.append(f"failed {metrics['failed']:.0f}/{metrics['episodes']:.0f}")
+    return f"held-out at step {step}{f' (vs step {first_step})' if later else ''}: " + " | ".join(parts)
 
 
 def _checkpoint_folder(path: str) -> Path:
@@ -278,7 +302,7 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     workflow = load_workflow(cfg)
     judge = load_judge(cfg)
     out_dir = Path(out) if out else cfg.exp_path() / "eval" / Path(cfg.model.path).name
-    console = Console(highlight=False)
+    console = progress.unwrapped_when_piped(Console(highlight=False))
     progress.configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)
     progress.note(console, f"[bold]ajet eval[/] {cfg.experiment_name}: model={cfg.model.path} tasks={len(tasks)} "
                            f"n={cfg.eval.n} temperature={cfg.eval.temperature}{' (greedy)' if cfg.eval.temperature == 0 else ''}")
@@ -299,5 +323,7 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     console.print(table)
     if not result.valid:
         console.print(f"[bold red]{result.invalid_reason(cfg.eval.max_failed_frac)}[/]")
+        for line in failure_lines(result.episodes):
+            console.print(f"  {line}", markup=False, highlight=False)
     console.print(f"per-task table: {out_dir / 'eval.jsonl'}")
     return out_dir

@@ -24,12 +24,13 @@ class MetricsLogger:
             interrupted attempt, are purged (the jsonl files are truncated by `checkpoint.truncate_jsonl`).
         loggers: names from `TrainerConfig.loggers` ("console", "tensorboard", "jsonl", "wandb").
         run_config: the run's `AjetConfig` (wandb's run name and config).
+        console: the run's console (default: `run_console(loggers)`).
     Raises:
         ImportError: "wandb" is asked for but not installed (the config check names the extra first).
     """
 
     def __init__(self, exp_dir: Path, tensorboard: bool = True, first_step: int = 1, loggers: list[str] | None = None,
-                 run_config: Any = None):
+                 run_config: Any = None, console: Console | None = None):
         loggers = ["console", "jsonl"] + (["tensorboard"] if tensorboard else []) if loggers is None else loggers
         self.exp_dir = exp_dir
         exp_dir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,7 @@ class MetricsLogger:
         self._wandb = _start_wandb(exp_dir, run_config) if "wandb" in loggers else None
         self._episode_rows: list[list[Any]] = []
         self._step = 0
-        self.console = Console(stderr=False, highlight=False, quiet="console" not in loggers)
+        self.console = console if console is not None else run_console(loggers)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one step's metrics. A NaN or +-Infinity value (a client's episode metric, a diverged loss)
@@ -103,6 +104,22 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def run_console(loggers: list[str]) -> Console:
+    """The run's console on stdout (the step lines, status lines, progress): silent unless `loggers` has
+    "console"; into a file or a pipe its lines are never hard-wrapped (`ajet.progress.unwrapped_when_piped`)."""
+    from ajet.progress import unwrapped_when_piped
+
+    return unwrapped_when_piped(Console(stderr=False, highlight=False, quiet="console" not in loggers))
+
+
+def alert_console(console: Console) -> Console:
+    """Where failures and invalid evaluations are said: `console`, or stderr when `console` is silent (no
+    "console" logger), so that they are never unsaid."""
+    from ajet.progress import unwrapped_when_piped
+
+    return console if not console.quiet else unwrapped_when_piped(Console(stderr=True, highlight=False))
 
 
 def _finite(v: Any) -> Any:

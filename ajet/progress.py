@@ -36,10 +36,42 @@ from types import TracebackType
 from typing import Any, Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 INTERVAL_ENV = "AJET_PROGRESS_INTERVAL_S"
 DEFAULT_INTERVAL_S = 30.0
+
+
+LOG_WIDTH = 1000   # columns a table may take in a log (it takes what it needs; lines are never wrapped)
+
+
+def unwrapped_when_piped(console: Console) -> Console:
+    """`console`, changed when it writes to a file or a pipe (not a terminal, nor Jupyter): printed lines are not
+    hard-wrapped (rich's `soft_wrap`; rich would break them at 80 columns, its default width without a terminal)
+    and tables take their natural width (up to `LOG_WIDTH` columns), unless the environment sets COLUMNS."""
+    if not console.is_terminal and not console.is_jupyter:
+        console.soft_wrap = True
+        if not os.environ.get("COLUMNS"):
+            console.width = LOG_WIDTH
+    return console
+
+
+def quiet_library_bars() -> None:
+    """Turn off the progress bars of Hugging Face's libraries (transformers' "Loading weights", the hub's
+    downloads): in a log they are lines of carriage returns. Here through transformers' logging API (when it is
+    imported) and for processes started from now on (HF_HUB_DISABLE_PROGRESS_BARS, read at their import)."""
+    import sys
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def fmt_duration(seconds: float) -> str:
@@ -63,6 +95,7 @@ class Phase:
         self.reporter, self.name, self.total, self.fields = reporter, name, total, dict(fields)
         self.done = 0
         self.started = time.monotonic()
+        self.first_done: float | None = None   # when the first unit finished (`eta`)
         self.closed = False
         self._lock = threading.Lock()
         self._task: Any = None   # the rich task id, in live mode
@@ -77,6 +110,8 @@ class Phase:
             if total is not None:
                 self.total = total
             self.done += advance
+            if self.done and self.first_done is None:
+                self.first_done = time.monotonic()
             self.fields.update(fields)
         self.reporter._changed(self)
 
@@ -85,12 +120,24 @@ class Phase:
         return time.monotonic() - self.started
 
     def eta(self) -> float | None:
-        """Seconds left at the mean rate so far (None before the first unit or without a total)."""
+        """Seconds left: the units left at the rate they have finished since the first one did; None before two
+        have (or without a total), 0 when all are done.
+
+        Not the mean rate since the phase opened: units run at once (64 episodes in flight) all take about one
+        episode's time to finish the first, so `elapsed / done` is one episode's time, not the throughput, and
+        the first ETAs of a 160-episode evaluation came out 10-60x too long. The time to the first finished
+        unit (warm-up, filling the pipeline) is left out; from then on units finish at the throughput.
+        """
         with self._lock:
-            done, total = self.done, self.total
-        if not done or total is None:
+            done, total, first = self.done, self.total, self.first_done
+        if total is None or first is None:
             return None
-        return max(0.0, self.elapsed() * (total - done) / done)
+        if done >= total:
+            return 0.0
+        since_first = time.monotonic() - first
+        if done < 2 or since_first <= 0:
+            return None
+        return (total - done) * since_first / (done - 1)
 
     def fields_text(self) -> str:
         """The fields as "failed 1 | pass@1 0.42 | 12.3 tok/s" (floats to 3 significant figures)."""
@@ -136,6 +183,14 @@ class Phase:
         self.close()
 
 
+class _EtaColumn(ProgressColumn):
+    """The live display's time left: the phase's own `Phase.eta` ("-:--:--" while unknown)."""
+
+    def render(self, task: Any) -> Text:
+        eta = task.fields["phase"].eta()
+        return Text(fmt_duration(eta) if eta is not None else "-:--:--", style="progress.remaining")
+
+
 class Reporter:
     """Shows the open phases on `console`: live (a terminal), plain lines every `interval_s` (not a terminal),
     or nothing (`enabled` False; also when `console` is None).
@@ -174,9 +229,9 @@ class Reporter:
                 if self._bars is None:
                     self._bars = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                           TextColumn("{task.fields[text]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                          TimeRemainingColumn(), console=self.console, transient=True)
+                                          _EtaColumn(), console=self.console, transient=True)
                     self._bars.start()
-                p._task = self._bars.add_task(name, total=total, text=p.fields_text())
+                p._task = self._bars.add_task(name, total=total, text=p.fields_text(), phase=p)
             elif self._ticker is None or not self._ticker.is_alive():
                 self._wake.clear()
                 self._ticker = threading.Thread(target=self._tick, name="ajet-progress", daemon=True)
@@ -244,7 +299,8 @@ def quiet() -> bool:
 
 def configure(console: Console | None, enabled: bool = True, interval_s: float | None = None) -> Reporter:
     """Make a reporter on `console` the process's (closing the previous one's phases) and return it. Off under
-    `--quiet`. The plain-line interval: AJET_PROGRESS_INTERVAL_S when set, else `interval_s` (the config's
+    `--quiet`. Without the live display (a log, or progress off), the libraries' own progress bars are turned off
+    too (`quiet_library_bars`). The plain-line interval: AJET_PROGRESS_INTERVAL_S when set, else `interval_s` (the config's
     `trainer.progress_interval_s`), else 30 s.
 
     Raises:
@@ -254,6 +310,8 @@ def configure(console: Console | None, enabled: bool = True, interval_s: float |
     _reporter.close()
     env = os.environ.get(INTERVAL_ENV)
     _reporter = Reporter(console, enabled and not _quiet, float(env) if env else interval_s)
+    if not (_reporter.live and _reporter.enabled):   # a log (or nothing shown): no library's bars in it either
+        quiet_library_bars()
     return _reporter
 
 
@@ -306,6 +364,11 @@ class RunEta:
     """A run's time left: steps left x the mean time of the recent steps, measured between step ends, so the
     evaluations and checkpoints between steps count (a window of `window` steps; use at least `val_freq`).
 
+    The first step measured is left out once a later one is in: it carries the run's one-time costs (the first
+    generation and update allocate and warm the engine and the optimizer), up to 8x a later step's time on the
+    tiny model, so an ETA from it alone would be that much too long for the whole run. The step-0 evaluation is
+    never counted: the clock starts when the estimator is made (after it) or at `start`.
+
     Args:
         total_steps: the run's last step; window: how many recent step times are averaged (>= 1).
     """
@@ -313,6 +376,7 @@ class RunEta:
     def __init__(self, total_steps: int, window: int = 5):
         self.total_steps = total_steps
         self._times: deque[float] = deque(maxlen=max(1, window))
+        self._first: float | None = None   # the first step's time, until a later one replaces it
         self._last = time.monotonic()
 
     def start(self) -> None:
@@ -322,7 +386,12 @@ class RunEta:
     def step_done(self, step: int) -> float | None:
         """Record that `step` ended now; the seconds left after it (None after the last step)."""
         now = time.monotonic()
-        self._times.append(now - self._last)
-        self._last = now
+        took, self._last = now - self._last, now
+        if self._first is None and not self._times:
+            self._first = took
+        else:
+            self._times.append(took)
         left = self.total_steps - step
-        return sum(self._times) / len(self._times) * left if left > 0 else None
+        if left <= 0:
+            return None
+        return (sum(self._times) / len(self._times) if self._times else self._first) * left

@@ -30,7 +30,7 @@ from ajet.algorithm.sampling import zero_std_groups
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
-from ajet.failures import failure_counts, failure_summary
+from ajet.failures import failure_counts, failure_lines, failure_summary
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
 from ajet.progress import fmt_duration
@@ -61,7 +61,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     from ajet.algorithm.advantage import assign_advantages
     from ajet.backbones import load_backbone
     from ajet.eval import Validator
-    from ajet.metrics_log import MetricsLogger
+    from ajet.metrics_log import MetricsLogger, alert_console, run_console
     from ajet.progress import RunEta, configure, note, phase, quiet, reporter
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import RolloutContext
@@ -86,14 +86,16 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     state = checkpoint.load_trainer_state(resume_from) if resume_from is not None else None
     resumed_step = state["step"] if state else 0
     first_step, total = resumed_step + 1, cfg.trainer.total_steps
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    store = TrajectoryStore(exp_dir / "trajectories.sqlite")
-    attempt = store.begin_attempt(resumed_step)   # from the store: never repeats, even after a kill before any commit
-    if cfg.trainer.resume:   # before the logger opens them: it appends to whatever file is there
-        for name in ("metrics.jsonl", "trajectories.jsonl"):
-            checkpoint.truncate_jsonl(exp_dir / name, resumed_step)
-    log = MetricsLogger(exp_dir, first_step=first_step, loggers=cfg.trainer.active_loggers(), run_config=cfg)
-    configure(log.console, cfg.trainer.progress, cfg.trainer.progress_interval_s)   # ajet/progress.py
+    # nothing is written into a new experiment folder before the run can start (workflow, judge, held-out tasks
+    # and model loaded): a mistake leaves no run behind that the corrected command would need --resume for
+    store_path = exp_dir / "trajectories.sqlite"
+    store = TrajectoryStore(store_path) if store_path.exists() else None   # (only a resumed run has one)
+    attempt = store.begin_attempt(resumed_step) if store is not None else 0   # a new store's first attempt is 0
+    loggers = cfg.trainer.active_loggers()
+    console = run_console(loggers)
+    configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)   # ajet/progress.py
+    log: MetricsLogger | None = None
+    source: Any = None
     progress: list[Callable[..., None]] = [lambda status=None: None]
     collecting = [first_step]                     # the step whose progress bar is shown
 
@@ -103,7 +105,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         if step == collecting[0]:                 # (asynchronous training also finishes later steps' episodes)
             progress[0](_live_status(source.metrics(), ep))
 
-    ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, log.console)
+    ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, console)
     try:
         default_source = InProcessRollout.from_context
         if cfg.sft is not None:   # fine-tuning on a finished run's recorded samples (ajet/sft.py): nothing is generated
@@ -113,25 +115,43 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         source = (make_source or default_source)(ctx)   # loads the workflow: fails before the model
         if cfg.algorithm.dynamic_sampling.enabled and cfg.sft is None:   # refills the step's groups with signal (DAPO)
             source = DynamicSampling(source, cfg)
-    except BaseException:
-        store.close()
-        log.close()
-        raise
-    if state is not None:
-        source.load_state_dict(state["rollout"])
-        random.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
-    (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-
-    note(log.console, f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
+        # held-out val/* at step 0 and every trainer.val_freq steps (never trained on): its tasks load now
+        validate = Validator(cfg, None, getattr(source, "workflow", None), getattr(source, "judge", None), None,
+                             console, alerts=alert_console(console))
+        if state is not None:
+            source.load_state_dict(state["rollout"])
+            random.setstate(state["python_rng"])
+            torch.set_rng_state(state["torch_rng"])
+        note(console, f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
                       f"tasks={' + '.join(f'{len(t)} ({n})' for n, t in datasets.items())} -> {exp_dir}")
-    t_load = time.perf_counter()
-    backbone = backbone_cls(cfg)
-    if resume_from is not None:
-        backbone.load_checkpoint(resume_from)
+        t_load = time.perf_counter()
+        backbone = backbone_cls(cfg)
+    except BaseException:
+        if source is not None:
+            source.close()
+        if store is not None:
+            store.close()
+        raise
+    try:   # the run can start: its files
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        if store is None:
+            store = ctx.store = TrajectoryStore(store_path)
+            store.begin_attempt(resumed_step)
+        if cfg.trainer.resume:   # before the logger opens them: it appends to whatever file is there
+            for name in ("metrics.jsonl", "trajectories.jsonl"):
+                checkpoint.truncate_jsonl(exp_dir / name, resumed_step or -1)   # from the start: step 0 runs again
+        log = MetricsLogger(exp_dir, first_step=first_step, loggers=loggers, run_config=cfg, console=console)
+        (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        if resume_from is not None:
+            backbone.load_checkpoint(resume_from)
+    except BaseException:
+        for closing in (source.close, backbone.close, store.close, *((log.close,) if log is not None else ())):
+            closing()
+        raise
+    validate.backbone = backbone
     if cfg.trainer.resume:
-        note(log.console, f"resumed from {resume_from or 'the start (no checkpoint yet)'} (attempt {attempt}); "
-                          f"next step {first_step}")
+        note(console, f"resumed from {resume_from or 'the start (no checkpoint yet)'} (attempt {attempt}); "
+                      f"next step {first_step}")
     r = cfg.rollout
     proxy = ProxyServer(backbone.engine, backbone.tokenizer,
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
@@ -144,19 +164,24 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         source.attach_backbone(backbone)
     source.bind(proxy)
     proxy.start()
-    note(log.console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    note(console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
     if quiet() and make_source is not None:   # a server (ajet serve / gateway): its address is not a status line
-        log.console.print(f"proxy on {proxy.url}", markup=False, highlight=False)
-    failed_in_a_row = 0
+        console.print(f"proxy on {proxy.url}", markup=False, highlight=False)
+    failed_in_a_row, trained_steps = 0, 0
+    alerts = alert_console(console)   # failure lines print even without the console logger
+    seen_errors: set[tuple[str, str]] = set()   # each distinct error is spelt out once per run
     try:
         if cfg.tools.mcp_servers:   # started once per run; stopped below
             ctx.tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
-            note(log.console, f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
-        # held-out val/* at step 0 and every trainer.val_freq steps (never trained on)
-        validate = Validator(cfg, backbone, getattr(source, "workflow", None), getattr(source, "judge", None), ctx.tools,
-                             log.console)
+            note(console, f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
+        validate.tools = ctx.tools
         if first_step == 1 and (val := validate(0)):
             log.log(0, val)
+            if not val.get("val/valid", 1.0) and cfg.trainer.stop_on_invalid_eval:
+                raise AjetError(f"the held-out evaluation before step 1 is invalid (above): its failures, not the "
+                                f"policy, would set every later score. Fix what the episodes fail on (each is in "
+                                f"{exp_dir / 'val' / 'step_0'}), raise eval.max_failed_frac, or set "
+                                f"trainer.stop_on_invalid_eval: false to train on")
         eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
         for step in range(first_step, total + 1):
             t0 = time.perf_counter()
@@ -171,12 +196,15 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             rollout_s = time.perf_counter() - t0
             usable = _trainable(episodes, r.failed_episode_policy)
             if lost := failure_summary(episodes, more_than=0.5):    # most of the step lost: say why
-                log.console.print(f"[bold red]step {step}: {lost}[/] (every error is in {exp_dir / 'trajectories.sqlite'})")
+                alerts.print(f"[bold red]step {step}: {lost}[/] (every error is in {exp_dir / 'trajectories.sqlite'})")
+            for line in failure_lines(episodes, seen_errors):      # a new error: its message and the user's frame
+                alerts.print(f"  {line}", markup=False, highlight=False)
             failed_in_a_row = 0 if usable else failed_in_a_row + 1
+            trained_steps += bool(usable)
             if failed_in_a_row >= cfg.trainer.max_failed_steps:
-                raise AjetError(f"{failed_in_a_row} steps in a row produced no usable episode; the last error was:\n"
-                                + next((e.error for e in episodes if e.error), "(none: failed_episode_policy dropped every group)") + f"\n"
-                                f"(every episode is in {exp_dir / 'trajectories.sqlite'})")
+                raise AjetError(_no_usable_episode(
+                    f"{failed_in_a_row} steps in a row produced no usable episode (trainer.max_failed_steps): the run "
+                    f"stops", episodes, r.failed_episode_policy, exp_dir))
             # recorded samples (sft) carry another run's policy versions: no staleness bound applies to them
             max_staleness = cfg.trainer.async_.max_staleness if cfg.sft is None else None
             guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version,
@@ -228,7 +256,12 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 for e in episodes:
                     log.write_episode(step, e.to_dict())
                 log.flush()
-            log.console.print(_console_line(step, total, metrics, eta.step_done(step)))
+            console.print(_console_line(step, total, metrics, eta.step_done(step)))
+            if step == total and not trained_steps:   # the run ends because its episodes fail: no success, no checkpoint
+                n = total - first_step + 1
+                raise AjetError(_no_usable_episode(f"the run trained nothing: no episode of its {n} step"
+                                                   f"{'s' * (n != 1)} was usable", episodes, r.failed_episode_policy,
+                                                   exp_dir))
             if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
                 checkpoint.save(exp_dir, step, backbone, {
                     "step": step, "attempt": attempt, "rollout": source.state_dict(step),
@@ -246,8 +279,16 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
         reporter().close()   # a phase an error left open: its live display stops
         from ajet.viewer.plots import write_plots_safely
 
-        write_plots_safely(exp_dir, None if quiet() else log.console)   # EXP_DIR/plots/*.png, also after a failed run
+        write_plots_safely(exp_dir, None if quiet() else console)   # EXP_DIR/plots/*.png, also after a failed run
     return exp_dir
+
+
+def _no_usable_episode(head: str, episodes: list[Episode], policy: str, exp_dir: Path) -> str:
+    """The error of a run stopped because its episodes fail: `head`, then each distinct error of the last
+    step's `episodes` (message and the user's frame), never a traceback through ajet."""
+    why = failure_lines(episodes) or [f"(no episode failed: failed_episode_policy {policy} dropped every group)"]
+    return (f"{head}; the last step's episodes failed with:\n" + "\n".join(f"  {line}" for line in why)
+            + f"\n(every episode and its traceback is in {exp_dir / 'trajectories.sqlite'}: ajet show {exp_dir})")
 
 
 def _read_datasets(cfg: AjetConfig) -> dict[str, list[Task]]:
@@ -425,9 +466,12 @@ def _sig3(x: float) -> str:
 
 def _console_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:
     """The one console line a finished step prints (counts, reward, merge, generation speed, timings), ending with
-    the run's time left `eta_s` (`ajet.progress.RunEta`; None: not shown)."""
+    the run's time left `eta_s` (`ajet.progress.RunEta`; None: not shown). A step whose every episode failed says
+    so instead of a reward."""
+    reward = (f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f}" if m['rollout/failed'] < m['rollout/episodes']
+              else "no episode succeeded: nothing to train on")
     return (f"step {step}/{total} | episodes {m['rollout/episodes']} ({m['rollout/failed']} failed) | "
-            f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f} | calls {m['rollout/calls']} -> samples "
+            f"{reward} | calls {m['rollout/calls']} -> samples "
             f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x, {m['tracker/forks']} forks, tokens "
             f"{m['tracker/token_ratio']:.2f}x fewer) | gen {_sig3(m['rollout/tokens_per_s'])} tok/s | "
             f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s"

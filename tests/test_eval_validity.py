@@ -74,7 +74,7 @@ def test_an_evaluation_with_too_many_failures_is_invalid_in_metrics_jsonl_and_aj
         model: {{path: "{tiny_model_dir}", max_model_len: 512}}
         data: {{train_path: train.jsonl, val_path: val.jsonl, shuffle: false}}
         rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
-        trainer: {{total_steps: 1, tasks_per_step: 4, val_freq: 1, tensorboard: false}}
+        trainer: {{total_steps: 1, tasks_per_step: 4, val_freq: 1, tensorboard: false, stop_on_invalid_eval: false}}
     """))
     exp = tmp_path / "exp"
     run = dict(capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "250"})

@@ -160,11 +160,12 @@ def test_quiet_prints_only_the_step_lines(tiny_model_dir, tmp_path):
 
 
 def test_run_eta_is_steps_left_times_the_recent_step_time(monkeypatch):
-    """Steps of 10 s, 20 s, 30 s (an evaluation in the third) with a window of 2: after step 3 of 10, 7 x 25 s."""
+    """Steps of 10 s, 20 s, 30 s (an evaluation in the third) with a window of 2: after step 3 of 10, 7 x 25 s; the
+    first step (its warm-up) counts only until a second one is in."""
     clock = iter([100.0, 110.0, 130.0, 160.0, 170.0])
     monkeypatch.setattr("ajet.progress.time.monotonic", lambda: next(clock))
     eta = RunEta(total_steps=10, window=2)
     assert eta.step_done(1) == 9 * 10.0
-    assert eta.step_done(2) == 8 * 15.0
+    assert eta.step_done(2) == 8 * 20.0
     assert eta.step_done(3) == 7 * 25.0
     assert RunEta.step_done(eta, 10) is None   # the last step: nothing left

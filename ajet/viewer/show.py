@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ajet.progress import unwrapped_when_piped
 from ajet.viewer.run_reader import NotFound, RunReader
 
 UNTRAINED = "grey50"
@@ -65,7 +66,7 @@ def show(exp_dir: str | Path, step: int | None = None, episode: str | None = Non
         AjetError: no trajectories.sqlite in `exp_dir`; NotFound: no such step or episode.
     """
     run = RunReader(exp_dir)
-    console = console or Console(highlight=False)
+    console = console or unwrapped_when_piped(Console(highlight=False))   # piped: whole ids, usable with --episode
     if episode is not None:
         _show_episode(run, episode, console)
         return
@@ -84,7 +85,9 @@ def show(exp_dir: str | Path, step: int | None = None, episode: str | None = Non
     if page["total"] == 0:
         raise NotFound(f"step {step} has no episodes; steps recorded: {', '.join(str(s['step']) for s in steps)}")
     table = Table(title=f"step {step}: {page['total']} episodes (ajet show {exp_dir} --episode ID)", title_justify="left")
-    for col in ("episode", "group", "reward", "advantage", "seconds", "calls", "samples", "forks", "failure"):
+    for col in ("episode", "group"):   # never cut: `--episode` takes the id as printed
+        table.add_column(col, no_wrap=True, min_width=max((len(e[f"{col}_id"]) for e in page["episodes"]), default=1))
+    for col in ("reward", "advantage", "seconds", "calls", "samples", "forks", "failure"):
         table.add_column(col)
     for e in page["episodes"]:
         table.add_row(e["episode_id"], e["group_id"], _fmt(e["reward"]), _fmt(e["advantage"]), _fmt(e["duration_s"]),
@@ -95,7 +98,7 @@ def show(exp_dir: str | Path, step: int | None = None, episode: str | None = Non
 
 def _show_episode(run: RunReader, episode_id: str, console: Console) -> None:
     ep = run.episode(episode_id)
-    console.rule(Text(f"episode {ep['episode_id']} · step {ep['step']} · group {ep['group_id']} · reward {_fmt(ep['reward'])}"))
+    _rule(console, Text(f"episode {ep['episode_id']} · step {ep['step']} · group {ep['group_id']} · reward {_fmt(ep['reward'])}"))
     console.print(Text("task: ", style="bold") + Text((ep.get("task") or {}).get("query", "")))
     if ep.get("error"):
         console.print(Text(ep["error"].strip(), style="red"))
@@ -122,7 +125,7 @@ def _show_episode(run: RunReader, episode_id: str, console: Console) -> None:
         console.print(Text(printable(meta["diff"] or "(no change)")))
     for summary in ep["samples"]:
         s = run.sample_tokens(episode_id, summary["index"], ep["attempt"])
-        console.rule(Text(f"sample {s['index']} · agent {s['agent_tag']} · advantage {_fmt(s['advantage'])} · "
+        _rule(console, Text(f"sample {s['index']} · agent {s['agent_tag']} · advantage {_fmt(s['advantage'])} · "
                           f"{sum(s['loss_mask'])} trained of {len(s['ids'])} tokens · flags {s['flags']}"))
         legend = (Text("trained", prob_style(-0.1)) + Text(" / ") + Text("unlikely trained", prob_style(-5.0))
                   + Text("  ") + Text("not trained", UNTRAINED))
@@ -132,6 +135,14 @@ def _show_episode(run: RunReader, episode_id: str, console: Console) -> None:
         console.print(sample_text(s))
     if not ep["samples"]:
         console.print(Text("no samples (a failed episode is not trained on)", style="yellow"))
+
+
+def _rule(console: Console, title: Text) -> None:
+    """A heading: rich's rule on a terminal; in a file or a pipe (no width to fill) the title between dashes."""
+    if console.is_terminal:
+        console.rule(title)
+    else:
+        console.print(Text("── ") + title + Text(" ──"))
 
 
 def _parent(call: dict[str, Any]) -> str:
