@@ -122,6 +122,7 @@ class _Request:
     enqueued_at: float = field(default_factory=time.perf_counter)
     ticket: QueueTicket | None = None      # the caller's account of this request's queue time (`ajet.engine`)
     adapter: str | None = None             # the LoRA adapter serving it (None: the model as it is)
+    cancelled: bool = False                # its caller stopped waiting: never admitted, its row leaves unanswered
 
     def fail(self, exc: BaseException) -> None:
         _post(self.loop, _resolve, self.future, None, exc)
@@ -253,6 +254,9 @@ class HFEngine:
         """Queue one prompt and await its completion; `on_tokens` hears of every token as it is sampled.
         See `ajet.engine.Engine.generate`.
 
+        Cancelling the awaiting task (a closed episode, a proxy stopping) frees the request's row before the next
+        decode step, or takes it out of the queue.
+
         Raises:
             ValueError: the prompt does not leave room for one token in `max_model_len`, or is empty.
             RuntimeError: the engine failed during this request's steps, or is shut down.
@@ -269,7 +273,16 @@ class HFEngine:
         if req.ticket is not None:
             req.ticket.queued()          # until `_admit` starts its prefill: time the episode's timeout skips
         self._queue.put(req)
-        return await req.future
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True         # read by the worker before its next step (`_drop_cancelled`)
+            raise
+
+    @property
+    def active_rows(self) -> int:
+        """Requests being decoded now (rows of the running batch; a snapshot, from any thread)."""
+        return len(self._rows)
 
     def close(self) -> None:
         """Stop the worker thread; requests in flight or queued fail with RuntimeError."""
@@ -298,7 +311,8 @@ class HFEngine:
                     self._was_training = self.model.training
                     self.model.eval()
                 with torch.inference_mode():
-                    self._admit(joiners)
+                    self._drop_cancelled()
+                    self._admit([req for req in joiners if not req.cancelled])
                     if self._rows:
                         self._decode_step()
             except Exception as exc:  # noqa: BLE001 - every waiting request must hear about it
@@ -349,6 +363,15 @@ class HFEngine:
                 return taken, True
             taken.append(nxt)
         return taken, False
+
+    def _drop_cancelled(self) -> None:
+        """Rows whose caller stopped waiting (`_Request.cancelled`) leave the batch unanswered: nobody reads their
+        tokens, and the row serves the queue instead of decoding to the request's `max_tokens`."""
+        gone = [i for i, r in enumerate(self._rows) if r.req.cancelled]
+        if gone and len(gone) == len(self._rows):
+            self._rows, self._cache, self._attn = [], None, None
+        elif gone:
+            self._drop_rows(gone)
 
     def _fail_all(self, exc: BaseException, joiners: list[_Request]) -> None:
         """Fail every row in flight and every request taken but not yet a row; reset the batch."""
