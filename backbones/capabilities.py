@@ -191,6 +191,8 @@ DEBUG: dict[str, Support] = {
     "trainer.async.is_cap": HONOURED,
     **_gateway(HONOURED),
     "sft": honoured("token-level cross-entropy on the loss-mask-1 tokens, mean over tokens"),
+    "engine": honoured("`vllm`: a vLLM server generates, and reloads the full weights after every update "
+                       "(docs/engines.md); not with `agents:`"),
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -235,6 +237,8 @@ VERL: dict[str, Support] = {
     "trainer.async.is_cap": refused(_NO_IS_CAP),
     **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
+    "engine": refused("the vLLM engine is wired into the debug backbone only so far (verl's own vLLM servers run "
+                      "on GPU)"),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -280,6 +284,7 @@ TRINITY: dict[str, Support] = {
     "trainer.async.is_cap": refused(_NO_IS_CAP),
     **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
+    "engine": refused("the vLLM engine is wired into the debug backbone only so far"),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }

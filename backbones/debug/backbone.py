@@ -70,7 +70,12 @@ class DebugBackbone:
         if cfg.model.gradient_checkpointing:   # the update recomputes each layer: same gradients, less memory
             enable_activation_checkpointing(self.model)
         self.device = next(self.model.parameters()).device
-        self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
+        if cfg.engine.kind == "vllm":   # a vLLM server generates; the weights reach it after each update
+            from ajet.engines.vllm import vllm_engine
+
+            self.engine = vllm_engine(cfg, path)
+        else:
+            self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
         self.share_prefixes = supports_packing(self.model)
         alg = cfg.algorithm
         groups = ({name: adapter_parameters(self.model, name) for name in self.adapters} if self.adapters else
@@ -127,12 +132,13 @@ class DebugBackbone:
             with self.engine.weights_lock:   # every adapter moves between the same two decode steps
                 # every stored prefix was computed by the weights this update replaces, so none is reused after it
                 # (the cache skips other versions' entries): free their memory (up to its budget) before training
-                self.engine.prefix_cache.clear()
+                if isinstance(self.engine, HFEngine):
+                    self.engine.prefix_cache.clear()
                 # and hand back what the engine's thread freed (its malloc arena keeps it otherwise: ajet/heap.py),
                 # so that the update's activations do not come on top of it
                 trim_free_memory()
                 out = self._update_roles(trainable) if self.adapters else self._ppo_update(trainable)
-                self.engine.policy_version += 1
+                out.update(self._publish_weights(self.engine.policy_version + 1))
         finally:
             self._prox = self._teacher_lp = None
             trim_free_memory()     # the activations' memory, freed in this thread: back before the next sampling
@@ -252,10 +258,21 @@ class DebugBackbone:
                     self.optimizer.zero_grad(set_to_none=True)
                     losses.append(total)
             self.model.eval()
-            self.engine.policy_version += 1
+            synced = self._publish_weights(self.engine.policy_version + 1)
         return {"sft_loss": losses[0], "loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms),
                 "sft_tokens": float(sum(s.num_loss_tokens for s in trainable)), "optimizer_steps": float(len(losses)),
-                "update_s": time.perf_counter() - t0}
+                **synced, "update_s": time.perf_counter() - t0}
+
+    def _publish_weights(self, version: int) -> dict[str, float]:
+        """Serve the weights the update just trained as policy `version`: the in-process engine generates with them
+        already; a vLLM engine reloads them (`VLLMEngine.sync_weights`: with LoRA, the adapters merged in), and its
+        figures (`weight_sync_s`, `weight_save_s`, `weight_reload_s`, seconds) are returned for the step's metrics.
+        Raises RuntimeError when a vLLM server fails the reload."""
+        if isinstance(self.engine, HFEngine):
+            self.engine.policy_version = version
+            return {}
+        state = merged_lora_state_dict(self.model) if self.lora else self.model.state_dict()
+        return self.engine.sync_weights(state, version)
 
     def _optimizer_step(self, samples: list[Sample]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
@@ -430,7 +447,8 @@ class DebugBackbone:
                 self.model.save_pretrained(path)
             optimizers = ({"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
                           if self.adapters else {"optimizer": self.optimizer.state_dict()})
-            torch.save({**optimizers, "engine_rng": self.engine._generator.get_state(),
+            engine_rng = self.engine._generator.get_state() if isinstance(self.engine, HFEngine) else None
+            torch.save({**optimizers, "engine_rng": engine_rng,
                         "update_rng": self._rng.getstate(), "policy_version": self.engine.policy_version},
                        path / "backbone_state.pt")
         self.tokenizer.save_pretrained(path)
@@ -464,9 +482,10 @@ class DebugBackbone:
                 self.model.load_state_dict(saved.state_dict())
             if not self.adapters:
                 self.optimizer.load_state_dict(state["optimizer"])
-            self.engine._generator.set_state(state["engine_rng"])
+            if isinstance(self.engine, HFEngine) and state["engine_rng"] is not None:
+                self.engine._generator.set_state(state["engine_rng"])
             self._rng.setstate(state["update_rng"])
-            self.engine.policy_version = state["policy_version"]
+            self._publish_weights(state["policy_version"])
 
     def close(self) -> None:
         self.engine.close()
