@@ -262,15 +262,29 @@ def _train(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ajet.serve import serve
 
-    serve(_load(args, **{"serve.host": args.host, "serve.port": args.port}))
+    cfg = _load(args, **{"serve.host": args.host, "serve.port": args.port})
+    with _server_port(cfg.serve.host, cfg.serve.port, "serve"):
+        serve(cfg)
     return 0
 
 
 def _gateway(args: argparse.Namespace) -> int:
     from ajet.gateway import gateway, task_source_overrides
 
-    gateway(_load(args, **{"gateway.host": args.host, "gateway.port": args.port}, **task_source_overrides(args.conf)))
+    cfg = _load(args, **{"gateway.host": args.host, "gateway.port": args.port}, **task_source_overrides(args.conf))
+    with _server_port(cfg.gateway.host, cfg.gateway.port, "gateway"):
+        gateway(cfg)
     return 0
+
+
+def _server_port(host: str, port: int, section: str):
+    """Check that `ajet SECTION`'s port is free before the model loads (PortInUseError naming the port and
+    --port), and report the server's own later bind losing a race for it the same way."""
+    from ajet.ports import check_port, port_in_use_as_error
+
+    hint = f"--port N (or {section}.port in the config; 0 picks a free port)"
+    check_port(host, port, hint)
+    return port_in_use_as_error(host, port, hint)
 
 
 def _sft(args: argparse.Namespace) -> int:

@@ -201,10 +201,17 @@ def serve(exp_dir: str | Path, port: int = 8420, host: str = "127.0.0.1") -> Non
 
     Raises:
         AjetError: the folder holds no trajectories.sqlite.
-        OSError: the port is taken.
+        PortInUseError: the port is taken (checked before the URL is printed).
     """
     import uvicorn
 
+    from ajet.ports import bind_port
+
     app = create_app(exp_dir, host=host)
+    sock = bind_port(host, port, "--port N")   # bound here, so uvicorn never meets a taken port
+    port = sock.getsockname()[1]
     print(f"ajet view: http://{host}:{port}/  ({Path(exp_dir).resolve()}; Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it shut down on (as uvicorn.run, end quietly)
+        pass
