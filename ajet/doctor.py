@@ -110,17 +110,19 @@ def diagnose(tokenizer, own_template: str | None = None) -> tuple[bool, list[Fin
 
 
 def main(model: str, chat_template: str | None = None) -> int:
-    """Print the report for `model`; exit status 0 (append-only) or 1 (not append-only)."""
+    """Print the report for `model`; exit status 0 (append-only) or 1 (not append-only).
+
+    Raises:
+        ConfigError: `model` is a folder without tokenizer files, or a local path that is no folder.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    from ajet.model import load_tokenizer
-
     from transformers import AutoTokenizer
 
-    from ajet.model import resolve_model_path
+    from ajet.model import load_tokenizer, resolve_model_path
 
-    own = AutoTokenizer.from_pretrained(resolve_model_path(model)).chat_template
+    own = AutoTokenizer.from_pretrained(resolve_model_path(model, require="tokenizer")).chat_template
     tok = load_tokenizer(model, chat_template)
     append_only, findings = diagnose(tok, own if chat_template is None else tok.chat_template)
     table = Table(title=f"ajet doctor: {model}", show_lines=True)

