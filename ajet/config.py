@@ -7,6 +7,7 @@ keys (with a "did you mean"), never a silently ignored setting.
 from __future__ import annotations
 
 import difflib
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -602,9 +603,13 @@ class GatewayGateConfig(_Section):
                            "policies answer the same set at each update); `off`: every update is served at once")
     metric: str = Field("pass@1", min_length=1, description="the evaluation figure compared: pass@1, reward_mean, "
                         "pass@<n> or workflow/<name> (a `val/` prefix is accepted); higher is better")
-    max_drop: float = Field(0.05, ge=0, description="a new policy whose metric is more than this below the serving "
-                            "policy's is refused (not served); an invalid evaluation (eval.max_failed_frac) is "
-                            "refused too")
+    max_drop: float = Field(0.05, ge=0, description="a new policy whose metric is more than this below the best "
+                            "figure a served version had (mode eval; mode replay: the serving policy's on the same set) "
+                            "is refused (not served); an invalid evaluation (eval.max_failed_frac) is refused too")
+    min_score: float | None = Field(None, description="an absolute floor: a new policy whose metric is below this is "
+                                    "refused whatever the serving policy scores (None: no floor). A policy whose "
+                                    "answers are degenerate (empty, only end-of-text, non-finite logprobs) is always "
+                                    "refused")
     replay_sessions: int = Field(16, ge=1, le=10_000, description="mode `replay`: how many sessions are replayed, "
                                  "those whose latest feedback arrived last (each its first request, eval.n answers)")
     keep_versions: int = Field(3, ge=1, description="served policy versions kept as checkpoints in "
@@ -618,8 +623,14 @@ class GatewayConfig(_Section):
 
     host: str = Field("127.0.0.1", description="bind address; a non-loopback host needs `secret`")
     port: int = Field(8766, ge=0, le=65535, description="port; 0 picks a free one (printed at start)")
-    secret: str | None = Field(None, min_length=16, description="bearer token every request must carry (also "
-                               "AJET_SECRET); None: none is asked for, allowed only on a loopback host")
+    secret: str | None = Field(None, min_length=16, description="bearer token every request must carry but "
+                               "/healthz (also AJET_SECRET); None: generated and printed at start")
+    allowed_hosts: list[str] = Field(default_factory=list, description="more Host names the gateway answers besides "
+                                     "localhost, 127.0.0.1, [::1] and `host` (e.g. the name of a reverse proxy in "
+                                     "front of it); others get a 403. Empty with a wildcard host (0.0.0.0, ::): any")
+    reward_range: tuple[float, float] = Field((-10.0, 10.0), description="[low, high]: the rewards accepted; a "
+                                              "feedback outside it (or not finite) is a 400 naming the range, a judge "
+                                              "score outside it drops the session")
     session_idle_s: float = Field(300.0, gt=0, description="a session without a request for this long closes, "
                                   "seconds; later requests of the conversation open a new session")
     feedback_deadline_s: float = Field(86400.0, gt=0, description="a closed session without feedback this long "
@@ -631,10 +642,10 @@ class GatewayConfig(_Section):
                    "batch, the config's judge scores each and the highest is answered (streams get it once all are "
                    "sampled); the session and its unchosen candidates (rewarded with their judge scores) form one "
                    "GRPO group. 1: one sample, no judge")
-    rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each api key (or, without "
-                                         "one, each client address) may send, sustained; over it a 429 with "
-                                         "Retry-After. None: no limit")
-    rate_limit_burst: int | None = Field(None, ge=1, description="requests a key may send at once after a quiet "
+    rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each client (source address,"
+                                         " whatever api key or session it sends) may send, sustained; over it a 429 "
+                                         "with Retry-After. None: no limit")
+    rate_limit_burst: int | None = Field(None, ge=1, description="requests a client may send at once after a quiet "
                                          "spell (its token bucket's size); None: rate_limit_rps rounded up")
     retention_days: float | None = Field(None, gt=0, description="trained or dropped sessions closed longer ago "
                                          "than this are deleted from gateway.sqlite, days; None: kept forever")
@@ -645,6 +656,13 @@ class GatewayConfig(_Section):
                              "gateway down")
     gate: GatewayGateConfig = Field(default_factory=GatewayGateConfig, description="the evaluation gate before a "
                                     "new policy serves, and the versions kept for rollback")
+
+    @field_validator("reward_range")
+    @classmethod
+    def _bounded_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(math.isfinite(x) for x in v) or v[0] >= v[1]:
+            raise ValueError(f"must be [low, high] with finite low < high (e.g. [-10, 10]), got {list(v)}")
+        return v
 
 
 class SftConfig(_Section):

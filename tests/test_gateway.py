@@ -205,11 +205,12 @@ def test_bad_input_and_secret(gw):
     for body, status, code in cases:
         r = http.post("/v1/feedback", json=body)
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), (body, r.text)
-    r = http.post("/v1/feedback", content=b'{"session_id": "x", "reward": NaN}')
+    as_json = {"Content-Type": "application/json"}
+    r = http.post("/v1/feedback", content=b'{"session_id": "x", "reward": NaN}', headers=as_json)
     assert r.status_code == 400 and r.json()["error"]["param"] == "reward", r.text
-    r = http.post("/v1/feedback", content=b"{not json")
+    r = http.post("/v1/feedback", content=b"{not json", headers=as_json)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = http.post("/v1/chat/completions", content=b"{not json")
+    r = http.post("/v1/chat/completions", content=b"{not json", headers=as_json)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = http.post("/v1/chat/completions", json={"model": "ajet-policy", "messages": [{"role": "user", "content": "x"}]},
                   headers={"X-Ajet-Session": "x" * 201})

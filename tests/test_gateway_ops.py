@@ -1,4 +1,4 @@
-"""`ajet gateway` operations: per-key rate limits (429 with Retry-After), `/metrics` in the Prometheus text
+"""`ajet gateway` operations: per-client rate limits (429 with Retry-After; one bucket per source address), `/metrics` in the Prometheus text
 format, and `gateway.retention_days` (old trained or dropped sessions deleted from gateway.sqlite).
 
 The gateway app is served by uvicorn on 127.0.0.1 over a scripted engine; the rate limiter's and the session
@@ -48,32 +48,39 @@ class Clock:
 
 
 @pytest.fixture
-def ops(tokenizer, tmp_path):
+def ops(tokenizer, tmp_path, request):
     engine = ScriptedEngine(tokenizer, ["The answer is 7."])
     proxy = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=32))
     store = GatewayStore(tmp_path / "gateway.sqlite")
     clock, mono = Clock(1000.0), Clock(50.0)
     book = SessionBook(proxy, store, idle_s=60, deadline_s=600, on_no_feedback="drop", clock=clock,
                        retention_s=7 * 86400)
-    limiter = RateLimiter(rps=0.5, burst=2, clock=mono)          # 2 at once, then one every 2 s
+    rps, burst = getattr(request, "param", (0.5, 2))              # default: 2 at once, then one every 2 s
+    limiter = RateLimiter(rps=rps, burst=burst, clock=mono)
     attach(proxy, book, lambda p, b: GatewayApp(p, b, None, lambda: engine.policy_version, limiter))
     with serving(proxy.app) as url:
         yield url, book, clock, mono, engine, tmp_path
     store.close()
 
 
-def _chat(url: str, key: str, text: str = "Hi") -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+def _chat(url: str, key: str, text: str = "Hi", source: str = "127.0.0.1", **headers: str) -> httpx.Response:
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=30) as c:
+        return c.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}", **headers},
                       json={"model": "ajet-policy", "messages": [{"role": "user", "content": text}]})
 
 
-def test_rate_limit_per_key_429_with_retry_after(ops):
+UNLIMITED = pytest.mark.parametrize("ops", [(1000.0, 1000)], indirect=True)
+
+
+def test_rate_limit_per_client_429_with_retry_after(ops):
     url, _, _, mono, _, _ = ops
     assert [_chat(url, "key-a").status_code for _ in range(2)] == [200, 200]      # the burst
     r = _chat(url, "key-a")
     assert r.status_code == 429 and r.headers["retry-after"] == "2", (r.status_code, r.headers)
     assert r.json()["error"]["code"] == "rate_limit_exceeded"
-    assert _chat(url, "key-b").status_code == 200                                 # another key has its own
+    assert _chat(url, "key-b").status_code == 429                  # another key from the same client: the same bucket
+    assert _chat(url, "key-c", **{"X-Ajet-Session": "new"}).status_code == 429   # a new session: the same bucket
+    assert _chat(url, "key-a", source="127.0.0.2").status_code == 200    # another client (address) has its own
     # the SDK sees a RateLimitError in its own shape
     with pytest.raises(openai.RateLimitError):
         openai.OpenAI(base_url=url + "/v1", api_key="key-a", max_retries=0).chat.completions.create(
@@ -87,6 +94,7 @@ def test_rate_limit_per_key_429_with_retry_after(ops):
     assert httpx.get(url + "/healthz").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
 
 
+@UNLIMITED
 def test_metrics_count_requests_latency_feedback_and_sessions(ops):
     url, book, _, _, engine, _ = ops
     before = parse(httpx.get(url + "/metrics").text)
@@ -115,6 +123,7 @@ def test_metrics_count_requests_latency_feedback_and_sessions(ops):
     assert m[("ajet_gateway_sessions", frozenset({("state", "open_rated")}))] == 1
 
 
+@UNLIMITED
 def test_retention_deletes_old_trained_and_dropped_sessions(ops):
     url, book, clock, _, _, tmp_path = ops
     sids = [_chat(url, f"k{i}", f"Conversation {i}.").headers["x-ajet-session"] for i in range(3)]

@@ -140,12 +140,14 @@ def test_python_and_node_clients_train_two_steps_bad_input_and_a_killed_client(t
 
         # bad input: 4xx with a clear message, and the server goes on
         assert server.http("wrong-secret").get("/ajet/v1/status").status_code == 401
-        r = http.post("/ajet/v1/episodes", content=b"{not json")
+        as_json = {"Content-Type": "application/json"}
+        r = http.post("/ajet/v1/episodes", content=b"{not json", headers=as_json)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = http.post("/ajet/v1/episodes/nope/finish", json={"reward": 1.0})
         assert r.status_code == 404 and "no running episode 'nope'" in r.json()["error"]["message"]
         stuck_auth = {"X-Ajet-Episode-Token": stuck_token}
-        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", content=b'{"reward": NaN}', headers=stuck_auth)
+        r = http.post(f"/ajet/v1/episodes/{stuck_id}/finish", content=b'{"reward": NaN}',
+                      headers={**stuck_auth, **as_json})
         assert r.status_code == 400 and "finite" in r.json()["error"]["message"]
         r = http.post("/ajet/v1/episodes", json={"client_id": "x", "colour": "red"})
         assert r.status_code == 400 and "colour" in r.json()["error"]["message"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -52,6 +53,9 @@ def gateway(cfg: AjetConfig) -> Path:
     """Serve the gateway and train on its rated sessions until `trainer.total_steps` updates; returns the
     experiment folder.
 
+    Every request but /healthz must carry the secret: `gateway.secret`, else AJET_SECRET, else one generated and
+    printed at start (on a loopback host only).
+
     Raises:
         ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1
             without a `judge`; `gateway.gate.mode: eval` without `data.val_path` or a `workflow`, `replay`
@@ -66,13 +70,13 @@ def gateway(cfg: AjetConfig) -> Path:
     from ajet.gateway.sessions import SessionBook
     from ajet.gateway.source import GatewaySource
     from ajet.gateway.store import GatewayStore
+    from ajet.guard import allowed_hosts, is_loopback
     from ajet.judges import load_judge
-    from ajet.serve import _is_loopback
     from ajet.trainer import run
 
     g = cfg.gateway
     secret = g.secret or os.environ.get("AJET_SECRET") or None
-    if not _is_loopback(g.host) and secret is None:
+    if not is_loopback(g.host) and secret is None:
         raise ConfigError(f"gateway.host {g.host!r} is reachable from other machines: set gateway.secret (or "
                           f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
     if g.n > 1 and not cfg.judge:
@@ -86,7 +90,10 @@ def gateway(cfg: AjetConfig) -> Path:
                           "gateway's groups are sessions by arrival: set it to false")
     if "adv_estimator" not in cfg.algorithm.model_fields_set:   # best-of-N groups share a prompt: GRPO
         cfg.algorithm.adv_estimator = "grpo" if g.n > 1 else DEFAULT_ESTIMATOR
+    generated = secret is None
+    secret = secret or secrets.token_urlsafe(24)
     cfg.proxy.host = g.host
+    hosts = allowed_hosts(g.host, g.allowed_hosts)
     judge = load_judge(cfg) if g.on_no_feedback == "judge" or g.n > 1 else None
 
     def make_source(ctx: RolloutContext) -> GatewaySource:
@@ -96,24 +103,30 @@ def gateway(cfg: AjetConfig) -> Path:
         except BaseException:
             store.close()
             raise
+        if generated:                              # printed even with --quiet: no client can call without it
+            ctx.console.print(f"gateway secret: {secret} (generated: clients send it as their SDK's api key; set "
+                              "gateway.secret or AJET_SECRET to keep one across restarts)")
         progress.note(ctx.console, (
-            f"gateway: secret {'required (gateway.secret / AJET_SECRET)' if secret else 'not required'}"
+            f"gateway: secret required (every request but /healthz); rewards within [{g.reward_range[0]:g}, "
+            f"{g.reward_range[1]:g}]"
             f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
             f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
             + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else "")
-            + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g}" if g.gate.mode == "eval" else
+            + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g} below the best served"
+               if g.gate.mode == "eval" else
                f"; gate: {g.gate.metric} on a replay of the {g.gate.replay_sessions} latest rated sessions (judged) "
                f"may drop at most {g.gate.max_drop:g}" if g.gate.mode == "replay" else
                "; gate off: every update is served")))
 
         def book(proxy) -> SessionBook:
             return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,
-                               n=g.n, retention_s=None if g.retention_days is None else g.retention_days * 86400)
+                               n=g.n, retention_s=None if g.retention_days is None else g.retention_days * 86400,
+                               reward_range=g.reward_range)
 
         def app(proxy, book_):
             limiter = None if g.rate_limit_rps is None else RateLimiter(
                 g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
-            return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate)
+            return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate, hosts)
 
         return GatewaySource(ctx, book, app, gate)
 

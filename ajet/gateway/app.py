@@ -17,16 +17,17 @@ Nothing of the proxy is re-implemented: a model call's body is read once, its se
 (`/ep/<token>/...`) with the body replayed. Every answer carries `X-Ajet-Session` and `X-Ajet-Response-Id` (the
 body's `id`); a non-streamed one also `X-Ajet-Policy-Version`. With a secret, every request but /healthz must
 carry it (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or `?key=`: whatever the client's SDK sends as
-its api key), else 401. With a rate limit, a key (or, without one, a client address) over it gets a 429 with
-`Retry-After` (not /healthz, /metrics). Refusals use the proxy's error contract (a 4xx in the dialect's error shape naming the
-field); the proxy's per-episode paths (`/ep/...`) are not served.
+its api key), else 401. Before anything else the shared guard (ajet/guard.py) refuses a request for a Host
+not allowed (403) and a POST whose Content-Type is not JSON (415); no answer carries CORS headers. With a rate
+limit, a client address over it gets a 429 with `Retry-After` (not /healthz, /metrics): one bucket per source
+address, whatever api key or session it sends. Refusals use the proxy's error contract (a 4xx in the dialect's
+error shape naming the field); the proxy's per-episode paths (`/ep/...`) are not served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from typing import Any
 
@@ -36,13 +37,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Match, Route
 
+from ajet import guard
 from ajet.gateway.gate import VersionGate
 from ajet.gateway.ops import RateLimiter, RequestMetrics
 from ajet.gateway.sessions import GatewayError, Session, SessionBook
 from ajet.proxy.server import RESPONSE_ID_HEADER
 from ajet.proxy.turn import Episode as ProxyEpisode
 from ajet.proxy.wire import ProxyError, json_response, load_json, log_client_gone, read_body, validated
-from ajet.serve.api import _finite_number
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "X-Ajet-Session"
@@ -57,13 +58,18 @@ class FeedbackIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     session_id: str | None = Field(None, min_length=1, max_length=200)
     response_id: str | None = Field(None, min_length=1, max_length=200)
-    reward: float
+    reward: float = Field(allow_inf_nan=True)   # a non-finite reward is refused by the range check, naming the range
     comment: str | None = Field(None, max_length=10_000)
 
     @field_validator("reward", mode="before")
     @classmethod
-    def _finite_reward(cls, v):
-        return _finite_number(v, "reward")
+    def _number(cls, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError("reward must be a JSON number")
+        try:
+            return float(v)
+        except OverflowError:    # a 400-digit integer: out of any range
+            return float("inf") if v > 0 else float("-inf")
 
 
 class RollbackIn(BaseModel):
@@ -81,14 +87,18 @@ class GatewayApp:
         book: the sessions.
         secret: the bearer token every request must carry; None: none is asked for.
         policy_version: `() -> int`, the engine's current version (for /healthz).
-        limiter: per-key rate limits (`RateLimiter`), or None.
+        limiter: per-client rate limits (`RateLimiter`, keyed by source address), or None.
         gate: the evaluation gate (`VersionGate`): its `LiveHold` holds model calls while a new policy is
             updated and evaluated, its store takes rollback wishes; None: no gate, no /v1/admin routes.
+        allowed_hosts: the Host names answered (`ajet.guard.allowed_hosts`; None: any); default: this machine's
+            loopback names only.
     """
 
     def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version,
-                 limiter: RateLimiter | None = None, gate: VersionGate | None = None):
+                 limiter: RateLimiter | None = None, gate: VersionGate | None = None,
+                 allowed_hosts: list[str] | None = list(guard.LOCAL_HOSTS)):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
+        self.allowed_hosts = allowed_hosts
         self.limiter, self.metrics, self.gate = limiter, RequestMetrics(), gate
         self.first_version = policy_version()
         self.training = "running"                   # "done" once the last update is over (the gateway keeps serving)
@@ -137,13 +147,15 @@ class GatewayApp:
     async def _route(self, scope, receive, send):
         path = scope["path"]
         try:
+            guard.check(scope, self.allowed_hosts, "call the gateway at the address it printed (or add the name "
+                        "to gateway.allowed_hosts)")
             if path == "/healthz":
                 return await json_response({"status": "ok", "policy_version": self.policy_version(),
                                             "training": self.training})(scope, receive, send)
             if path.startswith("/ep/"):
                 raise ProxyError(404, "this gateway has no per-episode URLs: call /v1/... (the session is the "
                                  f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")
-            key = self._check_secret(scope)
+            self._check_secret(scope)
             if path == "/metrics":
                 counts = {**self.book.counts_snapshot(), **(self.gate.counts if self.gate is not None else {})}
                 text = self.metrics.render(counts, self.book.states(), self.policy_version(), self.first_version)
@@ -151,7 +163,7 @@ class GatewayApp:
                     scope, receive, send)
             if self.limiter is not None:
                 client = scope.get("client")
-                wait = self.limiter.take(key or f"addr:{client[0] if client else '?'}")
+                wait = self.limiter.take(f"addr:{client[0] if client else '?'}")
                 if wait is not None:
                     raise ProxyError(429, f"rate limit exceeded ({self.limiter.rps:g} requests/s, bursts of "
                                      f"{self.limiter.burst}): retry after {wait}s", "rate_limit_error",
@@ -167,6 +179,9 @@ class GatewayApp:
             return await self.proxy_app(scope, receive, send)   # its 404 / 405 in the dialect's shape
         except ProxyError as err:
             return await self._error(path, err)(scope, receive, send)
+        except guard.Refused as err:
+            kind = {401: "authentication_error", 403: "permission_error"}.get(err.status, "invalid_request_error")
+            return await self._error(path, ProxyError(err.status, err.message, kind, code=err.code))(scope, receive, send)
         except GatewayError as err:
             return await self._error(path, ProxyError(err.status, err.message, param=err.param, code=err.code))(
                 scope, receive, send)
@@ -283,19 +298,14 @@ class GatewayApp:
                          f"no route {method} {path[:200]}: see POST /v1/admin/rollback, GET /v1/admin/versions",
                          code="not_found")
 
-    def _check_secret(self, scope) -> str:
-        """The api key the request carries ("" for none); raises ProxyError 401 when it is not the secret."""
-        request = Request(scope)
-        auth = request.headers.get("authorization", "")
-        given = (auth[7:].strip() if auth.lower().startswith("bearer ") else None) or request.headers.get("x-api-key") \
-            or request.headers.get("x-goog-api-key") or request.query_params.get("key") or ""
+    def _check_secret(self, scope) -> None:
+        """Raises ProxyError 401 when the request does not carry the secret (`ajet.guard.api_key`)."""
         if self.secret is None:
-            return given
-        if not secrets.compare_digest(given.encode(), self.secret.encode()):
+            return
+        if not guard.secret_matches(guard.api_key(scope), self.secret):
             raise ProxyError(401, "missing or wrong secret: send the gateway's secret as your SDK's api key "
                              "(Authorization: Bearer, x-api-key or x-goog-api-key)", "authentication_error",
                              code="invalid_api_key")
-        return given
 
     def _error(self, path: str, err: ProxyError):
         """`err` in the error shape of the dialect `path` belongs to (OpenAI's for the gateway's own routes)."""

@@ -1,4 +1,4 @@
-"""The gateway's operations: `/metrics` in the Prometheus text format, and per-key rate limits.
+"""The gateway's operations: `/metrics` in the Prometheus text format, and per-client rate limits.
 
 `/metrics` (text format 0.0.4, https://prometheus.io/docs/instrumenting/exposition_formats/; written here, no
 client library) exposes:
@@ -15,10 +15,10 @@ client library) exposes:
     ajet_gateway_sessions{state}                      gauge: sessions by state (open, closed, rated, trained, ...)
     ajet_gateway_best_of_requests_total               counter: requests answered by best-of-N
 
-Rate limits: a token bucket per key (`rate_limit_rps` tokens added a second, at most `rate_limit_burst` saved
-up); the key is the api key a request carries (Bearer, x-api-key, x-goog-api-key,
-?key=), else the client's address. A request finding the bucket empty gets a 429 with `Retry-After` (whole
-seconds until a token is there).
+Rate limits: a token bucket per client (`rate_limit_rps` tokens added a second, at most `rate_limit_burst` saved
+up); the client is the request's source address, whatever api key or `X-Ajet-Session` it sends (a new key or
+session is never a new bucket, and with a secret the clients do not share one). A request finding the bucket
+empty gets a 429 with `Retry-After` (whole seconds until a token is there).
 """
 
 from __future__ import annotations

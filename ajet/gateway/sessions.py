@@ -52,6 +52,7 @@ from ajet.workflow import WorkflowOutput
 
 log = logging.getLogger(__name__)
 MAX_QUERY_CHARS = 2000   # of the first user message kept as the session's task query
+REWARD_RANGE = (-10.0, 10.0)   # gateway.reward_range's default
 
 
 class GatewayError(Exception):
@@ -155,16 +156,18 @@ class SessionBook:
         n: best-of-N samples per request (1: none; > 1 needs `judge`).
         retention_s: a trained or dropped session closed longer ago than this is deleted from gateway.sqlite
             and forgotten (its responses' feedback then gets 404), seconds; None keeps every session.
+        reward_range: (low, high), the rewards accepted (`gateway.reward_range`): a client's reward outside it
+            (NaN and +-inf included) is a 400, a judge's score outside it drops the session or the candidate.
     """
 
     def __init__(self, proxy, store: GatewayStore, idle_s: float, deadline_s: float, on_no_feedback: str,
                  judge: Callable | None = None, clock: Callable[[], float] = time.time, n: int = 1,
-                 retention_s: float | None = None):
+                 retention_s: float | None = None, reward_range: tuple[float, float] = REWARD_RANGE):
         if n > 1 and judge is None:
             raise ValueError("best-of-N (n > 1) needs a judge to choose the answer")
         self.proxy, self.store, self.idle_s, self.deadline_s = proxy, store, idle_s, deadline_s
         self.on_no_feedback, self.judge, self._clock, self.n = on_no_feedback, judge, clock, n
-        self.retention_s = retention_s
+        self.retention_s, self.reward_range = retention_s, tuple(reward_range)
         self._judged: dict[str, tuple[int, list[float | None]]] = {}   # response id -> (pick, scores), until recorded
         self._sessions: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}       # open sessions by their proxy api_key
@@ -307,8 +310,8 @@ class SessionBook:
     async def choose(self, ep, turn, prep, choices) -> int:
         """Best-of-N: score every candidate with the judge (concurrently; a sync judge in a worker thread)
         and return the index of the highest score (ties: the lowest index; a candidate whose judge call
-        failed or returned a non-finite number scores None and is never chosen unless all failed, then 0).
-        The scores are kept for `recorded` under the turn's response id."""
+        failed or returned a number outside `reward_range` scores None and is never chosen unless all failed,
+        then 0). The scores are kept for `recorded` under the turn's response id."""
         messages = prep.messages or []
         query = next((message_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
         task = Task(task_id=ep.episode_id, query=query[:MAX_QUERY_CHARS],
@@ -326,7 +329,7 @@ class SessionBook:
                     if inspect.isawaitable(value):
                         value = await value
                 value = float(value)
-                return value if math.isfinite(value) else None
+                return value if self.in_range(value) else None
             except Exception:  # noqa: BLE001 - a broken judge call: this candidate is not chosen, not trained
                 log.warning("gateway: the judge failed on a best-of-N candidate of %s:\n%s", ep.episode_id,
                             traceback.format_exc())
@@ -340,6 +343,11 @@ class SessionBook:
             self.counts["best_of_judge_failed"] += sum(v is None for v in scores)
             self._judged[turn.response_id] = (pick, scores)
         return pick
+
+    def in_range(self, reward: float) -> bool:
+        """Whether `reward` is a finite number within `reward_range` (every reward that may train passes here)."""
+        lo, hi = self.reward_range
+        return math.isfinite(reward) and lo <= reward <= hi
 
     def session_of_response(self, response_id: str) -> Session | None:
         with self._lock:
@@ -357,9 +365,15 @@ class SessionBook:
         later reward replaces an earlier one until the session is trained.
 
         Raises:
-            GatewayError: 404 `session_not_found` / `response_not_found`; 409 `session_trained` (the trainer
-                took it already); 410 `session_dropped` (its feedback deadline passed).
+            GatewayError: 400 `reward_out_of_range` (outside `reward_range`, or not finite); 404
+                `session_not_found` / `response_not_found`; 409 `session_trained` (the trainer took it already);
+                410 `session_dropped` (its feedback deadline passed).
         """
+        if not self.in_range(reward):
+            lo, hi = self.reward_range
+            raise GatewayError(400, "reward_out_of_range", f"reward {reward:g} is outside gateway.reward_range "
+                               f"[{lo:g}, {hi:g}]: send a finite reward within it (or widen gateway.reward_range)",
+                               "reward")
         with self.changed:
             if response_id is not None:
                 s = self._by_response.get(response_id)
@@ -477,8 +491,9 @@ class SessionBook:
         try:
             score = self.judge(task, output)
             reward = float(asyncio.run(score) if inspect.isawaitable(score) else score)
-            if not math.isfinite(reward):
-                raise ValueError(f"the judge returned a non-finite reward: {reward}")
+            if not self.in_range(reward):
+                lo, hi = self.reward_range
+                raise ValueError(f"the judge's reward {reward} is outside gateway.reward_range [{lo:g}, {hi:g}]")
         except Exception:  # noqa: BLE001 - a broken judge drops the session, never stops the gateway
             log.warning("gateway: the judge failed on session %s:\n%s", s.session_id, traceback.format_exc())
             self.counts["judge_failed"] += 1

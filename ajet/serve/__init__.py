@@ -10,13 +10,13 @@ routes on the proxy's own uvicorn server.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 from pathlib import Path
 
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
+from ajet.guard import Guard, allowed_hosts, is_loopback
 from ajet.rollout import RolloutContext
 from ajet.rollout.episode_queue import EpisodeQueue
 
@@ -54,7 +54,9 @@ class ServeSource(EpisodeQueue):
             self.adopt(self.ctx.store.untrained())
             if self.counts["adopted"]:
                 self.ctx.console.print(f"adopted {self.counts['adopted']} finished, untrained episodes of earlier attempts")
-        proxy.app = compose(proxy.app, build_api(self, self.secret), self.activity)
+        # the shared guard first (ajet/guard.py): a foreign Host is a 403, a POST that is not JSON a 415
+        proxy.app = Guard(compose(proxy.app, build_api(self, self.secret), self.activity),
+                          allowed_hosts(self.ctx.cfg.serve.host), "call the address `ajet serve` printed")
 
     def collect(self, step: int):
         if self.workers is not None and not self.workers.started:   # the proxy is serving by now
@@ -85,7 +87,7 @@ def serve(cfg: AjetConfig) -> Path:
 
     host = cfg.serve.host
     secret = cfg.serve.secret or os.environ.get("AJET_SECRET") or None
-    if not _is_loopback(host) and secret is None:
+    if not is_loopback(host) and secret is None:
         raise ConfigError(f"serve.host {host!r} is reachable from other machines: set serve.secret (or AJET_SECRET) "
                           f"to a long random string first, or keep the default host 127.0.0.1")
     generated = secret is None
@@ -99,11 +101,3 @@ def serve(cfg: AjetConfig) -> Path:
 
     return run(cfg, make_source, port=cfg.serve.port)
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

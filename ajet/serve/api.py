@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ajet.guard import finite_number
 from ajet.proxy.wire import ClientGone, log_client_gone
 from ajet.rollout.episode_queue import TOKEN_HEADER, EpisodeApiError, EpisodeQueue
 
@@ -71,28 +72,14 @@ class FinishIn(_Body):
     @field_validator("reward", mode="before")
     @classmethod
     def _finite_reward(cls, v):
-        return None if v is None else _finite_number(v, "`reward`")
+        return None if v is None else finite_number(v, "`reward`")
 
     @field_validator("metrics", mode="before")
     @classmethod
     def _finite_metrics(cls, v):
         if not isinstance(v, dict):
             return v                     # pydantic names the type error
-        return {k: _finite_number(x, f"`metrics.{k}`") for k, x in v.items()}
-
-
-def _finite_number(v: Any, name: str) -> float:
-    """`v` as a finite float; ValueError (pydantic's 400) for a non-number, NaN, +-Infinity, or an integer
-    too large for a float (a 400-digit reward: OverflowError in `float`)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name} must be a JSON number")
-    try:
-        f = float(v)
-    except OverflowError:
-        raise ValueError(f"{name} is too large ({len(str(v))} digits): send a finite float") from None
-    if not math.isfinite(f):
-        raise ValueError(f"{name} must be a finite number, got {v}")
-    return f
+        return {k: finite_number(x, f"`metrics.{k}`") for k, x in v.items()}
 
 
 class _NoAnswer(Response):

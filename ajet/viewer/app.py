@@ -16,8 +16,8 @@ Every view reads `trajectories.sqlite` read-only (`RunReader`), so it can stay o
 Bad parameters answer 400 and unknown episodes 404, each with {"error": "..."}; an integer parameter
 outside its range (`INT_RANGES`, e.g. `step=99999999999999999999`) is a 400 naming it and the range.
 A request whose `Host` header names another host than localhost, 127.0.0.1, [::1] or the host the viewer
-was started on answers 403 (`HostGuard`): a web page that rebinds its own name to 127.0.0.1 (DNS
-rebinding) cannot read the run's trajectories. Any port is accepted, so an SSH tunnel
+was started on answers 403 (`HostGuard`: `ajet.guard`, shared with the gateway and `ajet serve`): a web page
+that rebinds its own name to 127.0.0.1 (DNS rebinding) cannot read the run's trajectories. Any port is accepted, so an SSH tunnel
 (`ssh -L 9000:localhost:8420`) still works.
 """
 
@@ -28,15 +28,14 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from starlette._utils import parse_host_header
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ajet.guard import LOCAL_HOSTS, Guard, Refused, allowed_hosts
 from ajet.viewer.gateway_reader import GatewayReader
 from ajet.viewer.run_reader import NotFound, RunReader
 
@@ -52,7 +51,6 @@ SQLITE_INT_MAX = 2**63 - 1   # SQLite's INTEGER is a signed 64-bit int: a larger
 # the allowed range (inclusive) of every integer query parameter of the API
 INT_RANGES: dict[str, tuple[int, int]] = {"step": (0, SQLITE_INT_MAX), "attempt": (0, SQLITE_INT_MAX),
                                           "offset": (0, SQLITE_INT_MAX), "limit": (1, 500), "windows": (1, 500)}
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
 def _int(request: Request, name: str, default: int | None = None) -> int | None:
@@ -78,29 +76,17 @@ def _in_range(raw: str, what: str, lo: int, hi: int) -> int:
     return value
 
 
-class HostGuard:
-    """ASGI middleware: answers 403 {"error": ...} to an HTTP request whose `Host` header (port ignored) is not
-    one of `allowed` (compared lower-case; IPv6 literals in brackets, e.g. "[::1]"). Guards against DNS
-    rebinding: a page on attacker.example whose name is made to resolve to 127.0.0.1 still sends
-    `Host: attacker.example`. Built on Starlette's Host parsing (`TrustedHostMiddleware` answers a plain-text
-    400 that does not say what to open instead).
-    """
+def _viewer_error(err: Refused) -> Response:
+    """A guard's refusal in the viewer's error shape `{"error": "..."}`."""
+    return JSONResponse({"error": err.message}, status_code=err.status)
 
-    def __init__(self, app: Any, allowed: list[str]):
-        self.app, self.allowed = app, {h.lower() for h in allowed}
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            return await self.app(scope, receive, send)
-        header = Headers(scope=scope).get("host")
-        parsed = parse_host_header(header)
-        if parsed is not None and parsed.host.lower().rstrip(".") in self.allowed:
-            return await self.app(scope, receive, send)
-        shown = "(none)" if header is None else repr(header[:100])
-        response = JSONResponse({"error": f"this viewer answers only requests for {', '.join(sorted(self.allowed))} "
-                                          f"(any port); the Host header was {shown}: open the address "
-                                          f"`ajet view` printed"}, status_code=403)
-        await response(scope, receive, send)
+def HostGuard(app: Any, allowed: list[str]) -> Guard:   # noqa: N802 - the middleware's name since the viewer had it
+    """ASGI middleware (`ajet.guard.Guard`): answers 403 {"error": ...} to an HTTP request whose `Host` header
+    (port ignored) is not one of `allowed` (compared lower-case; IPv6 literals in brackets, e.g. "[::1]"), and 415
+    to a POST that is not JSON. Guards against DNS rebinding: a page on attacker.example whose name is made to
+    resolve to 127.0.0.1 still sends `Host: attacker.example`."""
+    return Guard(app, [h.lower() for h in allowed], "open the address `ajet view` printed", _viewer_error)
 
 
 def _json(fn: Callable[[Request], Any]) -> Callable[[Request], Response]:
@@ -180,9 +166,7 @@ def create_app(exp_dir: str | Path, host: str = "127.0.0.1") -> Starlette:
     def index(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
 
-    allowed = list(LOCAL_HOSTS)
-    if host not in ("0.0.0.0", "::", ""):
-        allowed.append(f"[{host}]" if ":" in host and not host.startswith("[") else host)
+    allowed = allowed_hosts(host) or list(LOCAL_HOSTS)   # served on every interface: browse it by a local name
     return Starlette(middleware=[Middleware(HostGuard, allowed=allowed)], routes=[
         Route("/", index),
         Route("/api/run", _json(overview)),

@@ -1,0 +1,173 @@
+"""What every ajet HTTP server checks before a request reaches its routes: the one place for the Host allow-list,
+JSON-only POSTs and the secret, shared by `ajet gateway`, `ajet serve` and `ajet view`.
+
+    Host allow-list   a request whose `Host` header (port ignored) is not localhost, 127.0.0.1, [::1], the bind
+                      host or an extra allowed name is refused with 403. A web page on attacker.example whose
+                      name is made to resolve to 127.0.0.1 (DNS rebinding) still sends `Host: attacker.example`.
+                      A server bound to every interface (0.0.0.0, ::) with no extra names accepts any Host: it
+                      is reachable by any name, and its secret is what keeps others out.
+    JSON-only POSTs   a POST (PUT, PATCH, DELETE) with a `Content-Type` other than `application/json` (or
+                      `application/*+json`) is refused with 415, body or not, and so is one with a body but no
+                      Content-Type. A browser sends a cross-origin request without a CORS preflight only with
+                      text/plain, application/x-www-form-urlencoded or multipart/form-data (or no type at all):
+                      those never reach a route with a body. No ajet server answers CORS (no
+                      Access-Control-Allow-* header, ever), so a page cannot read an answer or send JSON either.
+    secret            `secret_matches(given, secret)` in constant time; `api_key(scope)` is what a client's SDK
+                      sends as its api key (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key`, `?key=`).
+
+`Guard` is the ASGI middleware doing the first two; `check(scope, ...)` raises `Refused` for servers that answer
+in an error shape of their own (the gateway's dialects).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import secrets
+from typing import Any, Callable, Iterable
+from urllib.parse import parse_qs
+
+from starlette._utils import parse_host_header
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse, Response
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+
+
+class Refused(Exception):
+    """A request the guard refuses: HTTP `status` (401, 403, 415), machine-readable `code`, a `message` saying
+    what to do instead."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def is_loopback(host: str) -> bool:
+    """Whether bind address `host` is reachable only from this machine ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def finite_number(v: Any, name: str) -> float:
+    """`v` as a finite float.
+
+    Raises:
+        ValueError: (pydantic's 400) a non-number (a bool or string included), NaN, +-Infinity, or an integer too
+            large for a float (a 400-digit reward: OverflowError in `float`); the message names `name`.
+    """
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a JSON number")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"{name} is too large ({len(str(v))} digits): send a finite float") from None
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be a finite number, got {v}")
+    return f
+
+
+def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> list[str] | None:
+    """The Host names a server bound to `bind_host` answers (lower-case; IPv6 literals in brackets): localhost,
+    127.0.0.1, [::1], the bind host and `extra`. None (any Host) for a wildcard bind without `extra`."""
+    extra = [_bracketed(h) for h in extra]
+    if bind_host in WILDCARD_HOSTS:
+        return [*LOCAL_HOSTS, *extra] if extra else None
+    return [*LOCAL_HOSTS, _bracketed(bind_host), *extra]
+
+
+def _bracketed(host: str) -> str:
+    return (f"[{host}]" if ":" in host and not host.startswith("[") else host).lower()
+
+
+def check_host(scope: dict[str, Any], allowed: list[str] | None, hint: str) -> None:
+    """Raise `Refused` 403 `host_not_allowed` when the request's Host header is not one of `allowed` (None: any).
+    `hint` ends the message (e.g. "open the address `ajet view` printed")."""
+    if allowed is None:
+        return
+    header = Headers(scope=scope).get("host")
+    parsed = parse_host_header(header)
+    if parsed is not None and parsed.host.lower().rstrip(".") in allowed:
+        return
+    shown = "(none)" if header is None else repr(header[:100])
+    raise Refused(403, "host_not_allowed", f"this server answers only requests for {', '.join(sorted(allowed))} "
+                                           f"(any port); the Host header was {shown}: {hint}")
+
+
+def check_json_post(scope: dict[str, Any]) -> None:
+    """Raise `Refused` 415 `unsupported_media_type` for a POST, PUT, PATCH or DELETE whose Content-Type is not
+    JSON (`application/json`, `application/<x>+json`; parameters such as charset allowed); a request without a
+    Content-Type passes only when it has no body (no Transfer-Encoding, Content-Length absent or 0)."""
+    if scope.get("method") not in BODY_METHODS:
+        return
+    headers = Headers(scope=scope)
+    header = headers.get("content-type")
+    kind = (header or "").split(";", 1)[0].strip().lower()
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return
+    if header is None and "transfer-encoding" not in headers and headers.get("content-length", "0").strip() == "0":
+        return                                    # no body at all (e.g. POST /v1/sessions/ID/close)
+    shown = "none" if header is None else repr(header[:100])
+    raise Refused(415, "unsupported_media_type", f"request bodies must be JSON: send `Content-Type: application/json` "
+                                                 f"(the Content-Type was {shown})")
+
+
+def check(scope: dict[str, Any], allowed: list[str] | None, hint: str) -> None:
+    """`check_host` then `check_json_post`: raises `Refused`."""
+    check_host(scope, allowed, hint)
+    check_json_post(scope)
+
+
+def api_key(scope: dict[str, Any]) -> str:
+    """The api key the request carries: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or the query's
+    `key` (what the OpenAI, Anthropic and Gemini SDKs send); "" when none."""
+    headers = Headers(scope=scope)
+    auth = headers.get("authorization", "")
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return ((auth[7:].strip() if auth.lower().startswith("bearer ") else None) or headers.get("x-api-key")
+            or headers.get("x-goog-api-key") or (query.get("key") or [""])[0] or "")
+
+
+def secret_matches(given: str, secret: str) -> bool:
+    """Whether `given` is `secret` (constant time)."""
+    return secrets.compare_digest(given.encode(), secret.encode())
+
+
+def openai_error(err: Refused) -> Response:
+    """`err` as an OpenAI-style error answer `{"error": {"message", "type", "param", "code"}}`."""
+    kind = {401: "authentication_error", 403: "permission_error"}.get(err.status, "invalid_request_error")
+    return JSONResponse({"error": {"message": err.message, "type": kind, "param": None, "code": err.code}},
+                        status_code=err.status)
+
+
+class Guard:
+    """ASGI middleware: `check` on every HTTP request (Host allow-list, JSON-only POSTs); a refusal is answered
+    with `render(Refused)` (default: the OpenAI error shape) and never reaches `app`.
+
+    Args:
+        app: the ASGI app guarded.
+        allowed: `allowed_hosts(...)`'s list of Host names (None: any Host).
+        hint: what the 403 tells the client to do instead.
+        render: `Refused -> Response`.
+    """
+
+    def __init__(self, app: Any, allowed: list[str] | None, hint: str = "call the address the server printed",
+                 render: Callable[[Refused], Response] = openai_error):
+        self.app, self.allowed, self.hint, self.render = app, allowed, hint, render
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        try:
+            check_host(scope, self.allowed, self.hint)
+            if scope["type"] == "http":
+                check_json_post(scope)
+        except Refused as err:
+            return await self.render(err)(scope, receive, send)
+        return await self.app(scope, receive, send)
