@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
@@ -57,9 +58,9 @@ from ajet.proxy.schema import ChatCompletionRequest, short_repr
 from ajet.proxy.stream import cut_at_stop
 from ajet.proxy.strict import StrictTools
 from ajet.proxy.turn import (Choice, Episode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
-                             reject_unsupported)
+                             reject_unsupported, server_stopping)
 from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ProxyError, bearer, cut, json_response, load_json,
-                             log_client_gone, printable, read_body)
+                             log_client_gone, printable, read_body, redacted_path)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ PREPARE_WORKERS = 2                  # threads that parse, render and tokenize r
 # (~0.1-0.3 ms). The costliest 4 KiB body (~400 one-letter messages, rendered in full) takes ~1.7 ms, less
 # than the 5 ms a prepare thread may hold the GIL before it has to yield it to the event loop anyway.
 INLINE_PREPARE_BYTES = 4096
+STOP_GRACE_S = 2.0   # `stop` waits this long for requests in flight (their generations cancelled), then ends them
 RESPONSE_ID_HEADER = "X-Ajet-Response-Id"   # every answer's id (its body's `id`) as a header
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_ITEMS", "EpisodeEndpoint", "ProxyError", "ProxyServer"]
 
@@ -160,6 +162,8 @@ class ProxyServer:
         self._loop: asyncio.AbstractEventLoop | None = None    # the server's event loop, once started
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="ajet-prepare")
         self._server: uvicorn.Server | None = None
+        self._stopping = False                                 # `stop` was called
+        self._requests: set[asyncio.Task] = set()              # the tasks of the requests in flight (`_CatchAll`)
         self._thread: threading.Thread | None = None
         self.apis = {cls.name: cls(self) for cls in apis}
         # called on the event loop once a request's calls are recorded: on_recorded(episode, turn, choices,
@@ -199,11 +203,33 @@ class ProxyServer:
             time.sleep(0.01)
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop serving, promptly: every generation still running is cancelled and its client answered 503
+        `server_stopping` (a stream: that error event), new calls get the same answer, and the server closes its
+        connections once their answers are sent. A request still running `grace_s` seconds later (a body still
+        being uploaded) is cancelled and answered the same. Joins the server thread (at most `grace_s` + 10 s)."""
         if self._server is not None:
+            self._stopping = True
+            loop = self._loop
+            if loop is not None and loop.is_running() and _running_loop() is not loop:
+                with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):   # the loop ended meanwhile
+                    asyncio.run_coroutine_threadsafe(_call(self._stop_generations), loop).result(timeout=30)
             self._server.should_exit = True
+            self._thread.join(timeout=grace_s)
+            if self._thread.is_alive() and loop is not None and loop.is_running():
+                # uvicorn waits for the requests in flight: end them (each is answered, see _CatchAll)
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(lambda: [task.cancel() for task in list(self._requests)])
             self._thread.join(timeout=10)
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _stop_generations(self) -> None:
+        """Cancel every open episode's generations (on the event loop): their clients get `server_stopping`."""
+        with self._lock:
+            episodes = list(self._episodes.values())
+        for ep in episodes:
+            for turn in list(ep.inflight):
+                turn.cancel(server_stopping())
 
     @property
     def url(self) -> str:
@@ -253,9 +279,8 @@ class ProxyServer:
     def _close_on_loop(ep: Episode) -> None:
         """Mark `ep` closed and cancel its generations nobody waits for any more (on the event loop)."""
         ep.open = False
-        for turn in ep.turns.values():
-            if turn.task is not None and not turn.task.done():
-                turn.task.cancel()
+        for turn in list(ep.inflight):     # each generation still running, also one whose `turns` entry a
+            turn.cancel()                  # second request with the same body took over
         ep.turns.clear()
 
     def _episode(self, token: str | None) -> Episode:
@@ -354,6 +379,8 @@ class ProxyServer:
             prep = await self._prepared(api, ep, raw, agent_tag, idempotency_key, False, route)
         if not ep.open:
             raise episode_closed()
+        if self._stopping:
+            raise server_stopping()
         turn = ep.turns[prep.key] = self._start_turn(api, ep, prep, agent_tag, t0)
         return await self._answer(api, turn, prep, turn.events)
 
@@ -435,7 +462,7 @@ class ProxyServer:
             except ValueError as exc:
                 raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
             except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
-                log.warning("proxy: engine failed: %r", exc)
+                log.warning("proxy: engine failed: %s", repr(exc))   # a string: the record holds no traceback
                 raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {cut(str(exc), 200)}); "
                                       "retry later", "server_error", code="engine_error",
                                  retry_after=self.retry_after_s) from exc
@@ -484,8 +511,8 @@ class ProxyServer:
                              "queued_s": c.queued_s, "total_s": time.perf_counter() - t0})
 
         turn.task = asyncio.ensure_future(run())
-        if turn.events is not None:
-            turn.task.add_done_callback(lambda _t: turn.events.put_nowait(None))
+        ep.inflight.add(turn)
+        turn.task.add_done_callback(lambda _t: turn.settle(ep))
         return turn
 
     def _to_choice(self, i: int, completion: Completion, turn: Turn, params: SamplingParams,
@@ -548,7 +575,8 @@ class _CatchAll:
     OpenAI-style body and is logged. Unlike an `exception_handler(Exception)`, which Starlette answers and then
     re-raises (uvicorn then drops the keep-alive connection under the client's next request), the exception
     stops here. One raised after the response started is re-raised: the client sees a cut-off response. A
-    client that closed its connection mid-upload (ClientDisconnect) gets one warning line and no answer."""
+    client that closed its connection mid-upload (ClientDisconnect) gets one warning line and no answer; a
+    request that `ProxyServer.stop` ends after its grace a 503 `server_stopping`."""
 
     def __init__(self, app, proxy: ProxyServer):
         self.app, self.proxy = app, proxy
@@ -563,19 +591,30 @@ class _CatchAll:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        task = asyncio.current_task()
+        self.proxy._requests.add(task)
         try:
             await self.app(scope, receive, tracking_send)
         except ClientDisconnect as exc:   # the client went away mid-upload: nobody to answer, not a bug
             log_client_gone(log, "proxy", scope, exc)
+        except asyncio.CancelledError:
+            if not self.proxy._stopping or started:
+                raise
+            # `ProxyServer.stop`'s grace is over and it ended the request (a body still being uploaded): answered,
+            # instead of uvicorn's "Exception in ASGI application" traceback
+            response = _api_for_path(self.proxy, scope.get("path", "")).error_response(server_stopping())
+            await response(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - the catch-all
             if started:
                 raise
-            log.error("proxy: unexpected %s in %s %s", type(exc).__name__, scope.get("method"), scope.get("path"),
-                      exc_info=exc)
+            log.error("proxy: unexpected %s in %s %s", type(exc).__name__, scope.get("method"),
+                      redacted_path(scope.get("path")), exc_info=exc)
             err = ProxyError(500, f"internal error in the ajet proxy ({type(exc).__name__}); see the proxy's log",
                              "server_error", code="internal_error")
             response = _api_for_path(self.proxy, scope.get("path", "")).error_response(err)
             await response(scope, receive, send)
+        finally:
+            self.proxy._requests.discard(task)
 
 
 _HEAP_FROZEN = False

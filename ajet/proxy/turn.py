@@ -40,14 +40,15 @@ class Choice:
     queued_s: float = 0.0               # seconds it waited in the engine's queue before generation started
 
 
-@dataclass
+@dataclass(eq=False)
 class Turn:
-    """One request's generation, shared by the client's retries of it.
+    """One request's generation, shared by the client's retries of it (equal only to itself).
 
     `events` (streaming requests only) receives `(choice_index, TokenDelta)` as tokens are sampled,
     `(choice_index, Choice)` when a choice ends, and None when the task is done. `forced` is the
     tool-call opening `tool_choice` fixed, `parse_tools` whether tool calls are parsed out of the text,
-    `stop` the stop strings generation used, `strict` the validators of the request's `strict: true` tools."""
+    `stop` the stop strings generation used, `strict` the validators of the request's `strict: true` tools.
+    `cancelled_with`: the answer of a generation cancelled on purpose (default: `episode_closed`)."""
 
     response_id: str
     created: int
@@ -59,6 +60,7 @@ class Turn:
     strict: StrictTools | None = None
     task: asyncio.Future | None = None
     events: asyncio.Queue | None = None
+    cancelled_with: ProxyError | None = None
 
     def __post_init__(self):
         if self.streaming:
@@ -70,15 +72,33 @@ class Turn:
 
     def error(self) -> ProxyError | None:
         """The error body of a finished generation that failed, else None. A generation cancelled because
-        its episode was closed is a 404 `episode_closed`; an unexpected exception (a bug) a 500."""
+        its episode was closed is a 404 `episode_closed`; an unexpected exception (a bug, logged once by
+        `settle`) a 500. One cancelled with another answer (`cancel`) is that answer."""
         if self.task.cancelled():
-            return episode_closed()
+            return self.cancelled_with or episode_closed()
         exc = self.task.exception()
         if exc is None or isinstance(exc, ProxyError):
             return exc
-        log.error("proxy: unexpected %s in a generation", type(exc).__name__, exc_info=exc)
         return ProxyError(500, f"internal error in the ajet proxy ({type(exc).__name__}); see the proxy's log",
                           "server_error", code="internal_error")
+
+    def cancel(self, answer: ProxyError | None = None) -> None:
+        """Cancel the generation (a no-op once it is done); its clients get `answer` (default `episode_closed`)."""
+        if not self.task.done():
+            self.cancelled_with = answer
+            self.task.cancel()
+
+    def settle(self, ep: Episode) -> None:
+        """The generation task's done-callback (on the event loop): it leaves `ep.inflight`, its exception is
+        retrieved whether or not a client still waits for it (a client that went away mid-stream leaves no
+        "Task exception was never retrieved" behind), an unexpected one (a bug) is logged once with its
+        traceback, and a stream's `events` get their closing None."""
+        ep.inflight.discard(self)
+        exc = None if self.task.cancelled() else self.task.exception()
+        if exc is not None and not isinstance(exc, ProxyError):
+            log.error("proxy: unexpected %s in a generation", type(exc).__name__, exc_info=exc)
+        if self.events is not None:
+            self.events.put_nowait(None)
 
     async def result(self) -> list[Choice]:
         """The generation's choices, awaited without cancelling it when the waiting request is cancelled (the
@@ -87,7 +107,7 @@ class Turn:
         try:
             return await asyncio.shield(self.task)
         except asyncio.CancelledError:
-            if self.task.cancelled():          # the episode was closed, not this request
+            if self.task.cancelled():          # the episode was closed (or the proxy stopped), not this request
                 raise self.error() from None
             raise
         except ProxyError:
@@ -106,7 +126,10 @@ class Episode:
     episode_id: str
     token: str
     calls: list[LLMCall] = field(default_factory=list)
-    turns: dict[str, Turn] = field(default_factory=dict)   # request key -> its generation (for retries)
+    turns: dict[str, Turn] = field(default_factory=dict)   # request key -> its latest generation (for retries)
+    # every generation still running, each on its own: two requests with the same key (the same body sent twice)
+    # share one entry of `turns`, and closing the episode cancels both
+    inflight: set[Turn] = field(default_factory=set)
     rendered: dict[str, str] = field(default_factory=dict)   # call id -> its rendered prompt text (a cache)
     responses: dict[str, Any] = field(default_factory=dict)   # Responses API: response id -> its stored record
     items: dict[str, Any] = field(default_factory=dict)   # Responses API: item id -> the item (`item_reference`)
@@ -135,6 +158,11 @@ class Prepared:
 def episode_closed() -> ProxyError:
     return ProxyError(404, "the episode was closed while this call was running (the workflow returned or timed "
                            "out before its agent finished): nothing was recorded", code="episode_closed")
+
+
+def server_stopping() -> ProxyError:
+    return ProxyError(503, "the ajet proxy is stopping (the run ended or was interrupted): nothing was recorded; "
+                           "retry against the restarted server", "server_error", code="server_stopping")
 
 
 def reject_unsupported(req: ChatCompletionRequest) -> None:

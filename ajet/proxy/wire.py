@@ -99,8 +99,18 @@ def log_client_gone(log: logging.Logger, server: str, scope: dict[str, Any], exc
         log: the server's logger; server: its name in the line ("proxy", "episode API").
         scope: the ASGI scope (method, path); exc: the ClientDisconnect (or ClientGone) raised.
     """
-    log.warning("%s: %s %s: %s; nothing was answered", server, scope.get("method"), str(scope.get("path"))[:200],
+    log.warning("%s: %s %s: %s; nothing was answered", server, scope.get("method"), redacted_path(scope.get("path")),
                 str(exc) or "the client closed the connection before sending its whole body")
+
+
+_EPISODE_TOKEN = re.compile(r"(/ep/)[^/]+")
+
+
+def redacted_path(path: Any, limit: int = 200) -> str:
+    """A request path fit for a log line: the episode token of an `/ep/<token>/...` path (an episode's api key)
+    replaced by `<token>`, the whole cut to `limit` characters. `/ep/ajet-AbC.../v1/chat/completions` ->
+    `/ep/<token>/v1/chat/completions`."""
+    return _EPISODE_TOKEN.sub(r"\1<token>", str(path))[:limit]
 
 
 async def read_body(request: Request, limit: int) -> bytes:
