@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Build the separate virtual environment of one scale-out backbone, for the CPU conformance tests.
+# Build the separate virtual environment of one scale-out backbone (for the CPU conformance tests, and for users).
 #
 #   .ci/make_backbone_env.sh verl     -> .venvs/verl     (ajet[verl]:    verl 0.9.1, transformers <5.11)
 #   .ci/make_backbone_env.sh trinity  -> .venvs/trinity  (ajet[trinity]: trinity-rft 0.6.0, verl 0.8.0, numpy 1)
 #   .ci/make_backbone_env.sh verl --cache-path            prints the cached venv's folder (see below) and exits
+#
+# The same file ships in the wheel (setup.py installs .ci/ as the package data `ajet.backbone_env`), where
+# `ajet backbone-env verl|trinity` runs it: with no checkout around it (no ../pyproject.toml beside ../ajet/) it
+# reads the requirements from the installed ajet's metadata (AJET_PYTHON: the interpreter it is installed in),
+# builds .venvs/<name> under the working directory, and links the installed ajet package (AJET_PACKAGE: its
+# folder) into the venv instead of an editable install.
 #
 # verl 0.9 and Trinity 0.6 cannot share one environment (pip: ResolutionImpossible), and neither can share
 # the core one (their transformers/numpy pins), hence one venv each. uv installs the packages (parallel downloads:
@@ -22,23 +28,48 @@
 # used keys of each backbone are kept. While it runs, <venv>.building names its process: the backbone tests wait
 # for the build (tests/backbone_conformance/venvs.py). Prints what it did and the seconds it took.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-repo="$PWD"
+here="$(cd "$(dirname "$0")" && pwd)"   # .ci/ of a checkout, or an installed ajet's ajet/backbone_env/
+if [ -f "$here/../pyproject.toml" ] && [ -d "$here/../ajet" ]; then
+  mode=checkout; cd "$here/.."; repo="$PWD"
+else
+  mode=installed; repo="${AJET_PACKAGE:?AJET_PACKAGE: the folder of the installed ajet package (ajet backbone-env sets it)}"
+fi
+py="${AJET_PYTHON:-python3}"
 name="${1:?usage: .ci/make_backbone_env.sh verl|trinity [--cache-path]}"
 case "$name" in verl|trinity) ;; *) echo "unknown backbone env: $name" >&2; exit 2;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 t0=$(date +%s)
 venv="${AJET_BACKBONE_VENVS:-.venvs}/$name"   # AJET_BACKBONE_VENVS: build elsewhere (e.g. to time a build)
 cache="${AJET_CI_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ajet/ci-venvs}"
-key=$(python3 - "$name" <<'EOF'
-import hashlib, json, os, sys, tomllib
-name = sys.argv[1]
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-h = hashlib.sha256(open(".ci/make_backbone_env.sh", "rb").read() + open(".ci/uv_cpu_torch.sh", "rb").read())
-if os.path.exists(f".ci/constraints-{name}.txt"):
-    h.update(open(f".ci/constraints-{name}.txt", "rb").read())
-h.update(json.dumps([project.get("dependencies"), project["optional-dependencies"][name], sys.version,
-                     os.path.realpath(sys.executable)]).encode())
+reqs() {   # reqs core|NAME: ajet's core requirements or the extra NAME's, one a line (pyproject.toml or metadata)
+  "$py" - "$1" "$mode" <<'EOF'
+import sys
+what, mode = sys.argv[1:]
+if mode == "checkout":
+    import tomllib
+    project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+    out = project.get("dependencies", []) if what == "core" else project["optional-dependencies"][what]
+else:
+    from importlib.metadata import requires
+    from packaging.requirements import Requirement
+    out = []
+    for line in requires("ajet") or []:
+        req = Requirement(line)
+        if (req.marker is None) if what == "core" else (req.marker is not None and req.marker.evaluate({"extra": what})):
+            req.marker = None
+            out.append(str(req))
+print("\n".join(out))
+EOF
+}
+core=$(reqs core)
+extra=$(reqs "$name")
+key=$("$py" - "$name" "$here" "$core" "$extra" <<'EOF'
+import hashlib, json, os, sys
+name, here, core, extra = sys.argv[1:]
+h = hashlib.sha256(open(f"{here}/make_backbone_env.sh", "rb").read() + open(f"{here}/uv_cpu_torch.sh", "rb").read())
+if os.path.exists(f"{here}/constraints-{name}.txt"):
+    h.update(open(f"{here}/constraints-{name}.txt", "rb").read())
+h.update(json.dumps([core.splitlines(), extra.splitlines(), sys.version, os.path.realpath(sys.executable)]).encode())
 print(h.hexdigest()[:16])
 EOF
 )
@@ -48,7 +79,7 @@ mkdir -p "$(dirname "$venv")" "$cache"
 echo $$ > "$venv.building.$$" && mv "$venv.building.$$" "$venv.building"
 tools="$(mktemp -d)"
 trap 'rm -f "$venv.building"; rm -rf "$tools"' EXIT
-. .ci/uv_cpu_torch.sh
+. "$here/uv_cpu_torch.sh"
 uv=$(ci_uv "$tools")
 rm -f "$venv/.complete"     # from here on the tests wait for this build, not use the venv it replaces
 exec 9>"$base.lock"
@@ -56,20 +87,18 @@ flock 9     # one process builds or copies this entry at a time (CI beside a dev
 
 build_base() {   # the third-party packages into $base (ajet's own requirements too, but not ajet)
   rm -rf "$base"
-  python3 -m venv "$base"    # with pip, for whoever adds a package by hand (e.g. vLLM on a GPU machine)
-  local work constraints torch_wheel extra reqs core core_reqs installed
+  "$py" -m venv "$base"    # with pip, for whoever adds a package by hand (e.g. vLLM on a GPU machine)
+  local work constraints torch_wheel reqs core_reqs installed
   work="$(mktemp -d)"
   constraints="$work/constraints.txt"
   echo "torch==2.13.0" > "$constraints"
   # the resolution CI was measured with, pinned (pip backtracked for many minutes without it)
-  if [ -f ".ci/constraints-$name.txt" ]; then cat ".ci/constraints-$name.txt" >> "$constraints"; fi
-  # 1) torch: the CPU wheel that pip's configuration resolves, checked (.ci/uv_cpu_torch.sh)
+  if [ -f "$here/constraints-$name.txt" ]; then cat "$here/constraints-$name.txt" >> "$constraints"; fi
+  # 1) torch: the CPU wheel that pip's configuration resolves, checked (uv_cpu_torch.sh)
   torch_wheel=$(ci_cpu_torch_wheel "$work")
   # 2) that torch, the extra's requirements and ajet's core requirements, in one uv resolution; not ajet itself:
   #    each checkout's copy gets its own (below)
-  extra=$(python3 -c "import sys, tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies'][sys.argv[1]]))" "$name")
   mapfile -t reqs <<< "$extra"
-  core=$(python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
   mapfile -t core_reqs <<< "$core"
   #    --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE=1 (as on the measured 2-core machine) no .pyc
   #    is written later, and every process would compile what it imports again (importing verl: 21 s of CPU, not
@@ -101,19 +130,29 @@ touch "$base.used"
 rm -rf "$venv"
 cp -al "$base" "$venv" 2>/dev/null || { rm -rf "$venv"; cp -a "$base" "$venv"; }
 rm -f "$venv/.complete"
-here="$(cd "$venv" && pwd)"
-grep -lIrZF "$base" "$venv/bin" "$venv/pyvenv.cfg" | xargs -0 -r sed -i "s|$base|$here|g"
+venvdir="$(cd "$venv" && pwd)"
+grep -lIrZF "$base" "$venv/bin" "$venv/pyvenv.cfg" | xargs -0 -r sed -i "s|$base|$venvdir|g"
 flock -u 9
-# ajet, editable from this checkout. uv runs setuptools in a folder of its own inside the venv (copies of the
-# build files, links to the package folders): setuptools writes ajet.egg-info there, not into the checkout,
-# where the other backbone's build or CI's own `pip install -e` may be writing it at the same time
 src="$venv/.ajet-src"
 mkdir "$src"
-cp pyproject.toml setup.py README.md "$src/"
-for folder in ajet tracker backbones; do ln -s "$repo/$folder" "$src/$folder"; done
-"$uv" pip install -q --python "$venv/bin/python" --no-deps -e "$src"
-if ! (cd / && "$here/bin/python" -c "import ajet.backbones, sys; sys.exit(not ajet.backbones.__path__[0].startswith(sys.argv[1]))" "$repo/"); then
-  echo "the $name env does not import ajet from this checkout ($repo)" >&2; exit 1
+if [ "$mode" = checkout ]; then
+  # ajet, editable from this checkout. uv runs setuptools in a folder of its own inside the venv (copies of the
+  # build files, links to the package folders): setuptools writes ajet.egg-info there, not into the checkout,
+  # where the other backbone's build or CI's own `pip install -e` may be writing it at the same time
+  cp pyproject.toml setup.py README.md "$src/"
+  for folder in ajet tracker backbones; do ln -s "$repo/$folder" "$src/$folder"; done
+  "$uv" pip install -q --python "$venv/bin/python" --no-deps -e "$src"
+else
+  # the installed ajet package, linked (one copy of its code, whatever installed it) and put on the venv's path;
+  # bin/ajet runs it with the venv's python
+  ln -s "$repo" "$src/ajet"
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  (cd "$src" && pwd) > "$site/ajet-installed.pth"
+  printf '#!%s\nimport sys\nfrom ajet.cli import _entry\nsys.exit(_entry())\n' "$venvdir/bin/python" > "$venv/bin/ajet"
+  chmod +x "$venv/bin/ajet"
+fi
+if ! (cd / && "$venvdir/bin/python" -c "import ajet.backbones, sys; sys.exit(not ajet.backbones.__path__[0].startswith(sys.argv[1]))" "$repo/"); then
+  echo "the $name env does not import ajet from $repo" >&2; exit 1
 fi
 touch "$venv/.complete"   # the tests use only a venv whose build finished
 

@@ -13,9 +13,11 @@ command runs, so `ajet --help` is instant.
     ajet sft --from EXP_DIR --conf X.yaml [--min-reward R] [--agent NAME] ...         fine-tune on recorded traces
     ajet export --format hf EXP_DIR OUT [--min-reward R] [--agent NAME]               recorded samples as a dataset
     ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
-    ajet init [DIR] [--kind chat|command|harness|mcp] [--force]                       a new project
+    ajet init [DIR] [--kind chat|command|harness|mcp|math] [--force]                  a new project (math: the main job)
+    ajet backbone-env verl|trinity [--venvs DIR]                                      a scale-out backbone's own venv
 
-To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS`.
+To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS` (`ajet --help`
+lists it from there, with its parser's description).
 """
 
 from __future__ import annotations
@@ -67,17 +69,42 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of `ajet` itself (training); its help ends with every command of `SUBCOMMANDS`."""
     p = argparse.ArgumentParser(
         prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
-               "New project: ajet init DIR --kind chat|command|harness|mcp\n"
-               "Also: ajet serve --conf X.yaml (train agents that run anywhere; docs/serve.md)\n"
-               "      ajet doctor --model MODEL (checks the chat template)\n"
-               "      ajet eval --conf YAML [--checkpoint DIR] (held-out evaluation)\n"
-               "      ajet view EXP_DIR (trajectories in the browser), ajet show EXP_DIR (in the terminal)",
+               "The main job from an installed ajet: ajet init my_job --kind math, then the command it prints\n\n"
+               + command_list() + "\n\n`ajet COMMAND --help` shows a command's flags.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
     return _run_flags(p)
+
+
+def command_list() -> str:
+    """`commands:` and one line per command of `SUBCOMMANDS`: `ajet NAME` and the first sentence of its parser's
+    description (so the list cannot leave a command out)."""
+    rows = [(f"ajet {name}", _summary(make_parser().description)) for name, (make_parser, _) in SUBCOMMANDS.items()]
+    width = max(len(name) for name, _ in rows)
+    return "commands:\n" + "\n".join(f"  {name.ljust(width)}  {text}" for name, text in rows)
+
+
+def _summary(description: str) -> str:
+    """The first clause of a parser's description: up to its first `. `, ` (`, `; ` or `, with` (and `: ` when
+    still over 72 characters)."""
+    text = description
+    for cut in (". ", " (", "; ", ", with"):
+        text = text.split(cut)[0]
+    return (text.split(": ")[0] if len(text) > 72 else text).rstrip(".")
+
+
+def _unknown_command(word: str) -> str:
+    """The error for `ajet WORD ...` where WORD is no command: the commands, and the closest one."""
+    import difflib
+
+    names = [n for n in SUBCOMMANDS if " " not in n]
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    return (f"unknown command `{word}`{f' (did you mean `{close[0]}`?)' if close else ''}: the commands are "
+            f"{', '.join(names)}; training is `ajet --conf X.yaml` (ajet --help)")
 
 
 def _server_parser(section: str, description: str) -> argparse.ArgumentParser:
@@ -213,9 +240,43 @@ def _init_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", nargs="?", default=".", metavar="DIR", help="the project folder (default: here)")
     p.add_argument("--kind", choices=kinds(), default=DEFAULT_KIND,
                    help="chat: a Workflow class; command: a program run per episode; harness: a coding agent on "
-                        "repository tasks; mcp: the built-in tool agent over an MCP server (default: chat)")
+                        "repository tasks; mcp: the built-in tool agent over an MCP server; math: the main job "
+                        "(tutorial/example_math_agent: a tool-using math agent, 16 steps) (default: chat)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     return p
+
+
+def _backbone_env_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet backbone-env", description="Build the virtual environment a scale-out "
+                                "backbone trains in (verl and Trinity pin packages that clash with the core install "
+                                "and with each other): CPU torch 2.13.0, the extra's requirements (uv), the embedded "
+                                "model and this ajet. Minutes the first time (downloads), seconds after (a cached "
+                                "copy); then train with VENVS/NAME/bin/ajet --conf X.yaml --backbone NAME "
+                                "(docs/backbones.md).")
+    p.add_argument("name", choices=["verl", "trinity"], help="the backbone")
+    p.add_argument("--venvs", default=".venvs", metavar="DIR", help="the folder of the venvs: the venv is DIR/NAME "
+                                                                     "(default .venvs)")
+    p.add_argument("--cache-path", action="store_true", help="print the folder of the cached venv and exit")
+    return p
+
+
+def _backbone_env(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import ajet
+    from ajet.shipped import shipped_folder
+
+    venvs = Path(args.venvs).resolve()
+    env = {**os.environ, "AJET_PYTHON": sys.executable, "AJET_PACKAGE": str(Path(ajet.__file__).resolve().parent),
+           "AJET_BACKBONE_VENVS": str(venvs)}
+    script = shipped_folder("ajet.backbone_env") / "make_backbone_env.sh"
+    rc = subprocess.run(["bash", str(script), args.name] + (["--cache-path"] if args.cache_path else []),
+                        env=env).returncode
+    if rc == 0 and not args.cache_path:
+        print(f"train with it: {venvs / args.name / 'bin' / 'ajet'} --conf X.yaml --backbone {args.name}")
+    return rc
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -341,11 +402,12 @@ def _show(args: argparse.Namespace) -> int:
     return viewer_main("show", args)
 
 
-SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway), "doctor": (doctor_parser, _doctor),
-               "gateway rollback": (_gateway_rollback_parser, _gateway_rollback),
+SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway),
+               "gateway rollback": (_gateway_rollback_parser, _gateway_rollback), "doctor": (doctor_parser, _doctor),
                "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
                "harnesses": (_harnesses_parser, _harnesses),
-               "sft": (_sft_parser, _sft), "export": (_export_parser, _export), "init": (_init_parser, _init)}
+               "sft": (_sft_parser, _sft), "export": (_export_parser, _export), "init": (_init_parser, _init),
+               "backbone-env": (_backbone_env_parser, _backbone_env)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         make_parser, command = SUBCOMMANDS[argv[0]]
         args = make_parser().parse_args(argv[1:])
+    elif argv and not argv[0].startswith("-"):   # training takes no positional argument: a mistyped command
+        print(f"ajet: error: {_unknown_command(argv[0])}", file=sys.stderr)
+        return 2
     else:
         command, args = _train, build_parser().parse_args(argv)
     from ajet.errors import AjetError

@@ -853,8 +853,9 @@ class AjetConfig(_Section):
                                                              "or dotted, as in Trinity's YAML), merged last into "
                                                              "Trinity's typed Config, which refuses unknown keys")
 
-    # set by `load_config`: the folder of the YAML file, for resolving relative paths
-    config_dir: Path | None = Field(None, exclude=True)
+    config_dir: Path | None = Field(None, exclude=True, description="not a YAML key: the folder of the YAML file, "
+                                    "set by `load_config`; relative paths (workflow, judge, task files) resolve "
+                                    "against it first, then against the working directory. None: built in code")
 
     @field_validator("agents")
     @classmethod
@@ -960,8 +961,11 @@ def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> 
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
+            elsewhere = [p for p in _key_paths(str(key)) if p != dotted]
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f" did you mean `{prefix}{close[0]}`?" if close else ""
+            hint = (" It belongs " + " or ".join(f"under `{p.rpartition('.')[0]}` (`{p}`)" if "." in p else
+                                                 f"at the top level (`{p}`)" for p in elsewhere) + "." if elsewhere
+                    else f" did you mean `{prefix}{close[0]}`?" if close else "")
             errors.append(f"unknown key `{dotted}`.{hint} Allowed keys{' in ' + prefix[:-1] if prefix else ''}: "
                           f"{', '.join(sorted(fields))}")
             continue
@@ -969,6 +973,23 @@ def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> 
         if isinstance(value, dict) and isinstance(ann, type) and issubclass(ann, BaseModel):
             errors += _unknown_keys(value, ann, dotted + ".")
     return errors
+
+
+def _key_paths(key: str, model: type[BaseModel] = AjetConfig, prefix: str = "") -> list[str]:
+    """The dotted paths where `key` is a field in `model`'s sections (a `lr:` at the top level is `algorithm.lr`),
+    walking every section, optional ones included (`sft:`)."""
+    paths = []
+    for name, f in model.model_fields.items():
+        if f.exclude is True:
+            continue
+        name = f.alias or name
+        if name == key:
+            paths.append(prefix + name)
+        sections = [a for a in (f.annotation, *getattr(f.annotation, "__args__", ()))
+                    if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(sections) == 1:
+            paths += _key_paths(key, sections[0], f"{prefix}{name}.")
+    return paths
 
 
 def _describe(err: dict[str, Any]) -> str:

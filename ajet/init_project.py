@@ -1,9 +1,10 @@
-"""`ajet init [DIR] --kind chat|command|harness|mcp`: write a small project that trains as written.
+"""`ajet init [DIR] --kind chat|command|harness|mcp|math`: write a small project that trains as written.
 
     ajet init my_agent --kind chat      # my_agent/ajet.yaml, workflow.py, tasks/train.jsonl, tasks/val.jsonl
 
 Each kind is a real project, not a stub (the templates are in ajet/init_templates/): a config for the bundled
-SmolLM2-135M-Instruct, the code of one episode, a few tasks and a reward. A folder that already holds anything is
+SmolLM2-135M-Instruct, the code of one episode, a few tasks and a reward; `math` writes the main job itself
+(tutorial/example_math_agent, installed with ajet). A folder that already holds anything is
 refused unless `--force` (then only the template's own files are written over; nothing else is touched).
 """
 
@@ -89,10 +90,11 @@ def next_steps(directory: Path, kind: str) -> str:
     """What `ajet init` prints after writing: the files' kind, and the commands to train and to look."""
     from ajet.init_templates import KINDS
 
-    name = project_name(directory)
+    module = KINDS[kind]
+    name = getattr(module, "EXPERIMENT", None) or project_name(directory)
     cd = "" if directory.resolve() == Path.cwd().resolve() else f"cd {shlex.quote(str(directory))} && "
-    lines = [f"Wrote {KINDS[kind].SUMMARY}.", "", "Train it (the bundled SmolLM2-135M-Instruct, on CPU or one GPU):",
-             f"  {cd}ajet --conf ajet.yaml --backbone=debug", "",
+    lines = [f"Wrote {module.SUMMARY}.", "", "Train it (the bundled SmolLM2-135M-Instruct, on CPU or one GPU):",
+             f"  {cd}ajet --conf {getattr(module, 'CONFIG_FILE', 'ajet.yaml')} --backbone=debug", "",
              f"Then browse its episodes: ajet view experiments/{name}"]
     if kind == "harness":
         lines.append("The tests judge runs pytest: pip install pytest, if it is not installed.")

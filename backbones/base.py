@@ -142,7 +142,7 @@ def load_backbone(name: str, cfg: AjetConfig | None = None) -> type:
     if needs is not None and importlib.util.find_spec(needs) is None:
         raise BackboneUnavailable(
             f"the {name} backbone needs the `{needs}` package, which is not installed: pip install 'ajet[{extra}]' "
-            f"in its own environment (`.ci/make_backbone_env.sh {name}` builds .venvs/{name}; it trains on CPU or "
+            f"in its own environment (`ajet backbone-env {name}` builds .venvs/{name}; it trains on CPU or "
             f"CUDA GPUs, see docs/backbones.md), or run with --backbone=debug")
     try:
         return importlib.import_module(module).BACKBONE

@@ -52,7 +52,8 @@ def wheel(tmp_path_factory) -> Path:
     for item in ROOT.iterdir():
         if item.is_file():   # pyproject.toml, setup.py, README.md (the long description), ...
             shutil.copy2(item, src / item.name)
-    for folder in SOURCE_FOLDERS:
+    # and the two folders setup.py installs as package data (the main job, the backbone venv builder)
+    for folder in (*SOURCE_FOLDERS, "tutorial/example_math_agent", ".ci"):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                            "-w", str(tmp / "dist"), str(src)], capture_output=True, text=True, timeout=300)
