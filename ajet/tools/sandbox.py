@@ -357,22 +357,30 @@ async def _run(argv: list[str], env: dict, cwd: str, stdin_file, limits: _Limits
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
         _kill_group(proc.pid)
-        try:   # the pipes close once every holder is dead
-            await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE_S)
-        except asyncio.TimeoutError:
-            everything.cancel()
-            proc._transport.close()   # noqa: SLF001 - close our pipe ends; asyncio has no public handle for it
-        await proc.wait()
-    except BaseException:          # cancelled by the caller: leave nothing running
+        await _reap(proc, everything)
+    except BaseException:          # cancelled by the caller: leave nothing running, nor unreaped
         if isolation == "none":
             kill_tree(proc.pid)
         _kill_group(proc.pid)
-        everything.cancel()
+        await _reap(proc, everything)
         raise
     finally:
         _kill_group(proc.pid)      # anything the code left behind in its group
     return SandboxResult(out.text(), err.text(), None if timed_out else proc.returncode, timed_out, isolation,
                          note, bool(out.dropped or err.dropped), time.monotonic() - start)
+
+
+async def _reap(proc: asyncio.subprocess.Process, everything: asyncio.Future) -> None:
+    """After a kill: wait for the child's pipes to close (at most `KILL_GRACE_S`; a descendant that escaped the
+    kill may hold them: then our ends are closed) and for its exit status, so that its transport is closed on
+    this loop. Left to the garbage collector instead, a transport found open after the loop closed raises
+    "RuntimeError: Event loop is closed" (a caller cancelled, then its loop ended)."""
+    try:   # the pipes close once every holder is dead
+        await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE_S)
+    except asyncio.TimeoutError:
+        everything.cancel()
+        proc._transport.close()   # noqa: SLF001 - close our pipe ends; asyncio has no public handle for it
+    await proc.wait()
 
 
 def _kill_group(pgid: int) -> None:
