@@ -9,6 +9,11 @@ References:
     Names and definitions: verl's `adv_estimator` (verl/trainer/ppo/core_algos.py, `compute_*_outcome_advantage`),
         for outcome rewards and gamma = 1 (every response token's return is the episode's reward).
 
+Precision: the group statistics are computed in float64 on rewards divided by their largest magnitude (every
+estimator is scale-equivariant: A(c r) = c A(r) for the centred ones, A(c r) = A(r) for the whitened ones up to
+eps), then returned as float32, so a reward of 1e30 neither overflows a square (float32 tops out at 3.4e38) nor
+zeroes the step; within `gateway.reward_range` the figures equal plain float32 arithmetic's up to rounding.
+
 Accounting: one advantage per episode, shared by every sample the episode produced. Where verl computes a
 statistic over response tokens (the REINFORCE++ whitening), an episode counts with its loss tokens, which
 is what verl's token statistic gives for the episode's rows.
@@ -39,17 +44,26 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e
         ValueError: when the lengths differ.
     """
     _check(rewards, group_ids)
-    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    adv = torch.zeros(rewards.shape[0], dtype=torch.float64)
     for idx in _groups(group_ids).values():
         if len(idx) < 2:
             continue
-        r = rewards[idx].float()
+        r, scale = _scaled(rewards[idx])
         centred = r - r.mean()
         std = r.std(unbiased=True)
         if norm_by_std:  # a uniform group (std 0) carries no signal: 0, never 0/0
-            centred = centred / (std + eps) if std > 0 else torch.zeros_like(centred)
+            centred = centred / (std + eps / scale) if std > 0 else torch.zeros_like(centred)
+        else:
+            centred = centred * scale
         adv[idx] = centred
-    return adv
+    return adv.float()
+
+
+def _scaled(values: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(`values` in float64 divided by their largest magnitude, that magnitude); (as is, 1.0) when all are 0."""
+    v = values.double()
+    scale = float(v.abs().max()) if v.numel() else 0.0
+    return (v / scale, scale) if scale > 0 else (v, 1.0)
 
 
 def _groups(group_ids: list[str]) -> dict[str, list[int]]:
@@ -72,13 +86,13 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor
         ValueError: when the lengths differ.
     """
     _check(rewards, group_ids)
-    adv = rewards.float().clone()
+    adv = rewards.double().clone()
     for idx in _groups(group_ids).values():
         n = len(idx)
         if n > 1:
-            r = rewards[idx].float()
-            adv[idx] = (r - r.mean()) * n / (n - 1)
-    return adv
+            r, scale = _scaled(rewards[idx])
+            adv[idx] = (r - r.mean()) * scale * n / (n - 1)
+    return adv.float()
 
 
 def whiten(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -92,14 +106,17 @@ def whiten(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         `[n]` whitened values; all 0 when fewer than 2 counted tokens (verl raises there; a step with one
         trained token has no batch statistic to learn from).
     """
-    w = counts.float()
+    w = counts.double()
     total = float(w.sum())
     if total < 2:
         return torch.zeros_like(values, dtype=torch.float32)
-    v = values.float()
+    v, scale = _scaled(values)
     mean = (w * v).sum() / total
     var = (w * (v - mean) ** 2).sum() / (total - 1)                                # Bessel: N / (N - 1)
-    return (v - mean) * torch.rsqrt(var + WHITEN_EPS)
+    denom = var + WHITEN_EPS / scale / scale       # (a huge scale: eps underflows to 0, as it should)
+    if denom <= 0:                                   # equal values at a scale where eps underflows: no signal
+        return torch.zeros_like(values, dtype=torch.float32)
+    return ((v - mean) * torch.rsqrt(denom)).float()
 
 
 def reinforce_plus_plus_advantages(rewards: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
@@ -126,11 +143,12 @@ def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, group_ids: li
         ValueError: when the lengths differ.
     """
     _check(rewards, group_ids)
-    centred = rewards.float().clone()
+    centred, scale = _scaled(rewards)
+    centred = centred.clone()
     for idx in _groups(group_ids).values():
         if len(idx) > 1:
             centred[idx] = centred[idx] - centred[idx].mean()
-    return whiten(centred, token_counts)
+    return whiten(centred * scale, token_counts)
 
 
 def compute_advantages(adv_estimator: str, rewards: torch.Tensor, group_ids: list[str],
@@ -198,7 +216,7 @@ def assign_advantages(samples: list, rewards: dict[str, float], episode_groups: 
     tokens: dict[tuple[str, str], int] = defaultdict(int)
     for s in samples:
         tokens[(s.episode_id, s.group_id)] += s.num_loss_tokens
-    adv = compute_advantages(adv_estimator, torch.tensor([float(rewards[e]) for e, _ in units]),
+    adv = compute_advantages(adv_estimator, torch.tensor([float(rewards[e]) for e, _ in units], dtype=torch.float64),
                              [g for _, g in units], torch.tensor([float(tokens[u]) for u in units]), eps, norm_by_std)
     by_unit = dict(zip(units, adv.tolist()))
     for s in samples:

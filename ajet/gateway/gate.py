@@ -11,8 +11,13 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
     3. the backbone updates; the new weights run the config's held-out evaluation (`ajet.eval.evaluate`: the
        workflow and judge on `data.val_path` through a proxy of their own over the same engine, `eval:`'s
        sampling; results in exp_dir/gate/step_<S>/)
-    4. served when the evaluation is valid and `metric(new) >= metric(serving) - max_drop`: its checkpoint is
-       written and live calls resume under it. Refused otherwise (drop too large, an invalid evaluation or an
+    4. served when the update moved the weights with finite numbers (`ajet.algorithm.guards.not_a_new_version`:
+       no optimizer step skipped for a non-finite loss or gradient norm, a non-zero gradient), the evaluation is
+       valid, the candidate's answers are not degenerate (`degenerate_reason`: a non-finite logprob, or most
+       answers empty or only end-of-text), its metric is at least `gate.min_score` (when set) and
+       `metric(new) >= reference - max_drop`, the reference being the best figure any served version had (mode
+       eval; so drops cannot add up over versions) or the serving policy's on the same replay set (mode replay):
+       its checkpoint is written and live calls resume under it. Refused otherwise (any of these, or an
        invalid evaluation of the serving policy): the backbone loads the serving version's checkpoint back,
        so both the engine and the training go on from the serving weights and optimizer state (a harmful
        update does not compound), and live calls resume under the serving version
@@ -20,12 +25,15 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
        counted in /metrics; the step's metrics get gate/* figures
 
 With mode `replay` (ajet/gateway/replay.py) the evaluation of step 1 and 3 is a replay of the first request of
-the most recently rated sessions, scored by the config's judge, instead of `data.val_path`; the set moves with
-the traffic, so the serving policy is evaluated on it at every update (step 1), never taken from the record.
+the most recently rated sessions that the update did not train on, scored by the config's judge, instead of
+`data.val_path`; the set moves with the traffic, so the serving policy is evaluated on it at every update (step
+1), never taken from the record.
 
 Cost: live requests wait for the update plus one held-out evaluation (step 2 to 4), and each served version
 costs one checkpoint write. With mode `off` step 2-4 are skipped: every update is served at once (requests in
-flight keep decoding across the swap), and still checkpointed for rollback.
+flight keep decoding across the swap), and still checkpointed for rollback; an update that is not a new version
+(a skipped non-finite step, a zero gradient) is undone even then (the serving checkpoint loaded back, live calls
+held meanwhile).
 
 Policy versions count served updates: a refused candidate's number is given to the next update, and after a
 rollback to version V the next served update is V + 1 again (its checkpoint replaces the superseded one).
@@ -52,6 +60,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ajet.algorithm.guards import not_a_new_version
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.gateway.store import GatewayStore
@@ -193,14 +202,21 @@ class VersionGate:
         self._checkpoint(serving)
         if self.g.mode == "off":
             train = backbone.update(samples)
-            if engine.policy_version != serving:   # its checkpoint is written before the next update or a rollback
-                self._served(engine.policy_version, step, "ungated", None, save=False)
+            candidate = engine.policy_version
+            if candidate != serving:
+                why = not_a_new_version(train)
+                if why is not None:
+                    with self.hold.held():
+                        self._refuse(step, candidate, serving, "update", None, None, why)
+                    return {**train, "gate/served": 0.0}
+                self._served(candidate, step, "ungated", None, save=False)   # checkpointed before the next update
             return train
         tasks = None
         if self.g.mode == "replay":                # one replay set for both figures (ajet/gateway/replay.py)
             from ajet.gateway.replay import replay_tasks
 
-            tasks = replay_tasks(self.store, self.g.replay_sessions)
+            trained = {s.episode_id.split("~", 1)[0] for s in samples}   # a best-of candidate: <session>~<k>
+            tasks = replay_tasks(self.store, self.g.replay_sessions, exclude=trained)
         baseline = self._serving_figure(step, tasks)
         with self.hold.held():
             self._gating = serving
@@ -209,31 +225,44 @@ class VersionGate:
             if candidate == serving:               # nothing was trained: nothing to gate
                 self._gating = None
                 return train
-            if tasks == []:
-                figure, reason = None, "no rated session with a recorded call to replay"
-            else:
-                figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}", tasks))
+            figure, reason = None, not_a_new_version(train)
+            if reason is None and tasks == []:
+                reason = "no rated session with a recorded call to replay"
+            elif reason is None:
+                result = self._run_eval(step, self.exp_dir / "gate" / f"step_{step}", tasks)
+                figure, reason = self._figure(result)
+                reason = degenerate_reason(result.episodes, self.backbone.tokenizer) or reason   # whatever the metric
+            if reason is None and self.g.min_score is not None and figure < self.g.min_score:
+                reason = f"{self.g.metric} {figure:.4g} is below gateway.gate.min_score {self.g.min_score:g}"
             if reason is None and baseline is None:
                 reason = "the serving policy's evaluation was invalid: no figure to compare with"
             if reason is None and figure < baseline - self.g.max_drop:
-                reason = (f"{self.g.metric} {figure:.4g} is {baseline - figure:.4g} below the serving policy's "
+                reason = (f"{self.g.metric} {figure:.4g} is {baseline - figure:.4g} below "
+                          f"{'the best served version' if tasks is None else 'the serving policy'}'s "
                           f"{baseline:.4g} (gateway.gate.max_drop {self.g.max_drop:g})")
             served = reason is None
+            metric = self.g.metric if tasks is None else f"replay:{self.g.metric}"
             if served:
                 # (a replay figure is of this update's set only: not kept as the version's figure)
                 self._served(candidate, step, "gate", figure if tasks is None else None)
+                self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, True,
+                                    "served" if tasks is None else f"served (replay of {len(tasks)} sessions)")
+                self._say(f"gate: step {step}: version {candidate} served ({self.g.metric} {figure:.4g}, reference "
+                          f"{_fmt(baseline)})")
             else:
-                self._load(self._path(serving))   # engine and training: back to the serving weights
-                self.counts["gate_refusals"] += 1
-            metric = self.g.metric if tasks is None else f"replay:{self.g.metric}"
-            self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, served,
-                                reason or ("served" if tasks is None else f"served (replay of {len(tasks)} sessions)"))
+                self._refuse(step, candidate, serving, metric, baseline, figure, reason)
             self._gating = None
-        self._say(f"gate: step {step}: version {candidate} " + (
-            f"served ({self.g.metric} {figure:.4g}, serving policy {_fmt(baseline)})" if served else
-            f"REFUSED: {reason}; version {serving} stays served"))
         return {**train, "gate/served": float(served), "gate/candidate_figure": _nan(figure),
                 "gate/serving_figure": _nan(baseline)}
+
+    def _refuse(self, step: int, candidate: int, serving: int, metric: str, baseline: float | None,
+                figure: float | None, reason: str) -> None:
+        """Refuse `candidate` (live calls held by the caller): engine and training back to the serving version's
+        checkpoint, the decision recorded in gateway.sqlite and said."""
+        self._load(self._path(serving))
+        self.counts["gate_refusals"] += 1
+        self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, False, reason)
+        self._say(f"gate: step {step}: version {candidate} REFUSED: {reason}; version {serving} stays served")
 
     def served_version(self, engine) -> int:
         """The version live calls get (/healthz, /metrics): while a candidate is updated and evaluated, the
@@ -321,11 +350,13 @@ class VersionGate:
 
     def _serving_figure(self, step: int, tasks=None) -> float | None:
         """The serving version's gate figure: recorded, else evaluated now (live traffic goes on; same weights).
-        With a replay set (`tasks`), always evaluated now on it (None for an empty set)."""
+        With a replay set (`tasks`), always evaluated now on it (None for an empty set). Without one (mode eval), the
+        best figure any served version had, if higher: the reference a candidate is compared with."""
         if tasks is None:
-            figure = self.store.versions()[-1]["figure"]
-            if figure is not None:
-                return figure
+            versions = self.store.versions()
+            best = max((v["figure"] for v in versions if v["figure"] is not None), default=None)
+            if versions[-1]["figure"] is not None:
+                return best
         elif not tasks:
             return None
         figure, reason = self._figure(self._run_eval(step, self.exp_dir / "gate" / f"step_{step}" / "serving", tasks))
@@ -334,6 +365,8 @@ class VersionGate:
             return None
         if tasks is None:
             self.store.set_serving_figure(figure)
+            best = max((v["figure"] for v in self.store.versions() if v["figure"] is not None), default=figure)
+            return max(figure, best)
         return figure
 
     def _run_eval(self, step: int, out_dir: Path, tasks=None):
@@ -374,6 +407,27 @@ class VersionGate:
                 "metric": self.g.metric, "mode": self.g.mode, "max_drop": self.g.max_drop,
                 "versions": self.store.versions(), "gate": self.store.gate_results(),
                 "kept": sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())}
+
+
+def degenerate_reason(episodes, tokenizer) -> str | None:
+    """Why a candidate's evaluation answers are degenerate, or None: a sampled token's logprob is NaN or +-inf
+    (a broken policy), or more than half of the answers (each finished episode's calls) are empty or only
+    special tokens such as end-of-text. Episodes that failed are not counted (their share makes the evaluation
+    invalid instead).
+
+    Args:
+        episodes: the evaluation's `Episode`s (`EvalResult.episodes`).
+        tokenizer: the policy's tokenizer (`all_special_ids`: end-of-text, padding, ...).
+    """
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    calls = [c for e in episodes if e.ok for c in e.calls]
+    for c in calls:
+        if any(lp is None or not math.isfinite(lp) for lp in c.completion_logprobs):
+            return f"degenerate answers: call {c.call_id} sampled a token with a non-finite logprob"
+    empty = sum(1 for c in calls if all(t in special for t in c.completion_ids))
+    if calls and 2 * empty > len(calls):
+        return f"degenerate answers: {empty} of {len(calls)} are empty or only end-of-text"
+    return None
 
 
 def request_rollback(store: GatewayStore, to: int | None, wait_s: float = 0.0, poll_s: float = 0.2) -> dict[str, Any]:

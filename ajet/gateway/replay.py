@@ -4,7 +4,8 @@ of the gateway's own recent traffic instead of a held-out task file.
 The rule, for one update:
 
     1. the replay set: the first request of each of the `gateway.gate.replay_sessions` sessions whose latest
-       feedback (client or judge) arrived last, among those with a recorded call (`GatewayStore.replay_set`).
+       feedback (client or judge) arrived last, among those with a recorded call that the update did not train
+       on (`GatewayStore.replay_set`).
        A request is replayed as it was received: its messages and tool definitions (the proxy's OpenAI wire
        form, whichever dialect the client used), sent as one Chat Completions call
     2. the serving policy answers every request of the set (before the update, while live traffic goes on:
@@ -21,9 +22,9 @@ The rule, for one update:
        figure of an earlier update is not comparable
 
 What it measures: whether the candidate answers the traffic the gateway serves now as well as the serving
-policy does, by the judge's standard. The set includes the sessions the update trained on (they are the most
-recently rated), so it is a regression check on recent traffic, not a held-out generalisation estimate: a
-harmful update (one that breaks the answers) is caught, a merely over-fitted one may not be. Use mode `eval`
+policy does, by the judge's standard, on recent sessions it did not train on (a candidate cannot score by
+having memorised its own training sessions). It is a regression check on recent traffic: a harmful update (one
+that breaks the answers) is caught. Use mode `eval`
 with `data.val_path` for a held-out figure. The recorded rewards are not the figure: they score the answers
 that were served, not the candidate's.
 """
@@ -39,12 +40,13 @@ from ajet.workflow import Workflow, WorkflowOutput
 
 
 
-def replay_tasks(store: GatewayStore, n: int) -> list[Task]:
+def replay_tasks(store: GatewayStore, n: int, exclude: set[str] = frozenset()) -> list[Task]:
     """The replay set of step 1 (module docstring) as evaluation tasks, newest feedback first: task id
     `replay-<session id>`, query the request's last user message, metadata `messages`, `tools`, `session`,
-    `recorded_reward`. Empty when no rated session has a recorded call."""
+    `recorded_reward`. Sessions in `exclude` (those the candidate trained on) are left out. Empty when no other
+    rated session has a recorded call."""
     out = []
-    for session_id, reward, call in store.replay_set(n):
+    for session_id, reward, call in store.replay_set(n, exclude):
         messages = call.get("messages") or []
         query = next((message_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
         out.append(Task(task_id=f"replay-{session_id}", query=query[:MAX_QUERY_CHARS],

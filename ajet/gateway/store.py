@@ -29,7 +29,9 @@ The evaluation gate and rollback (ajet/gateway/gate.py) keep three more tables:
                to_version or NULL: the version served before the current one, requested_at, done_at, ok, message);
                done_at, ok and message are filled in place when the gateway has done (or refused) it
 
-A session's reward is its latest feedback row. Times are `time.time()` seconds.
+A session's reward is its latest feedback row. Times are `time.time()` seconds. Records are strict JSON: a NaN or
++-inf in a call (an engine logprob) is stored as null (`ajet.trajectory_store.dumps`); rewards outside
+`gateway.reward_range`, NaN included, never get here.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ajet.sqlite_wal import open_wal
+from ajet.trajectory_store import dumps
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -132,11 +135,11 @@ class GatewayStore:
         self._tx(("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?)",
                   [(response_id, session_id, policy_version, time.time())]),
                  ("INSERT OR IGNORE INTO calls VALUES (?, ?, ?, ?)",
-                  [(c["call_id"], session_id, c["index"], json.dumps(c)) for c in calls]),
+                  [(c["call_id"], session_id, c["index"], dumps(c)) for c in calls]),
                  ("INSERT OR IGNORE INTO candidates VALUES (?, ?, ?, ?, ?, ?)",
-                  [(eid, session_id, response_id, idx, score, json.dumps(rec)) for eid, idx, score, rec in candidates]),
+                  [(eid, session_id, response_id, idx, score, dumps(rec)) for eid, idx, score, rec in candidates]),
                  ("INSERT OR IGNORE INTO picks VALUES (?, ?, ?, ?)",
-                  [(response_id, session_id, pick["chosen"], json.dumps(pick["scores"]))] if pick else []))
+                  [(response_id, session_id, pick["chosen"], dumps(pick["scores"]))] if pick else []))
 
     def close_session(self, session_id: str, reason: str, at: float | None = None) -> None:
         self._tx(("INSERT OR IGNORE INTO closes VALUES (?, ?, ?)", [(session_id, at or time.time(), reason)]))
@@ -181,9 +184,10 @@ class GatewayStore:
             out[sid].picks[rid] = {"chosen": chosen, "scores": json.loads(scores)}
         return out
 
-    def replay_set(self, n: int) -> list[tuple[str, float, dict[str, Any]]]:
+    def replay_set(self, n: int, exclude: set[str] = frozenset()) -> list[tuple[str, float, dict[str, Any]]]:
         """(session_id, its latest reward, its first recorded call) of the `n` sessions whose latest feedback
-        arrived last, among those with a recorded call, newest first (the replay gate, ajet/gateway/replay.py)."""
+        arrived last, among those with a recorded call and not in `exclude`, newest first (the replay gate,
+        ajet/gateway/replay.py)."""
         with self._write:
             rows = self._db.execute(
                 "SELECT f.session_id, f.reward, c.record FROM feedback f "
@@ -191,8 +195,8 @@ class GatewayStore:
                 "ON f.rowid = l.last "
                 "JOIN calls c ON c.session_id = f.session_id "
                 "AND c.idx = (SELECT MIN(idx) FROM calls WHERE session_id = f.session_id) "
-                "ORDER BY f.rowid DESC LIMIT ?", (n,)).fetchall()
-        return [(sid, reward, json.loads(record)) for sid, reward, record in rows]
+                "ORDER BY f.rowid DESC LIMIT ?", (n + len(exclude),)).fetchall()
+        return [(sid, reward, json.loads(record)) for sid, reward, record in rows if sid not in exclude][:n]
 
     # ---- policy versions, the evaluation gate, rollbacks (ajet/gateway/gate.py) ------------------------------
     def add_version(self, version: int, step: int, how: str, figure: float | None) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from ajet import progress
 from ajet.agent_adapters import adapter_names, adapter_router
+from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, sft_loss, truncated_is_weights
 from ajet.backbones.debug.engine import HFEngine
 from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters, base_state_dict, load_adapters,
@@ -105,7 +106,11 @@ class DebugBackbone:
         update starts from (pi_prox: this forward when the step is one optimizer step, else a no-grad pass
         first) and each token's loss is weighted by `truncated_is_weights` (pi_prox / pi_behaviour, capped).
 
-        Returns: loss, pg_loss, kl, grad_norm (means over optimizer steps); clip_frac, dual_clip_frac,
+        A step whose loss or gradient norm is NaN or +-inf is skipped (weights and optimizer state unchanged, a
+        loud line on stderr: `ajet.algorithm.guards.report_nonfinite`) and counted in nonfinite_skipped.
+
+        Returns: loss, pg_loss, kl, grad_norm (means over optimizer steps; a skipped step counts 0);
+        nonfinite_skipped (steps skipped); clip_frac, dual_clip_frac,
         ratio_mean (means over every trained token of every optimizer step under the weights the loss gives
         them: the aggregation weight, times the IS weight with is_cap); with is_cap is_weight_mean and
         is_capped_frac (the mean IS weight and the share of tokens at the cap, under the aggregation weights
@@ -162,6 +167,7 @@ class DebugBackbone:
             per.append(stats)
         out.update({k: statistics.fmean(p[k] for p in per) for k in per[0]})
         out["optimizer_steps"] = float(sum(p["optimizer_steps"] for p in per))
+        out[NONFINITE_SKIPPED] = float(sum(p[NONFINITE_SKIPPED] for p in per))
         return out
 
     @contextmanager
@@ -210,7 +216,9 @@ class DebugBackbone:
             out.update({k: totals.pop(k) / mass if mass > 0 else 0.0 for k in keys})
         before = before or {k: totals.pop(f"_{k}") / totals["_tokens"] if totals["_tokens"] else 0.0
                             for k in ("entropy", "logprob_diff")}
+        skipped = totals.pop(NONFINITE_SKIPPED, 0.0)   # a count, not a mean
         out.update({k: v / steps for k, v in totals.items() if not k.startswith("_")}, **before)
+        out[NONFINITE_SKIPPED] = skipped
         out["optimizer_steps"] = float(steps)
         return out
 
@@ -231,7 +239,7 @@ class DebugBackbone:
         if not trainable:
             return {"update_s": 0.0, "optimizer_steps": 0.0}
         episodes = sorted({s.episode_id for s in trainable})
-        losses, norms = [], []
+        losses, norms, skipped = [], [], 0
         with self.engine.weights_lock:
             self.model.train()
             for _ in range(alg.ppo_epochs):
@@ -252,15 +260,23 @@ class DebugBackbone:
                         loss = sft_loss(logprobs, batch["weights"])
                         loss.backward()
                         total += float(loss.detach())
-                    norms.append(float(torch.nn.utils.clip_grad_norm_(
-                        [p for p in self.model.parameters() if p.requires_grad], alg.max_grad_norm)))
-                    self.optimizer.step()
+                    norm = float(torch.nn.utils.clip_grad_norm_(
+                        [p for p in self.model.parameters() if p.requires_grad], alg.max_grad_norm))
+                    bad = nonfinite_figure({"loss": total, "grad_norm": norm})
+                    if bad is not None:   # never step on NaN / inf
+                        report_nonfinite(f"the debug backbone's fine-tuning of policy version "
+                                         f"{self.engine.policy_version}", bad)
+                        skipped, norm, total = skipped + 1, 0.0, 0.0
+                    else:
+                        self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
+                    norms.append(norm)
                     losses.append(total)
             self.model.eval()
             synced = self._publish_weights(self.engine.policy_version + 1)
         return {"sft_loss": losses[0], "loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms),
                 "sft_tokens": float(sum(s.num_loss_tokens for s in trainable)), "optimizer_steps": float(len(losses)),
+                NONFINITE_SKIPPED: float(skipped),
                 **synced, "update_s": time.perf_counter() - t0}
 
     def _publish_weights(self, version: int) -> dict[str, float]:
@@ -278,11 +294,16 @@ class DebugBackbone:
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.accumulate_gradients(samples)
         if stats["_tokens"] == 0:  # every advantage is 0: nothing to learn from this mini-batch
-            return {**stats, "grad_norm": 0.0}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.cfg.algorithm.max_grad_norm)
+            return {**stats, "grad_norm": 0.0, NONFINITE_SKIPPED: 0.0}
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._trained_parameters(), self.cfg.algorithm.max_grad_norm))
+        bad = nonfinite_figure({**stats, "grad_norm": grad_norm})
+        if bad is not None:        # never step on NaN / inf: weights and optimizer state stay as they are
+            self.optimizer.zero_grad(set_to_none=True)
+            report_nonfinite(f"the debug backbone's update of policy version {self.engine.policy_version}", bad)
+            return {**{k: 0.0 for k in stats}, "grad_norm": 0.0, NONFINITE_SKIPPED: 1.0}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {**stats, "grad_norm": float(grad_norm)}
+        return {**stats, "grad_norm": grad_norm, NONFINITE_SKIPPED: 0.0}
 
     @property
     def _packed_row_tokens(self) -> int | None:

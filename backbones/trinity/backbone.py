@@ -24,12 +24,14 @@ the same code trains on GPUs; generation stays ajet's engine (Trinity's vLLM exp
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.config import AjetConfig
 from ajet.tracker.sample import Sample
 
@@ -102,8 +104,9 @@ class TrinityBackbone:
         """Trinity's `train_step` on the samples with a loss token (one Experience each), then the new weights
         into ajet's engine through Trinity's Synchronizer.
 
-        Returns Trinity's metrics (floats; `actor/pg_loss`, `actor/grad_norm`, `actor/ppo_kl`, ...) plus
-        optimizer_steps, update_s (the train step) and sync_s (the weight sync).
+        Returns Trinity's metrics (floats; `actor/pg_loss`, `actor/grad_norm`, `actor/ppo_kl`, ...; non-finite ones
+        left out) plus optimizer_steps, nonfinite_skipped (1 when a loss or gradient norm was NaN or +-inf: verl's
+        engine skipped that step; a loud line says so), update_s (the train step) and sync_s (the weight sync).
 
         Raises:
             ValueError: the loss tokens were sampled at several temperatures or with top_p < 1 (verl scores a
@@ -136,6 +139,11 @@ class TrinityBackbone:
             self.engine.policy_version += 1
         del state
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        bad = nonfinite_figure(out)   # verl's engine (under Trinity) skipped such a step itself: counted, said
+        if bad is not None:
+            report_nonfinite(f"Trinity's train step of policy version {self.engine.policy_version - 1}", bad)
+            out = {k: v for k, v in out.items() if math.isfinite(v)}   # metrics.jsonl holds only valid JSON
+        out[NONFINITE_SKIPPED] = float(bad is not None)
         out.update(optimizer_steps=float(self.trainer.config.actor.ppo_epochs), update_s=t1 - t0,
                    sync_s=time.perf_counter() - t1, trinity_step=float(version))
         return out

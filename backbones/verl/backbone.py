@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ajet import progress
+from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
 from ajet.backbones.server_pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
@@ -190,8 +191,10 @@ class VerlBackbone:
     # ---- the RL step ------------------------------------------------------------------------------
     def update(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step: `ppo_epochs` x `mini_batches` verl optimizer steps over `samples` (split by episode, as
-        the debug backbone). Returns verl's metrics (means over optimizer steps), `optimizer_steps` and `update_s`
-        (seconds, the weight sync to ajet's engine included).
+        the debug backbone). Returns verl's metrics (means over the optimizer steps applied), `optimizer_steps`,
+        `nonfinite_skipped` (steps whose loss or gradient norm was NaN or +-inf: verl's FSDP engine skips those
+        itself; counted here with a loud line, `ajet.algorithm.guards`) and `update_s` (seconds, the weight sync
+        to ajet's engine included).
 
         Raises:
             BackboneOutOfMemory: Ray's memory monitor killed a worker during the update (not a raw
@@ -205,7 +208,7 @@ class VerlBackbone:
             return {"update_s": 0.0, "optimizer_steps": 0.0}
         episodes = sorted({s.episode_id for s in trainable})
         sums: dict[str, float] = {}
-        steps = 0
+        steps = skipped = 0
         where = f"verl's actor update (policy version {self.engine.policy_version}, {len(trainable)} samples)"
         total = alg.ppo_epochs * len(_split(episodes, alg.mini_batches))   # mini-batches, on the progress display
         with self._weights_lock(), explain_ray_oom(where, self._oom_advice()), progress.phase("update", total) as bar:
@@ -214,16 +217,21 @@ class VerlBackbone:
                 for mb_eps in _split(episodes, alg.mini_batches):
                     bar.advance(0, epoch=epoch + 1)
                     chosen = set(mb_eps)
-                    for k, v in self._optimizer_step([s for s in trainable if s.episode_id in chosen],
-                                                     len(chosen)).items():
-                        sums[k] = sums.get(k, 0.0) + v
+                    stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen], len(chosen))
                     steps += 1
+                    bad = nonfinite_figure(stats)
+                    if bad is not None:   # verl's engine skipped the step (zero_grad, no optimizer.step)
+                        skipped += 1
+                        report_nonfinite(f"verl's actor update of policy version {self.engine.policy_version}", bad)
+                    else:                 # the figures are means over the steps applied
+                        for k, v in stats.items():
+                            sums[k] = sums.get(k, 0.0) + v
                     bar.advance(1)
             self.engine.policy_version += 1
             if self.rollout == "ajet":
                 self._sync_weights()
-        return {**{k: v / steps for k, v in sums.items()}, "optimizer_steps": float(steps),
-                "update_s": time.perf_counter() - t0}
+        return {**{k: v / max(1, steps - skipped) for k, v in sums.items()}, "optimizer_steps": float(steps),
+                NONFINITE_SKIPPED: float(skipped), "update_s": time.perf_counter() - t0}
 
     def _optimizer_step(self, rows: list[Sample], num_episodes: int) -> dict[str, float]:
         """One verl `update_actor` call on `rows` (one mini-batch: one optimizer step on every rank)."""
