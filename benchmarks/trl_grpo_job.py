@@ -45,13 +45,23 @@ async def calculate(expression: str) -> str:
     return await calculate_tool(json.dumps({"expression": expression}))
 
 
+def zeroed() -> dict:
+    """One step's figures, zero (the generated tokens are the trained ones: the sampled tokens)."""
+    return {"rollout_s": 0.0, "forwarded": 0, "padded": 0, "trained": 0, "episodes": 0, "calls": 0}
+
+
 def _arguments(tool_call: dict) -> str:
     """The JSON arguments of one of TRL's assistant tool calls (TRL may hold them as a dict)."""
     arguments = (tool_call.get("function") or {}).get("arguments") or {}
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
-def main() -> None:
+MICRO_BATCH = 16                # sequences per forward/backward unless --micro-batch says otherwise
+EPISODES_PER_STEP = 16          # 4 tasks x group 4, one generation batch per optimizer step
+
+
+def parser() -> argparse.ArgumentParser:
+    """The job's command line (shared with benchmarks/trl_profile.py)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tasks", required=True)
@@ -59,11 +69,30 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--temperature", type=float, default=0.8, help="the main job's rollout.temperature")
     ap.add_argument("--lr", type=float, default=3e-5, help="the main job's algorithm.lr")
-    args = ap.parse_args()
+    ap.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                    help=f"sequences per forward/backward (per_device_train_batch_size); the step's "
+                         f"{EPISODES_PER_STEP} are accumulated over {EPISODES_PER_STEP}/N micro-batches "
+                         f"(gradient_accumulation_steps), still one generation batch and one optimizer step per step")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (TRL's default; fp32 without it, as ajet)")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default (off without it, as ajet)")
+    return ap
+
+
+def build_trainer(args: argparse.Namespace):
+    """TRL's GRPOTrainer for the main job's work, configured by `args` (see `parser`).
+
+    Returns (trainer, timing): `timing` is the current step's figures, filled while the trainer runs: rollout_s
+    (seconds in TRL's `_generate`), forwarded (real prompt + completion tokens of the update's forwards), padded
+    (positions the update's forwards run, padding included), trained (tokens under the loss mask), episodes, calls.
+    Raises ValueError when `--micro-batch` does not divide the step's 16 sequences.
+    """
+    if args.micro_batch < 1 or EPISODES_PER_STEP % args.micro_batch:
+        raise ValueError(f"--micro-batch {args.micro_batch} must divide the step's {EPISODES_PER_STEP} sequences")
+    accumulation = EPISODES_PER_STEP // args.micro_batch
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
@@ -83,9 +112,6 @@ def main() -> None:
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": t["query"]}],
                                "answer": t["answer"], "task_id": t["task_id"], "query": t["query"]} for t in tasks])
-
-    def zeroed() -> dict:   # one step's figures (the generated tokens are the trained ones: the sampled tokens)
-        return {"rollout_s": 0.0, "forwarded": 0, "trained": 0, "episodes": 0, "calls": 0}
 
     timing = zeroed()
 
@@ -109,17 +135,19 @@ def main() -> None:
         return out
 
     config = GRPOConfig(
-        output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps, per_device_train_batch_size=16,
+        output_dir=str(Path(args.out).parent / "trl_out"), max_steps=args.steps,
+        # one generation batch of 16 per optimizer step, trained in micro-batches: steps_per_generation equal to
+        # gradient_accumulation_steps, so TRL needs no old-logprob forward (the samples are on-policy)
+        per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=accumulation,
+        steps_per_generation=accumulation,
         num_generations=4, max_completion_length=48 * 2 + 64, temperature=args.temperature, top_p=1.0, learning_rate=args.lr,
-        lr_scheduler_type="constant", beta=0.0, loss_type="grpo", num_iterations=1, steps_per_generation=1, shuffle_dataset=False,
-        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
-        max_tool_calling_iterations=1, gradient_checkpointing=False, seed=0,
+        lr_scheduler_type="constant", beta=0.0, loss_type="grpo", num_iterations=1, shuffle_dataset=False,
+        use_cpu=True, bf16=args.bf16, fp16=False, logging_steps=1, report_to=[], save_strategy="no",
+        max_tool_calling_iterations=1, gradient_checkpointing=args.gradient_checkpointing, seed=0,
         generation_kwargs={"max_new_tokens": 48})     # 48 tokens per turn; max_completion_length bounds the turns
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, tools=[calculate])
-
-
     generate = trainer._generate
 
     def timed_generate(prompts):
@@ -134,11 +162,20 @@ def main() -> None:
     def counted_loss(model_, inputs):
         prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
         timing["forwarded"] += int(prompt_mask.sum() + completion_mask.sum())
+        timing["padded"] += prompt_mask.numel() + completion_mask.numel()
         # the completion less the tool results TRL splices into it: what was sampled, all of it trained
         timing["trained"] += int((completion_mask * inputs.get("tool_mask", torch.ones_like(completion_mask))).sum())
         return compute_loss(model_, inputs)
 
     trainer._compute_loss = counted_loss
+
+    return trainer, timing
+
+
+def main() -> None:
+    args = parser().parse_args()
+    from transformers import TrainerCallback
+    trainer, timing = build_trainer(args)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
@@ -149,7 +186,7 @@ def main() -> None:
             step_s = time.perf_counter() - self.t0
             line = {"step": state.global_step, "step_s": step_s, "rollout_s": timing["rollout_s"],
                     "update_s": step_s - timing["rollout_s"], "generated_tokens": timing["trained"],
-                    "forwarded_tokens": timing["forwarded"], "trained_tokens": timing["trained"],
+                    "forwarded_tokens": timing["forwarded"], "padded_tokens": timing["padded"], "trained_tokens": timing["trained"],
                     "episodes": timing["episodes"], "calls": timing["calls"],
                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(args.out, "a") as f:
