@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The wheel as a user gets it: build it, install it (NOT editable) into a fresh venv, and from a folder outside
-# the checkout run `ajet --version`, `ajet --help`, `ajet harnesses` and one training step of a tiny config
+# the checkout run `ajet --version`, `ajet --help` (every command listed), `ajet harnesses`, `ajet init --kind math`
+# (the main job's files), `ajet backbone-env verl --cache-path` (the shipped venv builder, reading the installed
+# metadata), check the LICENSE in the installed .dist-info, and one training step of a tiny config
 # (the random 2-layer model of tests/tiny_model.py, the debug backbone). An editable install or the checkout on
 # sys.path would hide a package or data file missing from the wheel, so the venv has no system site-packages,
 # PYTHONPATH is unset, and the script fails if `ajet` or `ajet.backbones` is imported from the checkout.
@@ -25,8 +27,9 @@ step() { echo "[wheel_check $(( $(date +%s) - t0 )) s] $*"; }
 step "building the wheel"
 mkdir "$work/src"
 find . -maxdepth 1 -type f -exec cp {} "$work/src/" \;     # pyproject.toml, setup.py, README.md, ...
-for folder in ajet tracker backbones; do
-  cp -r "$folder" "$work/src/"
+for folder in ajet tracker backbones tutorial/example_math_agent .ci; do   # setup.py's PACKAGE_DIRS
+  mkdir -p "$work/src/$(dirname "$folder")"
+  cp -r "$folder" "$work/src/$folder"
 done
 find "$work/src" -name __pycache__ -prune -exec rm -rf {} +
 python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
@@ -68,6 +71,24 @@ want=$(python3 -c "import tomllib; print(tomllib.load(open('$repo/pyproject.toml
 echo "$version"
 help=$(ajet --help)
 grep -q -- "--backbone" <<< "$help" || { echo "wheel_check: ajet --help lacks --backbone" >&2; exit 1; }
+for command in serve gateway doctor eval view show sft export harnesses init backbone-env; do
+  grep -q "^  ajet $command " <<< "$help" || { echo "wheel_check: ajet --help does not list $command" >&2; exit 1; }
+done
+"$work/venv/bin/python" - <<'EOF'
+import sys
+from importlib.metadata import distribution
+
+files = [f for f in distribution("ajet").files if f.name == "LICENSE"]
+if not files or "Apache License" not in files[0].read_text():
+    sys.exit("wheel_check: the installed ajet has no Apache-2.0 LICENSE in its .dist-info")
+print(f"license: {files[0]}")
+EOF
+ajet init main_job --kind math > init.txt
+grep -q "ajet --conf math_agent.yaml" init.txt && [ -f main_job/math_agent.yaml ] && [ -f main_job/tasks/train.jsonl ] || {
+  cat init.txt >&2; echo "wheel_check: ajet init --kind math did not write the main job" >&2; exit 1; }
+cache=$(AJET_CI_VENV_CACHE="$work/venv-cache" ajet backbone-env verl --cache-path)
+[[ "$cache" == "$work/venv-cache/verl-"* ]] || { echo "wheel_check: ajet backbone-env printed '$cache'" >&2; exit 1; }
+echo "main job written by ajet init; backbone-env's cached venv would be $cache"
 ajet harnesses | tee harnesses.txt
 grep -q "^codex " harnesses.txt || { echo "wheel_check: ajet harnesses did not list the built-in registry" >&2; exit 1; }
 
