@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,6 +110,11 @@ def _from_store(exp_dir: Path) -> list[RecordedEpisode]:
     from ajet.viewer.run_reader import RunReader
 
     reader = RunReader(exp_dir)
+    bad = reader.bad_rows()
+    if bad:   # one bad row never fails the folder: said, and left out
+        print(f"ajet: skipped {len(bad)} stored row(s) of {exp_dir / 'trajectories.sqlite'} that are not valid JSON "
+              f"(a NaN or infinity written by an older ajet): {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""),
+              file=sys.stderr, flush=True)
     order = {(eid, att): i for i, (eid, att) in enumerate(reader.db.execute(
         "SELECT episode_id, attempt FROM episodes ORDER BY rowid"))}
     rows: list[dict[str, Any]] = []
@@ -123,6 +129,9 @@ def _from_store(exp_dir: Path) -> list[RecordedEpisode]:
         if r["reward"] is None or not math.isfinite(r["reward"]):
             continue
         samples, source = reader.samples(r["episode_id"], r["attempt"])
+        if any(s is None or not isinstance(s, dict) for s in samples) or any(
+                f"sample {i} of episode {r['episode_id']} (attempt {r['attempt']})" in bad for i in range(len(samples))):
+            continue
         record = json.loads(reader.db.execute("SELECT record FROM episodes WHERE episode_id = ? AND attempt = ?",
                                               (r["episode_id"], r["attempt"])).fetchone()[0])
         out.append(RecordedEpisode(record, r["attempt"], r["step"], float(r["reward"]), samples, source))

@@ -17,6 +17,9 @@ Each episode is committed in one transaction as soon as it finishes, before trai
     not_trained  one row per successful episode the update of a step left out on purpose, with the reason
                (e.g. "zero_std_group" under dynamic sampling, "failed_group", a guard's reason)
 
+Records are strict JSON: a NaN or +-inf anywhere in a record (a reward, a metric, an engine logprob) is stored as
+null (`dumps`), so SQLite's JSON functions (the viewer's queries) and any JSON reader can read every row.
+
 An update of step S in attempt A is *live* (its weights are in the run's lineage) unless a later attempt
 resumed from a checkpoint before S. An episode stored by attempt A under step S that no live update
 used is *abandoned* when a later attempt resumed from before S. `ledger()` applies these rules, so
@@ -32,12 +35,33 @@ used is *abandoned* when a later attempt resumed from before S. `ledger()` appli
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
 from ajet.sqlite_wal import open_wal
+
+
+def finite_json(value: Any) -> Any:
+    """`value` (JSON-like: dicts, lists, tuples, numbers, strings) with every NaN and +-inf float replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def dumps(value: Any) -> str:
+    """`value` as strict JSON text: a NaN or +-inf is written as null (see `finite_json`); one pass when there is
+    none (the common case)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(finite_json(value), allow_nan=False)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS episodes (
@@ -97,9 +121,9 @@ class TrajectoryStore:
             self._db.execute("BEGIN")
             self._db.execute("INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
                              (record["episode_id"], step, attempt, record["task"]["task_id"], record.get("reward"),
-                              record.get("error"), json.dumps(record)))
+                              record.get("error"), dumps(record)))
             self._db.executemany("INSERT INTO calls VALUES (?, ?, ?, ?, ?)",
-                                 [(c["call_id"], record["episode_id"], attempt, c["index"], json.dumps(c)) for c in calls])
+                                 [(c["call_id"], record["episode_id"], attempt, c["index"], dumps(c)) for c in calls])
 
     def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]],
                      not_trained: Iterable[tuple[str, int, str]] = ()) -> None:
@@ -120,7 +144,7 @@ class TrajectoryStore:
         rows, index = [], {}
         for s in samples:
             i = index[s["episode_id"]] = index.get(s["episode_id"], -1) + 1
-            rows.append((s["episode_id"], attempt, i, step, s.get("advantage"), json.dumps(s)))
+            rows.append((s["episode_id"], attempt, i, step, s.get("advantage"), dumps(s)))
         with self._write, self._db:   # the lock every write takes: `ajet serve` commits episodes meanwhile
             self._db.execute("BEGIN")
             self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", rows)

@@ -45,7 +45,7 @@ _SAMPLE_COLUMNS = """,
     (SELECT COUNT(*) FROM samples s WHERE s.episode_id = e.episode_id AND s.attempt = e.attempt) AS samples,
     (SELECT MAX(s.advantage) FROM samples s WHERE s.episode_id = e.episode_id AND s.attempt = e.attempt) AS advantage,
     (SELECT group_concat(json_extract(s.record, '$.flags.fork_reason')) FROM samples s
-        WHERE s.episode_id = e.episode_id AND s.attempt = e.attempt) AS fork_reasons"""
+        WHERE s.episode_id = e.episode_id AND s.attempt = e.attempt AND json_valid(s.record)) AS fork_reasons"""
 _NO_SAMPLE_COLUMNS = """,
     json_array_length(e.record, '$.samples') AS samples, NULL AS advantage, NULL AS fork_reasons"""
 # what text search looks through: the task, the output, the error and every call's messages and answer
@@ -132,8 +132,20 @@ class RunReader:
             SELECT json_extract(record, '$.group_id') AS group_id, task_id, COUNT(*) AS episodes,
                    SUM(error IS NOT NULL OR reward IS NULL) AS failed, AVG(reward) AS reward_mean,
                    MIN(reward) AS reward_min, MAX(reward) AS reward_max
-            FROM episodes WHERE step = ? AND attempt = ? GROUP BY group_id ORDER BY group_id""", (step, attempt))
+            FROM episodes WHERE step = ? AND attempt = ? AND json_valid(record) GROUP BY group_id ORDER BY group_id""",
+            (step, attempt))
         return [dict(r) for r in rows]
+
+    def bad_rows(self) -> list[str]:
+        """The stored rows that are not valid JSON (e.g. a NaN written by an older ajet), as
+        "episode <id> (attempt <a>)" / "sample <i> of episode <id> (attempt <a>)"; the episode lists, groups and
+        `ajet sft` / `ajet export` leave them out."""
+        out = [f"episode {eid} (attempt {att})" for eid, att in self.db.execute(
+            "SELECT episode_id, attempt FROM episodes WHERE NOT json_valid(record) ORDER BY rowid")]
+        if self.has_samples_table():
+            out += [f"sample {i} of episode {eid} (attempt {att})" for eid, att, i in self.db.execute(
+                "SELECT episode_id, attempt, idx FROM samples WHERE NOT json_valid(record) ORDER BY rowid")]
+        return out
 
     def _attempt_of_step(self, step: int) -> int:
         """The newest attempt that has episodes of `step` (a resumed run re-runs a step under a new attempt)."""
@@ -166,7 +178,7 @@ class RunReader:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
         if not 1 <= limit <= 500:
             raise ValueError(f"limit must be in 1..500, got {limit}")
-        where, args = [], []
+        where, args = ["json_valid(e.record)"], []   # a row that is not valid JSON: left out (`bad_rows`)
         if step is not None:
             where.append("e.step = ? AND e.attempt = ?")
             args += [step, self._attempt_of_step(step) if attempt is None else attempt]
