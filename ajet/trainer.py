@@ -53,8 +53,10 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             `InProcessRollout.from_context`; `ajet serve` passes its episode queue).
         port: the proxy's port (0: a free one).
     Raises:
-        AjetError subclasses for config, workflow-loading or backbone problems (before any training), and
-        when `trainer.max_failed_steps` steps in a row produce no usable episode.
+        AjetError subclasses for config, workflow-loading or backbone problems (before anything is written into
+        a new experiment folder); AjetError when `trainer.max_failed_steps` steps in a row produce no usable
+        episode, when no step of the run had one (nothing trained, no checkpoint), and when the held-out
+        evaluation before step 1 is invalid (unless `trainer.stop_on_invalid_eval` is false).
     """
     import torch
 

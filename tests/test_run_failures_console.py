@@ -60,10 +60,11 @@ def _project(tmp_path: Path, tiny_model_dir: str, workflow: str, trainer: str = 
     return tmp_path / "conf.yaml"
 
 
-def _ajet(tmp_path: Path, *args: str, name: str = "run") -> tuple[int, str, str]:
-    """`python -m ajet ARGS` in tmp_path, stdout and stderr to files (no terminal, no COLUMNS): (status, out, err)."""
+def _ajet(tmp_path: Path, *args: str, name: str = "run", **env_vars: str) -> tuple[int, str, str]:
+    """`python -m ajet ARGS` in tmp_path, stdout and stderr to files (no terminal; no COLUMNS unless `env_vars` sets
+    it): (status, out, err)."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "HF_HUB_DISABLE_PROGRESS_BARS",
-                                                            "TQDM_DISABLE")}
+                                                            "TQDM_DISABLE")} | env_vars
     out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     with open(out, "w") as o, open(err, "w") as e:
         rc = subprocess.run([sys.executable, "-m", "ajet", *args], stdout=o, stderr=e, cwd=tmp_path, env=env,
@@ -142,7 +143,9 @@ def test_an_invalid_held_out_evaluation_before_step_1_stops_the_run_and_is_said_
 def test_a_log_has_whole_lines_held_out_before_after_and_no_loading_bars_and_show_prints_whole_ids(
         tiny_model_dir, tmp_path):
     deep = "a_folder_name_long_enough_that_every_line_naming_it_is_wider_than_eighty_columns"
-    conf = _project(tmp_path, tiny_model_dir, "wf.py:Flaky", ", val_freq: 2")
+    train = [{"task_id": f"t{i}", "query": f"fail {i}" if i == 3 else f"Say {i}."} for i in range(4)]   # t3 raises
+    val = [{"task_id": f"v{i}", "query": f"Say {i}."} for i in range(4)]
+    conf = _project(tmp_path, tiny_model_dir, "wf.py:Flaky", ", val_freq: 2", val=val, train=train)
     exp = tmp_path / deep / "exp"
     rc, out, err = _ajet(tmp_path, "--conf", str(conf), "--exp-dir", str(exp), "--steps", "2")
     assert rc == 0, out + err
@@ -158,14 +161,17 @@ def test_a_log_has_whole_lines_held_out_before_after_and_no_loading_bars_and_sho
            f"{m[0]['val/reward_mean']:.3f} -> {m[-1]['val/reward_mean']:.3f} | failed 0/4" in lines, out
     assert "Loading weights" not in out + err and "\r" not in out + err
 
-    # `ajet show` into a file: the ids as the store has them, each one usable with --episode
-    rc, shown, err = _ajet(tmp_path, "show", str(exp), name="show")
-    assert rc == 0, shown + err
+    # `ajet show` into a file: the ids as the store has them (step 2 holds t3's failures: a long failure column),
+    # each one usable with --episode; also when COLUMNS narrows the table to 80 columns
     db = sqlite3.connect(exp / "trajectories.sqlite")
     ids = sorted(r[0] for r in db.execute("SELECT episode_id FROM episodes WHERE step = 2"))
     db.close()
-    assert len(ids) == 4 and sorted(set(re.findall(r"\ba\d+-s\d+-t\d+-r\d+\b", shown))) == ids, shown
-    assert "…" not in shown
+    for columns in ({}, {"COLUMNS": "80"}):
+        rc, shown, err = _ajet(tmp_path, "show", str(exp), name="show", **columns)
+        assert rc == 0, shown + err
+        assert len(ids) == 4 and sorted(set(re.findall(r"\ba\d+-s\d+-t\d+-r\d+\b", shown))) == ids, shown
+        if not columns:   # nothing cut at all
+            assert "ValueError: the answer field is missing" in shown and "…" not in shown, shown
     rc, one, err = _ajet(tmp_path, "show", str(exp), "--episode", ids[-1], name="episode")
     assert rc == 0 and f"episode {ids[-1]} · step 2" in one, one + err
 
