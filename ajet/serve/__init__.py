@@ -10,8 +10,12 @@ routes on the proxy's own uvicorn server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from ajet.config import AjetConfig
@@ -23,13 +27,14 @@ from ajet.rollout.episode_queue import EpisodeQueue
 
 LINGER_S = 30.0        # at most this long the finished server keeps answering clients not yet told, seconds
 CLIENT_ACTIVE_S = 10.0  # ... that were heard from this recently (twice a client's longest retry backoff), seconds
+INTERRUPTED_EXIT = 130  # the exit status after Ctrl-C (128 + SIGINT, as a shell reports it)
 
 
 class ServeSource(EpisodeQueue):
     """The episode queue, plus what serving it needs: the API mounted on the proxy's app, and (on resume)
     the earlier attempts' finished-but-untrained episodes adopted back into their groups."""
 
-    def __init__(self, ctx: RolloutContext, secret: str):
+    def __init__(self, ctx: RolloutContext, secret: str, interrupted: threading.Event | None = None):
         from ajet.judges import load_judge
 
         cfg = ctx.cfg
@@ -37,6 +42,7 @@ class ServeSource(EpisodeQueue):
         super().__init__(ctx.sampler(), cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
                          ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s)
         self.ctx, self.secret = ctx, secret
+        self.interrupted = interrupted or threading.Event()   # set by Ctrl-C (`serve`): stop now, tell no one
         self.workers = None
         if cfg.serve.local_workers:
             from ajet.rollout.in_process import load_workflow
@@ -66,8 +72,12 @@ class ServeSource(EpisodeQueue):
     def close(self) -> None:
         """Answer on before the server stops until every client heard from lately knows what happened, instead
         of finding the server gone: 410 `run_finished` after the last step, 503 `server_restarting` when the
-        trainer stopped before it (the clients wait for the server restarted with `--resume`)."""
+        trainer stopped before it (the clients wait for the server restarted with `--resume`). After a Ctrl-C
+        nothing is waited for: the proxy's stop answers the calls in flight, and clients retry a refused
+        connection until the server is back."""
         super().close()
+        if self.interrupted.is_set():
+            return
         # resumed: the killed attempt's clients retry (every <= 5 s) unknown to this server; let each hear it once
         listen_s = CLIENT_ACTIVE_S if self.ctx.cfg.trainer.resume else 0.0
         untold = self.wait_until_clients_told(LINGER_S, CLIENT_ACTIVE_S, listen_s)
@@ -82,6 +92,8 @@ def serve(cfg: AjetConfig) -> Path:
     Raises:
         ConfigError: a non-loopback `serve.host` without a secret (`serve.secret` or AJET_SECRET), or any
             config problem `ajet.trainer.run` raises.
+        SystemExit: `INTERRUPTED_EXIT` after Ctrl-C, once the server has stopped (one line on stderr says where
+            the run is and how to continue it; no traceback).
     """
     from ajet.trainer import run
 
@@ -94,10 +106,41 @@ def serve(cfg: AjetConfig) -> Path:
     secret = secret or secrets.token_urlsafe(24)
     cfg.proxy.host = host
 
+    interrupted = threading.Event()
+
     def make_source(ctx: RolloutContext) -> ServeSource:
         ctx.console.print(f"episode API secret: {secret if generated else '(from serve.secret / AJET_SECRET)'}; "
                           f"clients: AJET_URL=http://{host}:<port shown below> AJET_SECRET=<secret>")
-        return ServeSource(ctx, secret)
+        return ServeSource(ctx, secret, interrupted)
 
-    return run(cfg, make_source, port=cfg.serve.port)
+    with _ctrl_c(interrupted):
+        try:
+            return run(cfg, make_source, port=cfg.serve.port)
+        except KeyboardInterrupt:
+            print(f"ajet serve: stopped by Ctrl-C; finished episodes are stored in {cfg.exp_path()}: continue with "
+                  "the same command and --resume", file=sys.stderr, flush=True)
+            raise SystemExit(INTERRUPTED_EXIT) from None
+
+
+@contextlib.contextmanager
+def _ctrl_c(interrupted: threading.Event):
+    """While serving: the first Ctrl-C (SIGINT) sets `interrupted` and raises KeyboardInterrupt (the server stops
+    without waiting for clients: `ServeSource.close`); a second one while it stops ends the process at once
+    (exit status `INTERRUPTED_EXIT`). Outside the main thread (no signal handler can be set there) nothing changes."""
+    def on_sigint(_signum, _frame):
+        if interrupted.is_set():
+            print("ajet serve: second Ctrl-C: exiting now", file=sys.stderr, flush=True)
+            os._exit(INTERRUPTED_EXIT)
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:          # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
