@@ -134,3 +134,27 @@ def test_a_generation_failing_after_its_client_left_leaves_no_unretrieved_task(p
     gc.collect()                            # a finished task nobody retrieved reports itself when it is collected
     _, err = capfd.readouterr()
     assert not _problems(caplog, err), _problems(caplog, err)[:3]
+
+
+def test_stopping_the_proxy_answers_a_stream_in_flight_and_frees_its_row(proxy):
+    """`ProxyServer.stop` with a streamed call generating: the stream ends with the `server_stopping` error event
+    (not a dropped connection), and the engine's row is freed at once."""
+    engine = proxy.engine
+    own = ProxyServer(engine, proxy.tokenizer, SamplingParams(temperature=1.0, max_tokens=TOKENS),
+                      max_model_len=1024).start()
+    ep = own.open_episode("stopped")
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "go on"}]}
+    events: list[str] = []
+    with httpx.stream("POST", ep.base_url + "/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:           # generating
+                    before = engine.generated_tokens
+                    own.stop()
+    assert json.loads(events[-1])["error"]["code"] == "server_stopping", events[-3:]
+    deadline = time.monotonic() + 120
+    while engine.active_rows:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert engine.generated_tokens - before < TOKENS // 2, (engine.generated_tokens, before)
