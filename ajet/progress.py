@@ -21,7 +21,9 @@ What is shown depends on where stdout goes:
                  not, the elapsed time grows);
     off          `--quiet` or `trainer.progress: false`: nothing.
 
-A run's overall ETA (steps left x the recent step time, evaluations included) is `RunEta`.
+In a log, the run's console never hard-wraps a line (`unwrapped_when_piped`) and the libraries' own progress bars
+are off (`quiet_library_bars`). A phase's ETA counts from its first finished unit (`Phase.eta`); a run's overall
+ETA (steps left x the recent step time, evaluations included, the first step's warm-up left out) is `RunEta`.
 
 The reporter is one per process (`configure` replaces it); until configured, phases show nothing.
 """
@@ -300,8 +302,8 @@ def quiet() -> bool:
 def configure(console: Console | None, enabled: bool = True, interval_s: float | None = None) -> Reporter:
     """Make a reporter on `console` the process's (closing the previous one's phases) and return it. Off under
     `--quiet`. Without the live display (a log, or progress off), the libraries' own progress bars are turned off
-    too (`quiet_library_bars`). The plain-line interval: AJET_PROGRESS_INTERVAL_S when set, else `interval_s` (the config's
-    `trainer.progress_interval_s`), else 30 s.
+    too (`quiet_library_bars`). The plain-line interval: AJET_PROGRESS_INTERVAL_S when set, else `interval_s`
+    (the config's `trainer.progress_interval_s`), else 30 s.
 
     Raises:
         ValueError: the interval is not a number > 0.

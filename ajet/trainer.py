@@ -259,7 +259,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                     log.write_episode(step, e.to_dict())
                 log.flush()
             console.print(_console_line(step, total, metrics, eta.step_done(step)))
-            if step == total and not trained_steps:   # the run ends because its episodes fail: no success, no checkpoint
+            if step == total and not trained_steps:   # it ends because its episodes fail: an error, no checkpoint
                 n = total - first_step + 1
                 raise AjetError(_no_usable_episode(f"the run trained nothing: no episode of its {n} step"
                                                    f"{'s' * (n != 1)} was usable", episodes, r.failed_episode_policy,
