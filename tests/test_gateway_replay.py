@@ -6,8 +6,11 @@ The judge rewards an answer equal to the serving policy's own greedy answer to t
 gateway's live endpoint before any update, in sessions that get no feedback and so are never replayed): the
 serving policy's replay figure is 1 by construction. An update at lr 0.1 changes the greedy answers (Adam moves
 every weight by about 0.1; the tiny model's weights are ~0.02), so it is refused with both figures recorded; an
-update at lr 1e-7 leaves them as they were and is served. Four sessions are rated, `replay_sessions` is 3: the
-three rated last are replayed, each answered once by each policy."""
+update at lr 1e-7 leaves them as they were and is served. Seven sessions are rated: the four rated first are
+closed and trained on (one step of `tasks_per_step * num_repeat` = 4), the three rated last stay open (never
+trained on) and, `replay_sessions` being 3, are the replay set (the candidate's own training sessions are left out
+of it), each answered once by each policy. Every reward arrives before any session is closed, so the update and
+its replay set are the same whatever the trainer's timing."""
 
 from __future__ import annotations
 
@@ -56,8 +59,9 @@ def _conf(tmp_path: Path, tiny_model_dir: str, lr: float) -> Path:
 
 def _run(tmp_path: Path, tiny_model_dir: str, lr: float):
     """Start the gateway, write expected.json (the serving policy's greedy answers), rate four sessions of the same
-    requests (sampled at temperature 1: one step) and wait for the gate's decision. Returns (decision, the rated
-    session ids in rating order, the greedy answers, /healthz, what the judge saw, exp dir)."""
+    requests (sampled at temperature 1: one step) and then three more of the last three requests, close the first
+    four and wait for the gate's decision. Returns (decision, the rated session ids in rating order, the greedy
+    answers, /healthz, what the judge saw, exp dir)."""
     conf, exp = _conf(tmp_path, tiny_model_dir, lr), tmp_path / "exp"
     g = Gateway(conf, exp)
     try:
@@ -69,14 +73,15 @@ def _run(tmp_path: Path, tiny_model_dir: str, lr: float):
             greedy[q] = r.json()["choices"][0]["message"]["content"] or ""
         (tmp_path / "expected.json").write_text(json.dumps(greedy))
         rated = []
-        for q, reward in zip(QUERIES, (1.0, 0.0, 0.5, 1.0)):
+        for q, reward in zip(QUERIES + QUERIES[1:], (1.0, 0.0, 0.5, 1.0, 1.0, 0.0, 1.0)):
             r = g.http.post("/v1/chat/completions", json={"model": "ajet-policy", "temperature": 1.0,
                                                           "max_tokens": MAX_TOKENS,
                                                           "messages": [{"role": "user", "content": q}]})
             sid = r.headers["x-ajet-session"]
             assert g.http.post("/v1/feedback", json={"session_id": sid, "reward": reward}).status_code == 200
-            assert g.http.post(f"/v1/sessions/{sid}/close").status_code == 200
             rated.append(sid)
+        for sid in rated[:4]:                                    # the update's four; the last three stay open
+            assert g.http.post(f"/v1/sessions/{sid}/close").status_code == 200
         g.wait_for(lambda: g.http.get("/v1/admin/versions").json()["gate"])
         (decision,) = g.http.get("/v1/admin/versions").json()["gate"]
         health = g.http.get("/healthz").json()
@@ -101,10 +106,11 @@ def test_a_harmful_update_is_refused_by_the_replay_gate(tmp_path, tiny_model_dir
         assert db.execute("SELECT served, serving_figure, candidate_figure FROM gate").fetchall() == [
             (0, 1.0, decision["candidate_figure"])]
     assert health["policy_version"] == 0
-    # the three sessions rated last were replayed, by both policies, and only they (not the greedy fetches)
-    last3 = {f"replay-{s}" for s in rated[1:]}
+    # the three sessions rated last were replayed, by both policies, and only they (not the greedy fetches, not the
+    # four the candidate trained on)
+    last3 = {f"replay-{s}" for s in rated[4:]}
     assert set(_replayed(exp, "serving")) == set(_replayed(exp, ".")) == last3
-    assert len(judged) == 6 and {j["session"] for j in judged} == set(rated[1:])
+    assert len(judged) == 6 and {j["session"] for j in judged} == set(rated[4:])
     serving, candidate = judged[:3], judged[3:]
     assert all(j["answer"] == greedy[j["query"]] for j in serving)
     assert any(j["answer"] != greedy[j["query"]] for j in candidate)
