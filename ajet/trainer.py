@@ -30,7 +30,7 @@ from ajet.algorithm.sampling import zero_std_groups
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.errors import AjetError, ConfigError
-from ajet.failures import failure_counts, failure_lines, failure_summary
+from ajet.failures import failure_counts, failure_lines, failure_message, failure_summary
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
 from ajet.progress import fmt_duration
@@ -447,7 +447,7 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
         vals = [float(e.output.metrics[k]) for e in ok if e.output and k in e.output.metrics]
         m[f"workflow/{k}"] = statistics.fmean(vals)
     if len(ok) < len(episodes):
-        m["rollout/first_error"] = next(e.error for e in episodes if not e.ok).strip().splitlines()[-1][:300]
+        m["rollout/first_error"] = failure_message(next(e.error or "" for e in episodes if not e.ok))
     return m
 
 
