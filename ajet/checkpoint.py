@@ -7,6 +7,9 @@ It is written into a temporary folder and renamed into place, so a `kill -9` mid
 previous checkpoint or the new one, never half of one. Re-saving a step that exists moves the old folder
 aside to `.step_N.old` first; if the process dies between the two renames, `latest` (and the next `save`)
 put the old folder back, so some complete `step_N` is always found.
+
+`ajet gateway` writes one such checkpoint per served policy version (ajet/gateway/versions.py); with a LoRA
+adapter it leaves the merged weights out (`adapter_only`): the adapter and the optimizer state restore the policy.
 """
 
 from __future__ import annotations
@@ -24,8 +27,26 @@ from ajet.faults import kill_point
 TRAINER_STATE = "trainer_state.pt"
 
 
-def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any]) -> Path:
-    """Write checkpoint `step_<step>` atomically (also when it exists already); returns its folder."""
+# the merged full weights a backbone writes beside its LoRA adapter (`adapter/`), left out by `adapter_only`
+MERGED_WEIGHTS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                  "pytorch_model.bin.index.json")
+
+
+def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any], adapter_only: bool = False) -> Path:
+    """Write checkpoint `step_<step>` atomically (also when it exists already); returns its folder.
+
+    Args:
+        exp_dir: the experiment folder (the checkpoint is `exp_dir/checkpoints/step_<step>`).
+        step: the trainer step the checkpoint ends.
+        backbone: writes its state with `save_checkpoint(folder)`.
+        trainer_state: what the trainer resumes from (`trainer_state.pt`: step, attempt, rollout, RNG states).
+        adapter_only: when the backbone wrote a LoRA adapter (`adapter/adapter_model.safetensors`), remove the
+            merged full weights beside it (`MERGED_WEIGHTS`) before the rename: the folder then holds the adapter,
+            the optimizer state and the tokenizer (what `load_checkpoint` reads with `model.lora`), not a loadable
+            full model. Without an adapter it changes nothing.
+    Raises:
+        OSError: the folder cannot be written.
+    """
     import torch
 
     root = exp_dir / "checkpoints"
@@ -35,6 +56,10 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any]) -> P
     shutil.rmtree(tmp, ignore_errors=True)
     with progress.phase(f"checkpoint step {step}"):   # the weights may take minutes to write
         backbone.save_checkpoint(tmp)
+        if adapter_only and (tmp / "adapter" / "adapter_model.safetensors").is_file():
+            for pattern in MERGED_WEIGHTS:
+                for f in tmp.glob(pattern):
+                    f.unlink()
         torch.save(trainer_state, tmp / TRAINER_STATE)
     kill_point("checkpoint", step)
     if final.exists():
@@ -55,18 +80,24 @@ def _recover(root: Path) -> None:
             os.replace(old, final)
 
 
-def latest(exp_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
+def complete(exp_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint (with its trainer_state.pt), oldest step first."""
     root = exp_dir / "checkpoints"
     if not root.is_dir():
-        return None
+        return []
     _recover(root)
     found = []
     for d in root.glob("step_*"):
         m = re.fullmatch(r"step_(\d+)", d.name)
         if m and (d / TRAINER_STATE).is_file():
             found.append((int(m.group(1)), d))
-    return max(found)[1] if found else None
+    return sorted(found)
+
+
+def latest(exp_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder, or None."""
+    found = complete(exp_dir)
+    return found[-1][1] if found else None
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

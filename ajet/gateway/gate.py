@@ -3,9 +3,10 @@ says it is not worse than the serving one, and any kept version can be served ag
 
 How an update goes (`VersionGate.update`, on the trainer thread, in place of `backbone.update`):
 
-    1. the serving version's checkpoint is written once (exp_dir/gateway_versions/v<N>: the backbone's own
-       checkpoint, weights + optimizer + RNG + policy version), and its gate figure is known (else the serving
-       weights are evaluated first, while live traffic goes on: same weights)
+    1. the serving version has its checkpoint (ajet/gateway/versions.py: a trainer checkpoint,
+       exp_dir/checkpoints/step_<S>, weights + optimizer + RNG + policy version + the trainer's state), and its
+       gate figure is known (else the serving weights are evaluated first, while live traffic goes on: same
+       weights)
     2. live model calls are held: new ones wait at the gateway's front (`LiveHold`), and the update starts
        only once the calls in flight have finished, so no live token is ever sampled from an unvetted policy
     3. the backbone updates; the new weights run the config's held-out evaluation (`ajet.eval.evaluate`: the
@@ -17,7 +18,7 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
        answers empty or only end-of-text), its metric is at least `gate.min_score` (when set) and
        `metric(new) >= reference - max_drop`, the reference being the best figure any served version had (mode
        eval; so drops cannot add up over versions) or the serving policy's on the same replay set (mode replay):
-       its checkpoint is written and live calls resume under it. Refused otherwise (any of these, or an
+       its checkpoint is written (with the sessions it trained on) and live calls resume under it. Refused otherwise (any of these, or an
        invalid evaluation of the serving policy): the backbone loads the serving version's checkpoint back,
        so both the engine and the training go on from the serving weights and optimizer state (a harmful
        update does not compound), and live calls resume under the serving version
@@ -30,19 +31,26 @@ the most recently rated sessions that the update did not train on, scored by the
 1), never taken from the record.
 
 Cost: live requests wait for the update plus one held-out evaluation (step 2 to 4), and each served version
-costs one checkpoint write. With mode `off` step 2-4 are skipped: every update is served at once (requests in
-flight keep decoding across the swap), and still checkpointed for rollback; an update that is not a new version
+costs one checkpoint write (with `model.lora` the adapter only). With mode `off` step 2-4 are skipped: every update
+is served at once (requests in flight keep decoding across the swap) and checkpointed right after; an update that
+is not a new version
 (a skipped non-finite step, a zero gradient) is undone even then (the serving checkpoint loaded back, live calls
 held meanwhile).
 
 Policy versions count served updates: a refused candidate's number is given to the next update, and after a
 rollback to version V the next served update is V + 1 again (its checkpoint replaces the superseded one).
 
+Restart (`--resume`, ajet/gateway/versions.py): the trainer continues from the newest checkpoint, which is the
+newest served version's; `attach` then serves the version gateway.sqlite says was served last (a rollback's
+target) from its kept checkpoint, so the version, its weights, the history and its rollbacks are those from
+before the stop, and no session a served version trained on is trained again.
+
 Rollback (`ajet gateway rollback --conf X [--to V]`, `POST /v1/admin/rollback`): the wish is a row in
 gateway.sqlite; the trainer thread looks for one every half second while it waits for sessions (and before
 each update; a gateway started with --resume does it at start), holds live calls as above, loads the kept
 checkpoint of V (default: the version served before the current one) and serves it with V's recorded figure;
-training continues from it. The row is completed with what happened (refused: no checkpoint of V kept).
+training continues from it. The row is completed with what happened (refused: no checkpoint of V kept, see
+`gateway.gate.keep_versions`).
 
 Thread model: `update`, `poll_rollbacks` and `attach` run on the trainer thread only, so weights never change
 from two places; the HTTP front only holds and releases live calls and writes rollback wishes.
@@ -53,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -64,6 +71,7 @@ from ajet.algorithm.guards import not_a_new_version
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.gateway.store import GatewayStore
+from ajet.gateway.versions import VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +154,10 @@ class VersionGate:
                  evaluate: Callable[[int, Path], Any] | None = None):
         self.cfg, self.g, self.store, self.hold, self.console = cfg, cfg.gateway.gate, store, hold, console
         self.exp_dir = cfg.exp_path()
-        self.dir = self.exp_dir / "gateway_versions"
+        self.versions = VersionStore(self.exp_dir, self.g.keep_versions, adapter_only=cfg.model.lora is not None)
         self.backbone = None
         self.step = 0                              # the step being collected (set by the rollout source)
+        self.attempt = 0                           # the trainer's attempt (set by the rollout source)
         self._gating: int | None = None            # the serving version while a candidate is updated and evaluated
         self.counts = {"swaps": 0, "gate_evaluations": 0, "gate_refusals": 0, "gate_invalid": 0, "rollbacks": 0}
         self._evaluate = evaluate
@@ -176,25 +185,36 @@ class VersionGate:
 
     # ---- the trainer thread ------------------------------------------------------------------------
     def attach(self, backbone) -> None:
-        """Take the backbone (before the proxy starts). On a restart, serve the version gateway.sqlite last
-        served when the trainer's checkpoint holds another (a rollback after that checkpoint), then do any
-        rollback asked for while the gateway was down."""
+        """Take the backbone (before the proxy starts; on a restart it holds the newest checkpoint). On a restart,
+        serve the version gateway.sqlite last served when the checkpoint holds another (a rollback after it),
+        from its kept checkpoint, then do any rollback asked for while the gateway was down."""
         self.backbone = backbone
         served = self.store.versions()
         version = backbone.engine.policy_version
+        newest = self.versions.newest()
+        self.step = newest[0] + 1 if newest is not None else 1
         if not served:
             self.store.add_version(version, 0, "start", None)
         elif served[-1]["version"] != version:
             last = served[-1]
-            if last["how"] == "rollback" and self._path(last["version"]).is_dir():
-                self._load(self._path(last["version"]))
-                self._say(f"gate: serving version {last['version']} again, as rolled back to before the restart")
-            else:                                  # an update served after the trainer's last checkpoint: redone
-                self.store.add_version(version, 0, "restart", _figure_of(served, version))
+            path = self.versions.folder(last["version"])
+            if newest is not None and newest[1] == version and newest[0] >= last["step"]:
+                # written after the last row (stopped between the checkpoint and its record): it passed the gate
+                self.store.add_version(version, newest[0], "restart", _figure_of(served, version))
+                self._say(f"gate: serving version {version} (its checkpoint was written as the gateway stopped)")
+            elif path is not None:
+                self._load(path)
+                self._say(f"gate: serving version {last['version']} again, as served before the restart")
+            else:
+                self.store.add_version(version, self.step, "restart", _figure_of(served, version))
+                self._say(f"gate: version {last['version']} was served before the restart but no checkpoint of it "
+                          f"is kept (gateway.gate.keep_versions): serving version {version}, the newest checkpoint")
         self.poll_rollbacks()
 
-    def update(self, samples, step: int) -> dict[str, float]:
-        """`backbone.update(samples)` behind the gate (module docstring); returns its metrics plus gate/*."""
+    def update(self, samples, step: int, trained: list[tuple[str, int]] = ()) -> dict[str, float]:
+        """`backbone.update(samples)` behind the gate (module docstring); returns its metrics plus gate/*.
+        `trained`: (episode_id, attempt) of the episodes the update trains on, kept with a served version's
+        checkpoint (ajet/gateway/versions.py)."""
         self.poll_rollbacks()
         backbone = self.backbone
         engine = backbone.engine
@@ -209,7 +229,7 @@ class VersionGate:
                     with self.hold.held():
                         self._refuse(step, candidate, serving, "update", None, None, why)
                     return {**train, "gate/served": 0.0}
-                self._served(candidate, step, "ungated", None, save=False)   # checkpointed before the next update
+                self._served(candidate, step, "ungated", None, trained)
             return train
         tasks = None
         if self.g.mode == "replay":                # one replay set for both figures (ajet/gateway/replay.py)
@@ -244,7 +264,7 @@ class VersionGate:
             metric = self.g.metric if tasks is None else f"replay:{self.g.metric}"
             if served:
                 # (a replay figure is of this update's set only: not kept as the version's figure)
-                self._served(candidate, step, "gate", figure if tasks is None else None)
+                self._served(candidate, step, "gate", figure if tasks is None else None, trained)
                 self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, True,
                                     "served" if tasks is None else f"served (replay of {len(tasks)} sessions)")
                 self._say(f"gate: step {step}: version {candidate} served ({self.g.metric} {figure:.4g}, reference "
@@ -259,7 +279,7 @@ class VersionGate:
                 figure: float | None, reason: str) -> None:
         """Refuse `candidate` (live calls held by the caller): engine and training back to the serving version's
         checkpoint, the decision recorded in gateway.sqlite and said."""
-        self._load(self._path(serving))
+        self._load(self.versions.folder(serving))
         self.counts["gate_refusals"] += 1
         self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, False, reason)
         self._say(f"gate: step {step}: version {candidate} REFUSED: {reason}; version {serving} stays served")
@@ -293,22 +313,20 @@ class VersionGate:
                 return False, f"refused: no version was served before the current one ({current})"
         if to == current:
             return True, f"version {to} is already served"
-        if not self._path(to).is_dir():
-            kept = sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())
+        path = self.versions.folder(to)
+        if path is None:
+            kept = self.versions.kept()
             return False, (f"refused: no checkpoint of version {to} is kept (kept: {', '.join(map(str, kept)) or 'none'}"
                            f"; gateway.gate.keep_versions)")
         self._checkpoint(current)                  # so that one can roll forward again
         with self.hold.held():
-            self._load(self._path(to))
+            self._load(path)
         self.store.add_version(engine.policy_version, self.step, "rollback", _figure_of(served, to))
         self.counts["rollbacks"] += 1
         self.counts["swaps"] += 1
         return True, f"version {engine.policy_version} is served (was {current})"
 
     # ---- pieces ------------------------------------------------------------------------------------
-    def _path(self, version: int) -> Path:
-        return self.dir / f"v{version}"
-
     def _load(self, path: Path) -> None:
         """Load a kept version's checkpoint (weights, optimizer, RNG, policy version) and forget the engine's
         cached prefixes: they are keyed by policy version, and a number comes back with other weights."""
@@ -320,33 +338,27 @@ class VersionGate:
                 cache.clear()
 
     def _checkpoint(self, version: int) -> None:
-        """Write the served version's checkpoint unless it is there."""
-        path = self._path(version)
-        if not (path / "backbone_state.pt").is_file():
-            shutil.rmtree(path, ignore_errors=True)
-            self.backbone.save_checkpoint(path)
+        """Write the served version's checkpoint unless one is kept (the start's version, before the first update:
+        as the end of the step before the one being collected)."""
+        if self.versions.folder(version) is None:
+            self.versions.write(self.backbone, version, max(self.step - 1, 0), self.attempt)
             self._prune(version)
 
-    def _served(self, version: int, step: int, how: str, figure: float | None, save: bool = True) -> None:
-        """`version` is served from now: the record, and (`save`) its checkpoint, replacing a superseded one of
-        that number (else that is removed, and written before the next update or rollback)."""
-        shutil.rmtree(self._path(version), ignore_errors=True)
+    def _served(self, version: int, step: int, how: str, figure: float | None,
+                trained: list[tuple[str, int]] = ()) -> None:
+        """`version` is served from now: its checkpoint (as the end of `step`, with the episodes it trained on; it
+        supersedes an earlier version of that number), then the record."""
+        self.versions.write(self.backbone, version, step, self.attempt, trained)
         self.store.add_version(version, step, how, figure)
         self.counts["swaps"] += 1
-        if save:
-            self.backbone.save_checkpoint(self._path(version))
-            self._prune(version)
+        self._prune(version)
 
     def _prune(self, version: int) -> None:
         """Remove the checkpoints of all but the keep_versions newest served versions (and `version`)."""
-        newest = []
-        for v in reversed(self.store.versions()):
-            if v["version"] not in newest:
-                newest.append(v["version"])
-        keep = set(newest[:self.g.keep_versions]) | {version}
-        for p in self.dir.glob("v*"):
-            if p.name[1:].isdigit() and int(p.name[1:]) not in keep:
-                shutil.rmtree(p, ignore_errors=True)
+        removed = self.versions.prune([v["version"] for v in self.store.versions()], version)
+        if removed:
+            log.info("gateway: removed the checkpoints %s (gateway.gate.keep_versions %d)",
+                     ", ".join(p.name for p in removed), self.g.keep_versions)
 
     def _serving_figure(self, step: int, tasks=None) -> float | None:
         """The serving version's gate figure: recorded, else evaluated now (live traffic goes on; same weights).
@@ -406,7 +418,7 @@ class VersionGate:
         return {"policy_version": self.backbone.engine.policy_version if self.backbone is not None else None,
                 "metric": self.g.metric, "mode": self.g.mode, "max_drop": self.g.max_drop,
                 "versions": self.store.versions(), "gate": self.store.gate_results(),
-                "kept": sorted(int(p.name[1:]) for p in self.dir.glob("v*") if p.name[1:].isdigit())}
+                "kept": self.versions.kept()}
 
 
 def degenerate_reason(episodes, tokenizer) -> str | None:

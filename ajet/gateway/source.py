@@ -15,8 +15,11 @@ deadline), so the candidates of a request share its prompt ids and GRPO compares
 such groups make a step (`rollout.num_repeat` is not used); the default advantage is then `grpo`. The judge's
 scores and the client's rewards should share a scale (e.g. both in [0, 1]).
 
-Restart: every rated session in gateway.sqlite that no live update trained on (the trajectory store's ledger)
-is ready again, so an acknowledged reward is trained on exactly once in the run's lineage.
+Restart: the trainer resumes from the newest served version's checkpoint (ajet/gateway/versions.py), so every
+update that served a version is live in the trajectory store's ledger; the sessions of that checkpoint's own step
+are written into the ledger here when the stop came before the trainer did. Every rated session in gateway.sqlite
+that no live update trained on is ready again, so an acknowledged reward is trained on exactly once in the run's
+lineage, and never again by a later attempt once a served version trained on it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ajet import progress
 from ajet.episode import Episode
 from ajet.gateway.gate import VersionGate
 from ajet.gateway.sessions import SessionBook, _last_answer
+from ajet.gateway.versions import KEY, rollout_state
 from ajet.rollout import RolloutContext
 from ajet.workflow import WorkflowOutput
 
@@ -61,6 +65,10 @@ class GatewaySource:
         self.num_repeat, self.tasks_per_step = ctx.cfg.rollout.num_repeat, ctx.cfg.trainer.tasks_per_step
         self.book: SessionBook | None = None
         self.proxy = None
+        self.episodes: list[Episode] = []         # the step's episodes (their `not_trained` set by the trainer)
+        self._resumed: dict[str, Any] = {}        # the gateway's part of the checkpoint resumed from
+        if gate is not None:
+            gate.attempt = ctx.attempt
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -74,7 +82,14 @@ class GatewaySource:
         self._reaper.start()
 
     def _restore(self) -> None:
-        trained = {e["episode_id"] for e in self.ctx.store.ledger() if e["trained_in"]}
+        r, store = self._resumed, self.ctx.store
+        if r.get("trained"):                       # the checkpoint's step: trained, maybe not yet in the ledger
+            step, attempt = r["step"], r["attempt"]
+            if not any((step, attempt) in e["trained_in"] for e in store.ledger()):
+                store.mark_trained(step, attempt, [(eid, att) for eid, att in r["trained"]])
+                progress.note(self.ctx.console, f"gateway: the {len(r['trained'])} sessions version {r['version']} "
+                              f"trained on at step {step} are marked trained (stopped before the trainer did)")
+        trained = {e["episode_id"] for e in store.ledger() if e["trained_in"]}
         stored = self.book.store.sessions()
         self.book.load(stored, trained)
         ready = self.book.metrics()["gateway/ready"]
@@ -95,10 +110,12 @@ class GatewaySource:
             self.gate.attach(backbone)
 
     def gated_update(self, backbone, samples) -> dict[str, float]:
-        """The trainer's update: through the gate when there is one (evaluated before it serves)."""
+        """The trainer's update: through the gate when there is one (evaluated before it serves; a served version's
+        checkpoint keeps the episodes the update trains on: the step's, but those the trainer left out)."""
         if self.gate is None:
             return backbone.update(samples)
-        return self.gate.update(samples, self.gate.step)
+        trained = [(e.episode_id, e.attempt) for e in self.episodes if e.ok and e.not_trained is None]
+        return self.gate.update(samples, self.gate.step, trained)
 
     def collect(self, step: int) -> list[Episode]:
         """Block until `tasks_per_step * num_repeat` sessions are closed and rated; take those rated first,
@@ -118,9 +135,9 @@ class GatewaySource:
                 self.book.changed.wait(timeout=TICK_S)
             self._show_waiting(need)
         if self.book.n > 1:
-            episodes = self._best_of_groups(step, sessions)
+            self.episodes = self._best_of_groups(step, sessions)
             self.book.release(sessions)
-            return episodes
+            return self.episodes
         episodes = []
         for g in range(self.tasks_per_step):
             group_id = f"live{step}-{g}"
@@ -132,6 +149,7 @@ class GatewaySource:
                 self.ctx.record(step, ep)
                 episodes.append(ep)
         self.book.release(sessions)
+        self.episodes = episodes
         return episodes
 
     def _show_waiting(self, need: int) -> None:
@@ -196,10 +214,13 @@ class GatewaySource:
         progress.note(self.ctx.console, "gateway: stopped")
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        return {}   # which sessions are trained is the trajectory store's ledger; the rest is in gateway.sqlite
+        """The served version (ajet/gateway/versions.py); which sessions are trained is the trajectory store's
+        ledger, the rest is in gateway.sqlite."""
+        engine = self.proxy.engine if self.proxy is not None else None
+        return rollout_state(engine.policy_version) if engine is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        self._resumed = dict(state.get(KEY) or {})
 
     def metrics(self) -> dict[str, Any]:
         return self.book.metrics() if self.book is not None else {}
