@@ -12,7 +12,15 @@ file; the previous version's folder is removed once every server holds the new o
     POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": "<weights_dir>/v<N>"}}
     POST /reset_prefix_cache           (no prefix computed by the old weights is reused)
 
-both dev-mode routes (VLLM_SERVER_DEV_MODE=1). While a sync runs, new requests wait and the requests in flight
+both dev-mode routes (VLLM_SERVER_DEV_MODE=1).
+
+Tied embeddings: vLLM on CPU prepacks each linear layer's weight for its GEMM kernel (oneDNN), and a reload
+repacks the layers whose weights it loaded. A file without `lm_head.weight` left a tied SmolLM2-135M server's output
+head on the old weights (every weight moved by 1% of its mean magnitude: logprobs off by up to 0.087 against the
+trainer's; 1.7e-5 with `lm_head.weight` in the file). So every sync writes `lm_head.weight`, and the server ajet
+starts serves the model untied (`serving_folder`: `tie_word_embeddings: false`, the head a copy of the embedding),
+which gives the head a layer of its own that every reload loads, whatever the architecture's loader does with tied
+names; the trainer's model stays tied, and the two copies are equal after every sync. While a sync runs, new requests wait and the requests in flight
 are let finish first, so every completion is produced by exactly one version of the weights, the one its
 `Completion.policy_version` names (the version is moved only once every server has reloaded). On this CPU a
 135M model's sync took about 1 s (docs/engines.md).
@@ -53,6 +61,7 @@ class VLLMEngine:
             read it at the same path.
         server: the `VLLMServer` this engine owns (stopped by `close`), or None for servers run by someone else.
         timeout_s: limit of one HTTP request to a server, seconds (generation and weight routes).
+        scratch: folders this engine made for its server (its model folder), removed by `close`.
 
     Attributes:
         policy_version: the optimizer step of the weights every server holds (0: the model folder's).
@@ -63,7 +72,7 @@ class VLLMEngine:
     """
 
     def __init__(self, base_urls: list[str], model: str, weights_dir: str | Path, server: VLLMServer | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, scratch: list[Path] | tuple[Path, ...] = ()):
         from ajet.backbones.server_pool import ServerPool
         from ajet.remote_engine import RemoteEngine
 
@@ -74,6 +83,7 @@ class VLLMEngine:
         self.weights_dir = Path(weights_dir)
         self.server = server
         self.timeout_s = timeout_s
+        self.scratch = list(scratch)
         self.pool = ServerPool([RemoteEngine(u, model, timeout_s=timeout_s) for u in self.base_urls])
         self.weights_lock = threading.RLock()
         self.generated_tokens = 0
@@ -158,26 +168,27 @@ class VLLMEngine:
             pass
         if self.server is not None:
             self.server.stop()
-        if self._served_dir is not None:
-            shutil.rmtree(self._served_dir, ignore_errors=True)
-            self._served_dir = None
+        for folder in [self._served_dir, *self.scratch]:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._served_dir, self.scratch = None, []
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
     """Write `state_dict` as `folder/model.safetensors`, atomically: into a temporary sibling folder first, renamed
-    to `folder` once complete (an existing `folder` is replaced). Tensors that share storage with an earlier key
-    (tied embeddings: `lm_head.weight` = `model.embed_tokens.weight`) are written once, under the first key, as
-    `save_pretrained` does; vLLM's loaders tie them again. Returns `folder`. Raises OSError when it cannot write."""
+    to `folder` once complete (an existing `folder` is replaced). A tensor that shares storage with an earlier key
+    (tied embeddings: `lm_head.weight` is `model.embed_tokens.weight`) is written as a copy under its own name, so
+    that the server reloads its output head too (see the module docstring).
+    Returns `folder`. Raises OSError when it cannot write."""
     from safetensors.torch import save_file
 
     seen: set[tuple[int, int]] = set()
     tensors = {}
     for key, t in state_dict.items():
+        t = t.detach().cpu()
         ident = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if ident in seen:
-            continue
+        tensors[key] = t.clone() if ident in seen else t.contiguous()
         seen.add(ident)
-        tensors[key] = t.detach().contiguous().cpu()
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -186,6 +197,33 @@ def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
+    return folder
+
+
+def serving_folder(model_path: str | Path, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
+    """The model folder the server ajet starts loads: `state_dict` (the trainer's weights now, under Hugging Face
+    names) with `lm_head.weight` written out, and `model_path`'s other files (config, tokenizer, generation config),
+    the config with `tie_word_embeddings: false` (see the module docstring). `folder` is replaced. Returns it.
+
+    Raises:
+        OSError: `model_path` has no config.json, or `folder` cannot be written.
+    """
+    model_path = Path(model_path)
+    config = json.loads((model_path / "config.json").read_text())
+    state = dict(state_dict)
+    if config.get("tie_word_embeddings", True) and "lm_head.weight" not in state:
+        embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            state["lm_head.weight"] = state[embed]
+    if "lm_head.weight" in state:
+        config["tie_word_embeddings"] = False
+    save_weights(state, folder)
+    for f in model_path.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth",
+                                                                            ".safetensors.index.json",
+                                                                            ".bin.index.json")):
+            shutil.copy2(f, folder / f.name)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
@@ -216,10 +254,10 @@ def served_model(base_url: str, timeout_s: float = 30.0) -> str:
                                 f"{exc}): is a vLLM server running there?") from exc
 
 
-def vllm_engine(cfg: AjetConfig, model_path: str) -> VLLMEngine:
+def vllm_engine(cfg: AjetConfig, model_path: str, state_dict: dict[str, torch.Tensor]) -> VLLMEngine:
     """The engine that `engine: {kind: vllm}` describes: the servers at `engine.urls`, or one `VLLMServer` started
-    now on `model_path` (the policy's initial weights, as the trainer loaded them), its log at
-    `<run folder>/engine/vllm.log`.
+    now on `serving_folder(model_path, <run folder>/engine/model, state_dict)` (`state_dict`: the policy's weights
+    as the trainer holds them), its log at `<run folder>/engine/vllm.log`.
 
     Raises:
         ConfigError: `agents:` is set (one adapter per role is not served through vLLM yet).
@@ -235,9 +273,10 @@ def vllm_engine(cfg: AjetConfig, model_path: str) -> VLLMEngine:
     weights_dir = Path(e.weights_dir) if e.weights_dir else run / "weights"
     if e.urls:
         return VLLMEngine(e.urls, e.model or served_model(e.urls[0]), weights_dir)
-    server = VLLMServer(model_path, run / "vllm.log", python=e.python, served_model_name=SERVED_NAME,
+    folder = serving_folder(model_path, run / "model", state_dict)
+    server = VLLMServer(str(folder), run / "vllm.log", python=e.python, served_model_name=SERVED_NAME,
                         kv_cache_gb=e.kv_cache_gb, max_model_len=cfg.model.max_model_len, dtype=cfg.model.dtype,
                         seed=cfg.trainer.seed, max_num_seqs=cfg.rollout.max_batch_size, extra_args=e.extra_args,
                         start_timeout_s=e.start_timeout_s)
     url = server.start()
-    return VLLMEngine([url], SERVED_NAME, weights_dir, server=server)
+    return VLLMEngine([url], SERVED_NAME, weights_dir, server=server, scratch=[folder])

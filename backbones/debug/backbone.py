@@ -74,7 +74,7 @@ class DebugBackbone:
         if cfg.engine.kind == "vllm":   # a vLLM server generates; the weights reach it after each update
             from ajet.engines.vllm import vllm_engine
 
-            self.engine = vllm_engine(cfg, path)
+            self.engine = vllm_engine(cfg, path, self._served_state_dict())
         else:
             self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
         self.share_prefixes = supports_packing(self.model)
@@ -287,8 +287,12 @@ class DebugBackbone:
         if isinstance(self.engine, HFEngine):
             self.engine.policy_version = version
             return {}
-        state = merged_lora_state_dict(self.model) if self.lora else self.model.state_dict()
-        return self.engine.sync_weights(state, version)
+        return self.engine.sync_weights(self._served_state_dict(), version)
+
+    def _served_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the base model's Hugging Face names, as a server loads them (with
+        `model.lora`, the adapters merged in)."""
+        return merged_lora_state_dict(self.model) if self.cfg.model.lora is not None else self.model.state_dict()
 
     def _optimizer_step(self, samples: list[Sample]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
