@@ -6,10 +6,13 @@ RayWorkerGroup, FSDP2 on gloo, verl's ppo_loss and AdamW, on CPU) and by the deb
 IN.json: model_dir, samples (advantages set), lr, runs: [{name, mode, dp, kl_coef, select}] (select: "all", "no_forks":
 the first sample of each episode only, "drop_last": all but the last sample). For each run, OUT.json
 gets: the relative L2 distance between verl's and the debug backbone's gradients of the first update (all
-parameters as one vector), the same for the weight changes after 1 and after 3 updates, what AdamW's first
-update makes of the two gradients (`adam_rel`, see adam.py: the weights' expected distance after update 1),
-verl's grad_norm and optimizer steps, and, for a run with `same_as` (another run's name), the relative L2
-distance between the two runs' verl gradients (2 FSDP ranks against 1).
+parameters as one vector), the same for the weight changes after 1 and after 3 updates; for each side, how far
+its weights after update 1 are from those torch's AdamW makes of its gradient in float32 (adam.py's
+`adamw_first_step`), in float32 rounding units (`step_units_verl`, `step_units_debug`: adam.py's
+`rounding_units`); how far apart those two AdamW steps put the weights (`adam_rel`: the weights' expected distance
+after update 1) and what the float64 formula makes of it without the float32 weights (`adam_rel_f64`); verl's
+grad_norm and optimizer steps, and, for a run with `same_as` (another run's name), the relative L2 distance
+between the two runs' verl gradients (2 FSDP ranks against 1).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def main(inp: str, out: str) -> None:
     from ajet.backbones.verl.backbone import VerlBackbone
     from ajet.config import AjetConfig
     from ajet.tracker.sample import Sample
-    from adam import first_update_rel      # tests/backbone_conformance/adam.py, this script's folder
+    from adam import adamw_first_step, first_update_rel, rounding_units   # adam.py, this script's folder
 
     d = json.load(open(inp))
     all_samples = [Sample(**s) for s in d["samples"]]
@@ -54,7 +57,8 @@ def main(inp: str, out: str) -> None:
         g_debug = {k: p.grad.detach().clone() for k, p in debug.model.named_parameters()}
         debug.optimizer.zero_grad(set_to_none=True)
         debug.update(samples)
-        dw1_debug = {k: p.detach() - w0[k] for k, p in debug.model.named_parameters()}
+        w1_debug = {k: p.detach().clone() for k, p in debug.model.named_parameters()}
+        dw1_debug = {k: w - w0[k] for k, w in w1_debug.items()}
         for _ in range(2):
             debug.update(samples)
         dw_debug = {k: p.detach() - w0[k] for k, p in debug.model.named_parameters()}
@@ -64,17 +68,24 @@ def main(inp: str, out: str) -> None:
         verl.actor_wg.record_grads()
         metrics = [verl.update(samples)]
         g_verl = verl.actor_wg.export_grads()[0]
-        dw1_verl = {k: v - w0[k] for k, v in verl.actor_wg.export_weights()[0].items() if k in w0}
+        w1_verl = {k: v for k, v in verl.actor_wg.export_weights()[0].items() if k in w0}
+        dw1_verl = {k: w - w0[k] for k, w in w1_verl.items()}
         for _ in range(2):
             metrics.append(verl.update(samples))
         dw_verl = {k: v - w0[k] for k, v in verl.actor_wg.export_weights()[0].items() if k in w0}
         engine_w = {k: p.detach() - w0[k] for k, p in verl.model.named_parameters()}
         name = run["name"]
-        group = debug.optimizer.param_groups[0]
+        group = debug.optimizer.param_groups[0]     # the config's lr, eps, betas, weight decay (verl gets the same)
+        hyper = {"lr": group["lr"], "eps": group["eps"], "max_grad_norm": debug.cfg.algorithm.max_grad_norm}
+        step = {side: adamw_first_step(w0, g, weight_decay=group["weight_decay"], betas=group["betas"], **hyper)
+                for side, g in (("verl", g_verl), ("debug", g_debug))}
         res[name] = {"grad_rel": rel(g_verl, g_debug), "weight_rel": rel(dw_verl, dw_debug),
                      "weight_rel_1": rel(dw1_verl, dw1_debug),
-                     "adam_rel": first_update_rel(g_verl, g_debug, group["lr"], group["eps"],
-                                                  debug.cfg.algorithm.max_grad_norm),
+                     "step_units_verl": rounding_units(w1_verl, step["verl"], w0),
+                     "step_units_debug": rounding_units(w1_debug, step["debug"], w0),
+                     "adam_rel": rel({k: w - w0[k] for k, w in step["verl"].items()},
+                                     {k: w - w0[k] for k, w in step["debug"].items()}),
+                     "adam_rel_f64": first_update_rel(g_verl, g_debug, **hyper),
                      "engine_vs_actor": rel(engine_w, dw_verl), "grad_norm": metrics[0]["grad_norm"],
                      "optimizer_steps": [m["optimizer_steps"] for m in metrics], "rows": len(samples),
                      "policy_version": verl.engine.policy_version}
