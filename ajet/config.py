@@ -612,9 +612,10 @@ class GatewayGateConfig(_Section):
                                     "refused")
     replay_sessions: int = Field(16, ge=1, le=10_000, description="mode `replay`: how many sessions are replayed, "
                                  "those whose latest feedback arrived last (each its first request, eval.n answers)")
-    keep_versions: int = Field(3, ge=1, description="served policy versions kept as checkpoints in "
-                               "exp_dir/gateway_versions (the newest, plus the one served), the versions `ajet "
-                               "gateway rollback` can go back to")
+    keep_versions: int = Field(3, ge=1, description="served policy versions kept, whatever the mode: each is a "
+                               "trainer checkpoint in exp_dir/checkpoints (with model.lora the adapter only) that "
+                               "`--resume` continues from; the versions served last (and the one served) are kept, "
+                               "the ones `ajet gateway rollback` can go back to")
 
 
 class GatewayConfig(_Section):
