@@ -6,7 +6,8 @@
     app.py       the HTTP front: the proxy's four dialects without per-episode URLs, feedback, /healthz
     ops.py       /metrics (Prometheus text) and per-key rate limits
     sessions.py  sessions: found by header or by prefix, closed when idle, rated by feedback or the judge
-    gate.py      the evaluation gate before a new policy serves, per-version checkpoints, rollback
+    gate.py      the evaluation gate before a new policy serves, rollback
+    versions.py  each served version as a trainer checkpoint (what --resume serves), kept versions
     replay.py    the replay gate's evaluation set: recent rated sessions' first requests, judged
     store.py     gateway.sqlite: sessions, calls, responses, feedback (durable before the client hears back)
     source.py    rated sessions as episodes: the rollout source of the one training loop (ajet/trainer.py)
