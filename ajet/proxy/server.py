@@ -31,7 +31,6 @@ import socket
 import threading
 import time
 import uuid
-import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
@@ -212,7 +211,7 @@ class ProxyServer:
             self._stopping = True
             loop = self._loop
             if loop is not None and loop.is_running() and _running_loop() is not loop:
-                with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):   # the loop ended meanwhile
+                with contextlib.suppress(TimeoutError, RuntimeError):   # the loop ended meanwhile
                     asyncio.run_coroutine_threadsafe(_call(self._stop_generations), loop).result(timeout=30)
             self._server.should_exit = True
             self._thread.join(timeout=grace_s)
