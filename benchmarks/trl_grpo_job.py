@@ -1,21 +1,23 @@
 """TRL's GRPOTrainer doing the main job's work; run by benchmarks/vs_trl.py inside the TRL environment.
 
     .trl-venv/bin/python benchmarks/trl_grpo_job.py --model DIR --tasks FILE --steps N --out metrics.jsonl \
-        [--temperature T] [--lr LR]
+        [--temperature T] [--lr LR] [--micro-batch 16] [--bf16] [--gradient-checkpointing]
 
 Configured as the main job (tutorial/example_math_agent/math_agent.yaml): the same converted SmolLM2 weights and
 tokenizer (with ajet's tool chat template), the same tasks in the same order (4 per step, no shuffling), the same
 system prompt and `calculate` tool (rendered by the same template, so the first turn's prompt text is the one ajet
-renders, without the tool-call opening ajet's proxy forces: TRL has no such option), group 4
-(`num_generations`), 48 tokens per turn, the main job's temperature and lr (vs_trl.py passes them), fp32 on the CPU, loss "grpo", no KL
-(`beta=0`), one PPO epoch per generation batch; the tool runs in TRL's own tool loop (one round of tool calls,
-then the answer turn), and the reward is the main job's (`math_agent_reward`).
+renders, without the tool-call opening ajet's proxy forces: TRL has no such option), group 4 (`num_generations`),
+48 tokens per turn, the main job's temperature and lr (vs_trl.py passes them), fp32 on the CPU, loss "grpo", no KL
+(`beta=0`: TRL loads no reference model), one PPO epoch per generation batch (no old-logprob forward), the step's
+16 sequences generated as one batch and trained in micro-batches of `--micro-batch` with gradient accumulation; the
+tool runs in TRL's own tool loop (one round of tool calls, then the answer turn), and the reward is the main job's
+(`math_agent_reward`).
 
 Each step appends one JSON line to `--out`: wall seconds (step_s), generation seconds (rollout_s: TRL's
 `_generate`, tools included), update seconds (the rest), generated tokens (the sampled ones: the completion less
 the tool results TRL splices into it), forwarded tokens (prompt + completion of every sequence in the update),
-trained tokens (completion tokens under the loss mask), episodes and model calls (assistant messages), and the
-process's peak RSS so far.
+padded tokens (the positions those forwards run), trained tokens (completion tokens under the loss mask), episodes
+and model calls (assistant messages), and the process's peak RSS so far.
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def accumulation_steps(micro_batch: int) -> int:
+    """Micro-batches per step for `micro_batch` sequences each; ValueError unless it divides the step's 16."""
+    if micro_batch < 1 or EPISODES_PER_STEP % micro_batch:
+        raise ValueError(f"--micro-batch {micro_batch} must divide the step's {EPISODES_PER_STEP} sequences "
+                         f"(1, 2, 4, 8 or 16)")
+    return EPISODES_PER_STEP // micro_batch
+
+
+def parse_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """`ap`'s arguments; a --micro-batch that does not divide the step is a one-line usage error."""
+    args = ap.parse_args()
+    try:
+        accumulation_steps(args.micro_batch)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
 def build_trainer(args: argparse.Namespace):
     """TRL's GRPOTrainer for the main job's work, configured by `args` (see `parser`).
 
@@ -86,9 +106,7 @@ def build_trainer(args: argparse.Namespace):
     (positions the update's forwards run, padding included), trained (tokens under the loss mask), episodes, calls.
     Raises ValueError when `--micro-batch` does not divide the step's 16 sequences.
     """
-    if args.micro_batch < 1 or EPISODES_PER_STEP % args.micro_batch:
-        raise ValueError(f"--micro-batch {args.micro_batch} must divide the step's {EPISODES_PER_STEP} sequences")
-    accumulation = EPISODES_PER_STEP // args.micro_batch
+    accumulation = accumulation_steps(args.micro_batch)
 
     import torch
     from datasets import Dataset
@@ -173,7 +191,7 @@ def build_trainer(args: argparse.Namespace):
 
 
 def main() -> None:
-    args = parser().parse_args()
+    args = parse_args(parser())
     from transformers import TrainerCallback
     trainer, timing = build_trainer(args)
 
@@ -186,7 +204,8 @@ def main() -> None:
             step_s = time.perf_counter() - self.t0
             line = {"step": state.global_step, "step_s": step_s, "rollout_s": timing["rollout_s"],
                     "update_s": step_s - timing["rollout_s"], "generated_tokens": timing["trained"],
-                    "forwarded_tokens": timing["forwarded"], "padded_tokens": timing["padded"], "trained_tokens": timing["trained"],
+                    "forwarded_tokens": timing["forwarded"], "padded_tokens": timing["padded"],
+                    "trained_tokens": timing["trained"],
                     "episodes": timing["episodes"], "calls": timing["calls"],
                     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
             with open(args.out, "a") as f:

@@ -101,7 +101,7 @@ def main() -> None:
     ap.description = __doc__.splitlines()[0]
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--torch-profile", action="store_true", help="torch.profiler's top operators over one update")
-    args = ap.parse_args()
+    args = trl_grpo_job.parse_args(ap)
 
     import torch
     from transformers import TrainerCallback

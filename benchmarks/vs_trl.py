@@ -1,11 +1,14 @@
 """ajet's main job vs TRL's GRPOTrainer doing the same work, run interleaved on this machine; ratios ajet / TRL.
 
     bash benchmarks/setup_trl_env.sh            # once: TRL 1.16.0 in .trl-venv (optional; skipped without it)
-    python benchmarks/vs_trl.py [--pairs 2] [--warmup 1] [--steps 4]
+    python benchmarks/vs_trl.py [--pairs 2] [--warmup 1] [--steps 4] [--trl-micro-batch 4]
 
 Each pair runs the main job (`ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug`) and
 `benchmarks/trl_grpo_job.py` (TRL, configured as described there: same weights, template, tasks in ajet's order,
-group 4, 48 tokens per turn, the main job's temperature and lr, fp32, loss "grpo", no KL), one after the other, alternating which
+group 4, 48 tokens per turn, the main job's temperature and lr, fp32, loss "grpo", no KL; the step's 16 sequences
+trained in micro-batches of `--trl-micro-batch` with gradient accumulation, one optimizer step per step: TRL's own
+advice on memory is a lower per_device_train_batch_size; benchmarks/trl_profile.py shows where its step goes), one
+after the other, alternating which
 goes first; each does `--warmup` untimed steps then `--steps` timed ones. Before each run the load average is
 printed (the machine may be shared: the ratios of paired steps are what to read). Per step: wall, rollout and
 update seconds, generated tokens, forwarded tokens (prompt + completion in the update) and trained tokens (under
@@ -34,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml"
 EQUAL_WORK = f"{ROOT / 'benchmarks' / 'vs_trl_workflow.py'}:TRLTurnsMathAgentWorkflow"
+TRL_MICRO_BATCH = 4            # one GRPO group per forward/backward: a quarter of 16-at-once's activations
 WORK_TOLERANCE = 0.10          # per-episode calls and generated tokens within 10% of TRL's, or the run says so
 
 
@@ -120,7 +124,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each run")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--trl-venv", default=str(ROOT / ".trl-venv"))
+    ap.add_argument("--trl-micro-batch", type=int, default=TRL_MICRO_BATCH,
+                    help="TRL's per_device_train_batch_size (the step's 16 sequences accumulated over 16/N of them)")
     args = ap.parse_args()
+    if args.trl_micro_batch < 1 or 16 % args.trl_micro_batch:
+        ap.error(f"--trl-micro-batch {args.trl_micro_batch} must divide the step's 16 sequences (1, 2, 4, 8 or 16)")
 
     python, info = trl_python(Path(args.trl_venv))
     if python is None:
@@ -133,8 +141,8 @@ def main() -> None:
     total = args.warmup + args.steps
     work = Path(tempfile.mkdtemp(prefix="ajet_vs_trl_"))
     tasks = ordered_tasks(total, work / "tasks.jsonl")
-    print(f"vs_trl: TRL {info}; model {model_dir}; {args.pairs} pairs x ({args.warmup} warm-up + {args.steps} timed "
-          f"steps); work dir {work}")
+    print(f"vs_trl: TRL {info} (micro-batch {args.trl_micro_batch}); model {model_dir}; {args.pairs} pairs x "
+          f"({args.warmup} warm-up + {args.steps} timed steps); work dir {work}")
 
     per = {"ajet": [], "trl": []}          # timed steps of every run, in pair order
     peaks = {"ajet": [], "trl": []}
@@ -161,7 +169,8 @@ def main() -> None:
                 out = run_dir / "metrics.jsonl"
                 peak = run_measured([str(python), str(ROOT / "benchmarks" / "trl_grpo_job.py"), "--model", model_dir,
                                      "--tasks", str(tasks), "--steps", str(total), "--out", str(out),
-                                     "--temperature", str(cfg.rollout.temperature), "--lr", str(cfg.algorithm.lr)],
+                                     "--temperature", str(cfg.rollout.temperature), "--lr", str(cfg.algorithm.lr),
+                                     "--micro-batch", str(args.trl_micro_batch)],
                                     work / f"{side}_{pair}.log")
                 steps = [json.loads(line) for line in out.read_text().splitlines()]
             timed = steps[args.warmup:]
