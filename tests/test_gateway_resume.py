@@ -134,3 +134,33 @@ def test_kill_9_then_resume_serves_the_served_version_and_never_trains_a_session
     assert kept_before == ["step_2", "step_4"], kept_before            # versions 2 and the new 3 (keep_versions 2)
     assert _checkpoints(exp) == ["step_4", "step_5"]                   # versions 3 and 4
     assert final["kept"] == [3, 4]
+
+
+class _LoraLayout:
+    """Writes what the debug backbone writes with `model.lora`: the adapter, the merged weights beside it, the
+    optimizer state and the tokenizer."""
+
+    def save_checkpoint(self, path: Path) -> None:
+        (path / "adapter").mkdir(parents=True)
+        (path / "adapter" / "adapter_model.safetensors").write_bytes(b"a" * 10)
+        for name in ("model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+            (path / name).write_bytes(b"w" * 1000)
+        for name in ("backbone_state.pt", "config.json", "tokenizer.json"):
+            (path / name).write_bytes(b"s")
+
+
+def test_a_lora_version_is_written_without_the_merged_weights(tmp_path):
+    from ajet import checkpoint
+    from ajet.gateway.versions import VersionStore
+
+    versions = VersionStore(tmp_path, keep=2, adapter_only=True)
+    folder = versions.write(_LoraLayout(), version=5, step=7, attempt=0, trained=[("s-1", 0)])
+    assert folder == tmp_path / "checkpoints" / "step_7"
+    assert sorted(p.name for p in folder.rglob("*") if p.is_file()) == [
+        "adapter_model.safetensors", "backbone_state.pt", "config.json", "tokenizer.json", "trainer_state.pt"]
+    state = checkpoint.load_trainer_state(folder)
+    assert state["step"] == 7 and state["rollout"] == {"gateway": {"version": 5, "step": 7, "attempt": 0,
+                                                                   "trained": [["s-1", 0]]}}
+    full = checkpoint.save(tmp_path, 8, _LoraLayout(), {"step": 8})   # the trainer's own: everything
+    assert (full / "model.safetensors").is_file()
+    assert versions.folder(5) == folder and versions.kept() == [5]   # step_8 names no gateway version
