@@ -46,13 +46,15 @@ def rss_mb() -> float:
 
 
 class PhaseClock:
-    """Seconds and peak RSS per named phase; phases nest (the inner one's time is not the outer one's)."""
+    """Wall seconds, CPU seconds (the process's, all threads) and peak RSS per named phase; phases nest (the inner
+    one's time is not the outer one's). CPU seconds depend less on the machine's load than wall seconds."""
 
     def __init__(self) -> None:
         self.stack = ["other"]
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.cpu = dict.fromkeys(PHASES, 0.0)
         self.peak = dict.fromkeys(PHASES, 0.0)
-        self.t = time.perf_counter()
+        self.t, self.c = time.perf_counter(), time.process_time()
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
 
@@ -62,9 +64,10 @@ class PhaseClock:
             self.peak[name] = max(self.peak[name], rss_mb())
 
     def _switch(self, push: str | None) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.seconds[self.stack[-1]] += now - self.t
-        self.t = now
+        self.cpu[self.stack[-1]] += cpu - self.c
+        self.t, self.c = now, cpu
         if push is None:
             self.stack.pop()
         else:
@@ -89,6 +92,7 @@ class PhaseClock:
         self._switch("other")
         self.stack = ["other"]
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.cpu = dict.fromkeys(PHASES, 0.0)
         self.peak = dict.fromkeys(PHASES, 0.0)
 
 
@@ -162,12 +166,14 @@ def main() -> None:
                 print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
                 profiler = None
             step_s = time.perf_counter() - self.t0
-            row = {"step_s": step_s, **dict(clock.seconds), "peak": dict(clock.peak), **timing}
+            row = {"step_s": step_s, **dict(clock.seconds), "cpu": dict(clock.cpu), "peak": dict(clock.peak),
+                   **timing}
             tag = "warm-up" if state.global_step <= args.warmup else "timed"
             if tag == "timed":
                 rows.append(row)
             print(f"step {state.global_step} ({tag}): {step_s:.1f} s = "
                   + ", ".join(f"{p} {clock.seconds[p]:.1f}" for p in PHASES)
+                  + " | CPU s " + ", ".join(f"{p} {clock.cpu[p]:.1f}" for p in PHASES)
                   + f" | tokens real {timing['forwarded']}, padded {timing['padded']}, trained {timing['trained']}"
                   + f" | peak RSS MB " + ", ".join(f"{p} {clock.peak[p]:.0f}" for p in PHASES if clock.peak[p])
                   + f" | load {os.getloadavg()[0]:.1f}", flush=True)
@@ -176,13 +182,15 @@ def main() -> None:
     trainer.train()
 
     med = {k: statistics.median(r[k] for r in rows) for k in ("step_s", *PHASES, "forwarded", "padded", "trained")}
+    cpu = {p: statistics.median(r["cpu"][p] for r in rows) for p in PHASES}
     peak = {p: max(r["peak"][p] for r in rows) for p in PHASES}
     print(f"\ntrl_profile: median of {len(rows)} timed steps (peak RSS: the largest over them); RSS before the "
           f"trainer {rss_before:.0f} MB, after building it {rss_model:.0f} MB")
-    print(f"{'phase':<10} {'seconds':>8} {'share':>6} {'peak RSS MB':>12}")
+    print(f"{'phase':<10} {'seconds':>8} {'share':>6} {'CPU s':>8} {'share':>6} {'peak RSS MB':>12}")
     for p in PHASES:
-        print(f"{p:<10} {med[p]:8.1f} {med[p] / med['step_s']:6.1%} {peak[p]:12.0f}")
-    print(f"{'step':<10} {med['step_s']:8.1f}")
+        print(f"{p:<10} {med[p]:8.1f} {med[p] / med['step_s']:6.1%} {cpu[p]:8.1f} {cpu[p] / sum(cpu.values()):6.1%} "
+              f"{peak[p]:12.0f}")
+    print(f"{'step':<10} {med['step_s']:8.1f} {'':>6} {sum(cpu.values()):8.1f}")
     update = med["step_s"] - med["generate"]
     print(f"update (step less generate) {update:.1f} s: {med['forwarded'] / update:.0f} real tokens/s "
           f"({med['forwarded']:.0f} real of {med['padded']:.0f} positions forwarded, "
