@@ -6,6 +6,7 @@ The warning a disconnect mid-upload writes does not show the episode's token (it
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -111,19 +112,29 @@ def test_a_disconnect_warning_does_not_show_the_episode_token(proxy, caplog, cap
     assert ep.api_key not in "\n".join(lines) + out + err
 
 
+class _FailsWhenCancelled(HFEngine):
+    """An engine whose call, cancelled, fails instead (as a remote engine whose connection is cut may)."""
+
+    async def generate(self, *args, **kwargs):
+        try:
+            return await super().generate(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise RuntimeError("engine is shut down") from None
+
+
 def test_a_generation_failing_after_its_client_left_leaves_no_unretrieved_task(proxy, caplog, capfd):
-    """The engine shuts down under a stream whose client has gone: the generation's 503 has nobody to go to, and
-    is still retrieved (one warning line, no "Task exception was never retrieved" when the task is collected)."""
+    """The engine fails under a stream whose client has gone (the proxy cancels the generation of a client that
+    left; this engine turns that into a failure): the generation's 503 has nobody to go to, and is still
+    retrieved (one warning line, no "Task exception was never retrieved" when the task is collected)."""
     caplog.set_level(logging.WARNING)
     tok = proxy.tokenizer
-    engine = HFEngine(proxy.engine.model, eos_token_ids=[], pad_token_id=tok.pad_token_id, max_model_len=1024,
-                      prefix_cache_bytes=0)
+    engine = _FailsWhenCancelled(proxy.engine.model, eos_token_ids=[], pad_token_id=tok.pad_token_id,
+                                 max_model_len=1024, prefix_cache_bytes=0)
     own = ProxyServer(engine, tok, SamplingParams(temperature=1.0, max_tokens=TOKENS), max_model_len=1024).start()
     try:
         ep = own.open_episode("doomed")
         body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "go"}]}).encode()
-        _stream_and_vanish(ep.base_url + "/chat/completions", body)
-        engine.close()                      # the generation fails: RuntimeError("engine is shut down") -> a 503
+        _stream_and_vanish(ep.base_url + "/chat/completions", body)   # the generation fails: a 503 nobody hears
         deadline = time.monotonic() + 120
         while not [r for r in caplog.records if "engine failed" in r.getMessage()]:
             assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
@@ -131,6 +142,7 @@ def test_a_generation_failing_after_its_client_left_leaves_no_unretrieved_task(p
         assert own.close_episode(ep) == []
     finally:
         own.stop()
+        engine.close()
     gc.collect()                            # a finished task nobody retrieved reports itself when it is collected
     _, err = capfd.readouterr()
     assert not _problems(caplog, err), _problems(caplog, err)[:3]

@@ -58,8 +58,8 @@ from ajet.proxy.stream import cut_at_stop
 from ajet.proxy.strict import StrictTools
 from ajet.proxy.turn import (Choice, Episode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
                              reject_unsupported, server_stopping)
-from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ProxyError, bearer, cut, json_response, load_json,
-                             log_client_gone, printable, read_body, redacted_path)
+from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ClientGone, ProxyError, bearer, cut, json_response,
+                             load_json, log_client_gone, printable, read_body, redacted_path)
 
 log = logging.getLogger(__name__)
 
@@ -367,13 +367,21 @@ class ProxyServer:
         route = _route(request)
         prep = await self._prepared(api, ep, raw, agent_tag, idempotency_key, retry, route)
         earlier = ep.turns.get(prep.key) if retry else None
-        if earlier is not None and not earlier.failed:
-            choices = await earlier.result()                 # a retry: the first attempt's answer
+        if earlier is not None and not earlier.failed and not earlier.abandoned:
+            earlier.waiting += 1                             # a retry: the first attempt's answer
+            gone = False
+            try:
+                choices = await until_answered(earlier.result(), request.receive)
+            except ClientGone:
+                gone = True
+                raise
+            finally:
+                earlier.leave(gone)
             replay: asyncio.Queue = asyncio.Queue()
             for c in choices:
                 replay.put_nowait((c.index, c))
             replay.put_nowait(None)
-            return await self._answer(api, earlier, prep, replay)
+            return await self._answer(api, earlier, prep, replay, request)
         if prep.prompt is None:       # a retry whose first attempt failed meanwhile: build it now
             prep = await self._prepared(api, ep, raw, agent_tag, idempotency_key, False, route)
         if not ep.open:
@@ -381,19 +389,31 @@ class ProxyServer:
         if self._stopping:
             raise server_stopping()
         turn = ep.turns[prep.key] = self._start_turn(api, ep, prep, agent_tag, t0)
-        return await self._answer(api, turn, prep, turn.events)
+        return await self._answer(api, turn, prep, turn.events, request)
 
-    async def _answer(self, api: Api, turn: Turn, prep: Prepared, events: asyncio.Queue | None):
+    async def _answer(self, api: Api, turn: Turn, prep: Prepared, events: asyncio.Queue | None, request: Request):
         """The API's answer: its body, or its event stream (errors before the first event keep their HTTP
-        status; later ones end the stream with the API's error event)."""
+        status; later ones end the stream with the API's error event). The request waits for `turn` until its
+        answer is sent: a client that closes its connection first leaves it (`Turn.leave`: the last one gone
+        cancels the generation) and gets nothing (ClientGone, one warning line)."""
         headers = {RESPONSE_ID_HEADER: turn.response_id}   # the body's id, also before a stream's first event
-        if not prep.req.stream:
-            return json_response(api.body(turn, prep, await turn.result()), headers=headers)
-        first = await events.get()
-        if first is None and turn.error() is not None:
-            raise turn.error()
-        return StreamingResponse(api.events(turn, prep, events, first), media_type="text/event-stream",
-                                 headers=headers)
+        turn.waiting += 1
+        gone, stream = False, None
+        try:
+            if not prep.req.stream:
+                choices = await until_answered(turn.result(), request.receive)
+                return json_response(api.body(turn, prep, choices), headers=headers)
+            first = await until_answered(events.get(), request.receive)
+            if first is None and turn.error() is not None:
+                raise turn.error()
+            stream = _TurnStream(turn, api.events(turn, prep, events, first), headers)
+            return stream
+        except ClientGone:
+            gone = True
+            raise
+        finally:
+            if stream is None:                    # else the stream leaves the turn when it ends
+                turn.leave(gone)
 
     async def _prepared(self, api: Api, ep: Episode, raw: bytes, *args) -> Prepared:
         """`_prepare(api, ep, raw, *args)`: in the prepare pool, so that the event loop keeps serving other calls
@@ -567,6 +587,51 @@ class ProxyServer:
                 max_tokens=asked_max or d.max_tokens, seed=req.seed, stop=stop, top_logprobs=top)
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, max_tokens=min(asked_max or d.max_tokens,
                               d.max_tokens), seed=req.seed, stop=stop, top_logprobs=top)
+
+
+async def until_answered(awaitable, receive):
+    """`await awaitable`, unless the client of the ASGI `receive` (whose body was read in full) closes its
+    connection first: then `awaitable` is cancelled and ClientGone raised."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done():
+        raise ClientGone("the client closed the connection before its answer was ready (its generation was "
+                         "stopped)")
+    return work.result()
+
+
+class _TurnStream(StreamingResponse):
+    """A turn's event stream that leaves the turn when it ends (`Turn.leave`): gone when the client closed the
+    connection before the last event was sent (the generation is then cancelled if nobody else waits for it)."""
+
+    def __init__(self, turn: Turn, body, headers: dict[str, str]):
+        self.turn, self.finished = turn, False
+
+        async def events():
+            async for chunk in body:
+                yield chunk
+            self.finished = True
+        super().__init__(events(), media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope, receive, send):
+        cancelled = False
+        try:
+            await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:         # the proxy stopping ends the request: not the client's doing
+            cancelled = True
+            raise
+        finally:
+            self.turn.leave(gone=not self.finished and not cancelled)
 
 
 class _CatchAll:

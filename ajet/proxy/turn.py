@@ -48,7 +48,9 @@ class Turn:
     `(choice_index, Choice)` when a choice ends, and None when the task is done. `forced` is the
     tool-call opening `tool_choice` fixed, `parse_tools` whether tool calls are parsed out of the text,
     `stop` the stop strings generation used, `strict` the validators of the request's `strict: true` tools.
-    `cancelled_with`: the answer of a generation cancelled on purpose (default: `episode_closed`)."""
+    `cancelled_with`: the answer of a generation cancelled on purpose (default: `episode_closed`).
+    `waiting`: the requests waiting for its answer (the first, and retries answered from it); `abandoned`: its
+    last waiting client went away before the answer was complete, so it was cancelled (`leave`)."""
 
     response_id: str
     created: int
@@ -61,6 +63,8 @@ class Turn:
     task: asyncio.Future | None = None
     events: asyncio.Queue | None = None
     cancelled_with: ProxyError | None = None
+    waiting: int = 0
+    abandoned: bool = False
 
     def __post_init__(self):
         if self.streaming:
@@ -87,6 +91,16 @@ class Turn:
         if not self.task.done():
             self.cancelled_with = answer
             self.task.cancel()
+
+    def leave(self, gone: bool) -> None:
+        """A request stops waiting for this generation (`waiting` was counted up for it); `gone`: its client
+        closed the connection before the answer was complete. When the last waiting client is gone, a generation
+        still running is cancelled: its rows leave the engine's batch (nobody would read them), nothing is
+        recorded, and a retry of the request starts a new generation (`abandoned`)."""
+        self.waiting -= 1
+        if gone and self.waiting == 0 and not self.task.done() and not self.abandoned:
+            self.abandoned = True
+            self.cancel(client_gone())
 
     def settle(self, ep: Episode) -> None:
         """The generation task's done-callback (on the event loop): it leaves `ep.inflight`, its exception is
@@ -158,6 +172,12 @@ class Prepared:
 def episode_closed() -> ProxyError:
     return ProxyError(404, "the episode was closed while this call was running (the workflow returned or timed "
                            "out before its agent finished): nothing was recorded", code="episode_closed")
+
+
+def client_gone() -> ProxyError:
+    """The answer of a generation cancelled because its client went away (nobody receives it)."""
+    return ProxyError(499, "the client closed the connection before its answer was complete: the generation was "
+                           "stopped and nothing was recorded", code="client_closed_request")
 
 
 def server_stopping() -> ProxyError:
