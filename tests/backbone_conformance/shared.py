@@ -40,8 +40,9 @@ GRAD_REL = 1e-5
 #   the earlier bound, 30% of the float64 formula's distance, passed it), lr 1e-4 off (1640); offline: lr 1e-5 off
 #   (160), eps 1e-7 (1e6). The weights' distance then IS the one the two float32 steps make (`adam_rel`),
 #   whereas the float64 formula (`adam_rel_f64`, which Trinity's test still uses) leaves out the rounding of
-#   w0 + update to float32, coarse at the RMSNorm gains (1.0, spacing 1.2e-7 above, 0.4% of lr): where a gain's two updates, 1e-8 apart,
-#   round to neighbouring floats, that one coordinate adds ~1.1e-5 of the update's norm, in quadrature. That was
+#   w0 + update to float32, coarse at the RMSNorm gains (1.0, spacing 1.2e-7 above, 0.4% of lr): where a gain's
+#   two updates, 1e-8 apart, round to neighbouring floats, that one coordinate adds ~1.1e-5 of the update's norm,
+#   in quadrature. That was
 #   verl's seq-mean-token-sum-norm "13%" (2.42e-5 measured against 2.14e-5 from the formula: sqrt(2.14^2 + 1.14^2)
 #   = 2.42); reproduced with AVX2 kernels (2.13e-5 against 1.81e-5, gain 54 of layer 0's input norm, |g| = 1.7e-8),
 #   where the float32 steps give 2.13e-5 exactly. It shows in that mode because its gradient is the smallest (the
