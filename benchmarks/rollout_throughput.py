@@ -7,9 +7,9 @@ the same prompts go through `transformers`' own batched `generate` (counted up t
 The two sides are measured in `--rounds` rounds per concurrency, back to back and in alternating order (proxy first
 in even rounds, `generate` first in odd ones), and the ratio is the median of the rounds' ratios. On a shared CPU
 one measurement of each side taken one after the other compares two different loads: with two torch threads on two
-cores, each of a batch-1 step's ~250 small parallel regions waits for both threads to be scheduled, and at load
-10-15 the same batch-1 decode loop ran 0.6 tok/s with two threads against 4.5 with one. Each round's line gives
-the load average when it ended.
+cores, each of a batch-1 step's many small parallel regions waits for both threads to be scheduled (at load 15,
+2026-11-28, one plain batch-1 decode loop of SmolLM2-135M ran 0.6 tok/s with two threads against 4.5 with one).
+Each round's line gives the load average when it ended.
 
     python benchmarks/rollout_throughput.py [--model smollm2-135m-instruct] [--max-tokens 64] [--rounds 3]
 """
