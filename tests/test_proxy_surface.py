@@ -110,17 +110,17 @@ def test_stop_string_is_cut_from_the_answer_but_its_tokens_are_recorded(tokenize
 
 
 class SlowFirstCall(ScriptedEngine):
-    """The first generation takes `delay_s` seconds: longer than the client's timeout, so the SDK retries."""
+    """The first generation takes `delay_s` seconds: longer than the client's timeout, so the SDK retries (the
+    proxy stops a generation whose client left: a cancelled one is not counted, and the retry's is fast)."""
 
     def __init__(self, tokenizer, replies, delay_s):
         super().__init__(tokenizer, replies)
-        self.delay_s = delay_s
+        self.delay_s, self.slowed = delay_s, False
 
     async def generate(self, prompt_ids, params, on_tokens=None):
-        if not self.prompts:
-            self.prompts.append(None)          # counts as a call from now on
+        if not self.slowed:
+            self.slowed = True
             await asyncio.sleep(self.delay_s)
-            self.prompts.pop()
         return await super().generate(prompt_ids, params, on_tokens)
 
 
@@ -138,7 +138,7 @@ def test_sdk_retry_after_a_timeout_records_one_call_and_no_fork(tokenizer, strea
             return "".join(c.choices[0].delta.content or "" for c in
                            client.chat.completions.create(model="m", messages=messages, stream=True) if c.choices)
 
-        first = ask(USER)                       # attempt 0 times out; a retry waits for its generation
+        first = ask(USER)                       # attempt 0 times out (its generation stopped); a retry answers
         second = ask(USER + [{"role": "assistant", "content": first}, {"role": "user", "content": "more"}])
         calls = proxy.close_episode(ep)
     finally:

@@ -115,8 +115,8 @@ class Turn:
             self.events.put_nowait(None)
 
     async def result(self) -> list[Choice]:
-        """The generation's choices, awaited without cancelling it when the waiting request is cancelled (the
-        client went away: the generation still finishes and is recorded, and a retry gets its result).
+        """The generation's choices, awaited without cancelling it when the waiting request is cancelled (another
+        request may wait for it too; a client gone stops it through `leave`).
         Raises the ProxyError of a failed generation (see `error`)."""
         try:
             return await asyncio.shield(self.task)
