@@ -18,8 +18,9 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
        answers empty or only end-of-text), its metric is at least `gate.min_score` (when set) and
        `metric(new) >= reference - max_drop`, the reference being the best figure any served version had (mode
        eval; so drops cannot add up over versions) or the serving policy's on the same replay set (mode replay):
-       its checkpoint is written (with the sessions it trained on) and live calls resume under it. Refused otherwise (any of these, or an
-       invalid evaluation of the serving policy): the backbone loads the serving version's checkpoint back,
+       its checkpoint is written (with the sessions it trained on) and live calls resume under it. Refused
+       otherwise (any of these, or an invalid evaluation of the serving policy): the backbone loads the serving
+       version's checkpoint back,
        so both the engine and the training go on from the serving weights and optimizer state (a harmful
        update does not compound), and live calls resume under the serving version
     5. the decision is in gateway.sqlite (`gate`: step, both versions, both figures, served, reason) and
@@ -235,8 +236,8 @@ class VersionGate:
         if self.g.mode == "replay":                # one replay set for both figures (ajet/gateway/replay.py)
             from ajet.gateway.replay import replay_tasks
 
-            trained = {s.episode_id.split("~", 1)[0] for s in samples}   # a best-of candidate: <session>~<k>
-            tasks = replay_tasks(self.store, self.g.replay_sessions, exclude=trained)
+            sessions = {s.episode_id.split("~", 1)[0] for s in samples}   # a best-of candidate: <session>~<k>
+            tasks = replay_tasks(self.store, self.g.replay_sessions, exclude=sessions)
         baseline = self._serving_figure(step, tasks)
         with self.hold.held():
             self._gating = serving
@@ -315,9 +316,8 @@ class VersionGate:
             return True, f"version {to} is already served"
         path = self.versions.folder(to)
         if path is None:
-            kept = self.versions.kept()
-            return False, (f"refused: no checkpoint of version {to} is kept (kept: {', '.join(map(str, kept)) or 'none'}"
-                           f"; gateway.gate.keep_versions)")
+            kept = ", ".join(map(str, self.versions.kept())) or "none"
+            return False, f"refused: no checkpoint of version {to} is kept (kept: {kept}; gateway.gate.keep_versions)"
         self._checkpoint(current)                  # so that one can roll forward again
         with self.hold.held():
             self._load(path)
