@@ -648,6 +648,9 @@ class GatewayConfig(_Section):
                                          "with Retry-After. None: no limit")
     rate_limit_burst: int | None = Field(None, ge=1, description="requests a client may send at once after a quiet "
                                          "spell (its token bucket's size); None: rate_limit_rps rounded up")
+    max_queued: int = Field(64, ge=0, description="model calls that may wait for the engine beyond the "
+                            "`rollout.max_batch_size` it decodes together (divided by `n`); a call beyond them is "
+                            "answered 503 with Retry-After at once instead of waiting without bound")
     retention_days: float | None = Field(None, gt=0, description="trained or dropped sessions closed longer ago "
                                          "than this are deleted from gateway.sqlite, days; None: kept forever")
     after_training: Literal["serve", "stop"] = Field(

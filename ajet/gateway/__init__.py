@@ -127,7 +127,8 @@ def gateway(cfg: AjetConfig) -> Path:
         def app(proxy, book_):
             limiter = None if g.rate_limit_rps is None else RateLimiter(
                 g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
-            return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate, hosts)
+            return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate, hosts,
+                              max_queued=g.max_queued, decoding=cfg.rollout.max_batch_size // g.n)
 
         return GatewaySource(ctx, book, app, gate)
 

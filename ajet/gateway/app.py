@@ -20,8 +20,12 @@ carry it (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or `?key=`: wha
 its api key), else 401. Before anything else the shared guard (ajet/guard.py) refuses a request for a Host
 not allowed (403) and a POST whose Content-Type is not JSON (415); no answer carries CORS headers. With a rate
 limit, a client address over it gets a 429 with `Retry-After` (not /healthz, /metrics): one bucket per source
-address, whatever api key or session it sends. Refusals use the proxy's error contract (a 4xx in the dialect's
-error shape naming the field); the proxy's per-episode paths (`/ep/...`) are not served.
+address, whatever api key or session it sends. Admission: at most `max_queued` model calls wait beyond the
+`decoding` the engine generates together (while an update holds calls, all of them wait); a call beyond them
+is answered at once with a 503 `overloaded` and `Retry-After` instead of waiting without bound. A client that
+closes its connection while its call waits or generates gets nothing, and its generation is stopped (the
+proxy's `until_answered`). Refusals use the proxy's error contract (a 4xx/503 in the dialect's error shape
+naming the field); the proxy's per-episode paths (`/ep/...`) are not served.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ajet import guard
 from ajet.gateway.gate import VersionGate
 from ajet.gateway.ops import RateLimiter, RequestMetrics
 from ajet.gateway.sessions import GatewayError, Session, SessionBook
-from ajet.proxy.server import RESPONSE_ID_HEADER
+from ajet.proxy.server import RESPONSE_ID_HEADER, until_answered
 from ajet.proxy.turn import Episode as ProxyEpisode
 from ajet.proxy.wire import ProxyError, json_response, load_json, log_client_gone, read_body, validated
 
@@ -50,6 +54,7 @@ SESSION_HEADER = "X-Ajet-Session"
 VERSION_HEADER = "X-Ajet-Policy-Version"
 FEEDBACK_MAX_BODY_BYTES = 1 * 2**20   # a feedback body is small
 ROLLBACK_WAIT_S = 60.0                # how long POST /v1/admin/rollback waits for the rollback to be done
+BUSY_RETRY_AFTER_S = 1                # the Retry-After of a model call refused because the queue is full, seconds
 
 
 class FeedbackIn(BaseModel):
@@ -92,13 +97,18 @@ class GatewayApp:
             updated and evaluated, its store takes rollback wishes; None: no gate, no /v1/admin routes.
         allowed_hosts: the Host names answered (`ajet.guard.allowed_hosts`; None: any); default: this machine's
             loopback names only.
+        max_queued: model calls that may wait beyond `decoding` (`gateway.max_queued`); None: no bound.
+        decoding: model calls the engine generates together (`rollout.max_batch_size` // `gateway.n`).
     """
 
     def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version,
                  limiter: RateLimiter | None = None, gate: VersionGate | None = None,
-                 allowed_hosts: list[str] | None = list(guard.LOCAL_HOSTS)):
+                 allowed_hosts: list[str] | None = list(guard.LOCAL_HOSTS), max_queued: int | None = None,
+                 decoding: int = 1):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
         self.allowed_hosts = allowed_hosts
+        self.max_queued, self.decoding = max_queued, max(1, decoding)
+        self.admitted = 0                           # model calls in the gateway now: generating or waiting
         self.limiter, self.metrics, self.gate = limiter, RequestMetrics(), gate
         self.first_version = policy_version()
         self.training = "running"                   # "done" once the last update is over (the gateway keeps serving)
@@ -196,15 +206,25 @@ class GatewayApp:
             s = self.book.session_of_response(path_params.get("response_id", ""))
             token = s.endpoint.api_key if s is not None and s.endpoint is not None else self.util.api_key
             return await self.proxy_app(_to_episode(scope, token), receive, send)
-        request = Request(scope, receive)
-        raw = await read_body(request, self.proxy.max_body_bytes)
-        if self.gate is None:
-            return await self._model_call(scope, receive, send, api, path_params, request, raw)
-        await self.gate.hold.enter()                  # waits while a new policy is updated and evaluated
+        if self.max_queued is not None and self.admitted >= self.decoding + self.max_queued:
+            raise ProxyError(503, f"the gateway is busy: {self.admitted} model calls are being answered or wait for "
+                             f"the engine ({self.decoding} generated together, gateway.max_queued {self.max_queued} "
+                             f"waiting); retry after {BUSY_RETRY_AFTER_S}s", "server_error", code="overloaded",
+                             retry_after=BUSY_RETRY_AFTER_S)
+        self.admitted += 1
         try:
-            return await self._model_call(scope, receive, send, api, path_params, request, raw)
+            request = Request(scope, receive)
+            raw = await read_body(request, self.proxy.max_body_bytes)
+            if self.gate is None:
+                return await self._model_call(scope, receive, send, api, path_params, request, raw)
+            # waits while a new policy is updated and evaluated; a client gone meanwhile leaves the queue
+            await until_answered(self.gate.hold.enter(), receive)
+            try:
+                return await self._model_call(scope, receive, send, api, path_params, request, raw)
+            finally:
+                self.gate.hold.leave()
         finally:
-            self.gate.hold.leave()
+            self.admitted -= 1
 
     async def _model_call(self, scope, receive, send, api, path_params: dict[str, Any], request: Request, raw: bytes):
         route = {"path": scope["path"], "path_params": dict(path_params), "query": dict(request.query_params)}
