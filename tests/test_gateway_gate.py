@@ -102,8 +102,8 @@ def test_a_harmful_update_is_refused_and_the_serving_weights_stay(tmp_path, tiny
     assert decision["served"] is False and decision["candidate_version"] == 1 and decision["serving_version"] == 0, (
         decision, "".join(g.lines[-40:]))
     assert decision["serving_figure"] == 1.0                       # the held-out answers are its own
-    assert decision["candidate_figure"] < 1.0 - 0.1, decision
-    assert "below the serving policy's" in decision["reason"]
+    assert decision["candidate_figure"] is not None and decision["candidate_figure"] < 1.0 - 0.1, decision
+    assert "below the best served version's" in decision["reason"]
     with sqlite3.connect(exp / "gateway.sqlite") as db:            # durable, with both figures
         assert db.execute("SELECT served, serving_figure, candidate_figure FROM gate").fetchall() == [
             (0, 1.0, decision["candidate_figure"])]
