@@ -10,7 +10,8 @@ IN.json: {"model_dir", "exp_dir", "samples", "runs", "lr", "steps", "clip_ratio_
 "clip_ratio_c"}; "runs": [[loss_agg_mode, micro_batch_tokens or null (the whole batch in one micro-batch)
 (, {"rows": the first N samples only, "steps": updates instead of "steps", "world_size": FSDP ranks})], ...].
 The runs of one world size share one backbone (`trinity: {cluster: {gpu_per_node: N}}`), one after the other.
-OUT.pt: {run_key(run): {"grads": {name: tensor}, "weights_1": {name: tensor} (after the first update),
+OUT.pt: {run_key(run): {"grads": {name: tensor}, "weights_0": {name: tensor} (the engine's, before the first
+update: what the test computes torch's AdamW step from), "weights_1": {name: tensor} (after the first update),
 "weights": {name: tensor} (after the last), "metrics": [dict per step]}}.
 """
 
@@ -123,13 +124,14 @@ def train(d: dict, runs: list, world_size: int) -> dict:
             algo.policy_loss_fn_args = {**algo.policy_loss_fn_args, "loss_agg_mode": mode}
             bb.trainer.actor_rollout_wg.set_trinity_config(algo_config=algo, rollout_engine_type="vllm",
                                                            ray_namespace=bb.config.ray_namespace)
+            weights_0 = {k: v.detach().clone() for k, v in bb.model.state_dict().items()}
             metrics, grads, weights_1 = [], None, None
             for step in range(o.get("steps", d["steps"])):
                 metrics.append(bb.update(rows))
                 if step == 0:
                     grads = worker_grads(bb)
                     weights_1 = {k: v.detach().clone() for k, v in bb.model.state_dict().items()}
-            res[run_key(run)] = {"grads": grads, "metrics": metrics, "weights_1": weights_1,
+            res[run_key(run)] = {"grads": grads, "metrics": metrics, "weights_0": weights_0, "weights_1": weights_1,
                                  "weights": {k: v.detach().clone() for k, v in bb.model.state_dict().items()}}
     finally:
         bb.close()
