@@ -160,6 +160,53 @@ def test_feedback_before_and_after_close(gw):
     assert r.status_code == 409 and r.json()["error"]["code"] == "session_trained"
 
 
+def test_a_session_is_ready_for_training_only_with_its_calls(gw, monkeypatch):
+    """A rated session whose close is still taking its calls from the proxy (a hop to the proxy's event loop, long
+    on a loaded machine) is not ready for training: a step that took it then trained a call-less episode, whose
+    reward in the step's baseline zeroed the other session's advantage (a zero-gradient update). The close is held
+    at that hop here; a proxy that fails it drops the session instead."""
+    url, book, _ = gw
+    client = openai.OpenAI(base_url=url + "/v1", api_key=SECRET, max_retries=0)
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
+    sessions = [_chat(client, [{"role": "user", "content": text}])[1]["x-ajet-session"] for text in ("One.", "Two.")]
+    for sid in sessions:
+        assert http.post("/v1/feedback", json={"session_id": sid, "reward": 1.0}).status_code == 200
+    close_episode, entered, go = book.proxy.close_episode, threading.Event(), threading.Event()
+
+    def held_close(endpoint):
+        entered.set()
+        assert go.wait(60)
+        return close_episode(endpoint)
+
+    monkeypatch.setattr(book.proxy, "close_episode", held_close)
+    closed = []
+    closer = threading.Thread(target=lambda: closed.append(http.post(f"/v1/sessions/{sessions[0]}/close")))
+    closer.start()
+    try:
+        assert entered.wait(60)
+        state = http.get(f"/v1/sessions/{sessions[0]}").json()
+        with book.changed:
+            ready, taken = book.ready(), book.take(1)
+        assert (ready, taken) == (0, []), [(s.session_id, s.calls) for s in taken]
+        assert (state["state"], state["calls"]) == ("open_rated", None), state
+        with pytest.raises(openai.ConflictError, match=r"is closed \(closing\)"):   # no request joins it meanwhile
+            client.chat.completions.create(model="ajet-policy", messages=[{"role": "user", "content": "x"}],
+                                           extra_headers={"X-Ajet-Session": sessions[0]})
+    finally:
+        go.set()
+        closer.join(60)
+    assert closed[0].status_code == 200 and closed[0].json()["state"] == "rated"
+    with book.changed:
+        (s,) = book.take(1)
+    assert s.session_id == sessions[0] and len(s.calls) == 1 and s.calls[0].completion_ids
+    # a proxy that cannot hand the calls over: the session is dropped, never trained without them
+    monkeypatch.setattr(book.proxy, "close_episode", lambda endpoint: (_ for _ in ()).throw(TimeoutError("busy")))
+    with pytest.raises(TimeoutError):
+        book.close(sessions[1])
+    assert book.get(sessions[1])["state"] == "dropped" and book.ready() == 0
+    assert book.store.sessions()[sessions[1]].dropped                          # durable
+
+
 def test_no_feedback_by_the_deadline_is_judged(tokenizer, tmp_path):
     judged = []
 

@@ -5,6 +5,9 @@ A session's life:
     open      the first request of a conversation: a proxy episode is opened for it (its calls are recorded
               there, token for token, exactly as `ajet --conf` records an episode's calls)
     closed    no request for `gateway.session_idle_s` (or `POST /v1/sessions/{id}/close`): the episode is closed
+              and its calls are taken from the proxy; the session counts as closed (and, rated, as ready for
+              training) only once it holds them, so a step never takes a session whose calls are still on
+              their way (it would train on a call-less episode: no sample, and its reward in the baseline)
     rated     a reward arrived (`POST /v1/feedback`, before or after the close), or, when none came within
               `gateway.feedback_deadline_s` of the close and `gateway.on_no_feedback` is `judge`, the config's
               judge scored its last answer; with `drop` it is dropped instead (never trained on)
@@ -90,10 +93,11 @@ class Session:
     Attributes:
         session_id: its id (the header's value, or generated: "s-" + 16 hex digits).
         query: its first user message (at most MAX_QUERY_CHARS characters): the task of its episode.
-        endpoint: its open proxy episode (`EpisodeEndpoint`), None once closed.
+        endpoint: its open proxy episode (`EpisodeEndpoint`), None once its close began.
         calls: its recorded calls, in order (filled from the proxy when it closes).
         responses: response id -> the policy version that produced it.
-        last_seen: clock time of its last request start or end; closed_at: clock time of its close.
+        last_seen: clock time of its last request start or end; closed_at: clock time of its close, set once
+            its calls are taken from the proxy (None before: a closing session is still "open").
         reward, reward_source ("client" | "judge"), comment: its latest feedback.
         rated_at: clock time the reward arrived (sessions are trained in this order).
         taken: the trainer took it; dropped: why it was given up (never trained on).
@@ -133,7 +137,7 @@ class Session:
     def to_dict(self) -> dict[str, Any]:
         """The session's state for `GET /v1/sessions/{id}`."""
         return {"session_id": self.session_id, "state": self.state, "found_by": self.found_by,
-                "calls": len(self.calls) if self.endpoint is None else None, "responses": dict(self.responses),
+                "calls": len(self.calls) if self.closed_at is not None else None, "responses": dict(self.responses),
                 "reward": self.reward, "reward_source": self.reward_source, "comment": self.comment,
                 "dropped": self.dropped,
                 "candidates": [{"episode_id": c.episode_id, "response_id": c.response_id, "index": c.index,
@@ -237,7 +241,8 @@ class SessionBook:
             if s is None:
                 return self._open(header, messages, "header")
             if s.endpoint is None:
-                raise GatewayError(409, "session_closed", f"session {header!r} is closed ({s.state}); send a new "
+                state = s.state if s.closed_at is not None else "closing"
+                raise GatewayError(409, "session_closed", f"session {header!r} is closed ({state}); send a new "
                                    "X-Ajet-Session for the next conversation", "X-Ajet-Session")
             return s
         if previous_response_id is not None:
@@ -407,9 +412,9 @@ class SessionBook:
             if s is None:
                 raise GatewayError(404, "session_not_found", f"no session {session_id[:100]!r} on this gateway",
                                    "session_id")
-            endpoint = self._end(s, reason)
-        if endpoint is not None:
-            self._finish_close(s, endpoint)
+            ending = self._end(s, reason)
+        if ending is not None:
+            self._finish_close(s, *ending)
         return {"session_id": s.session_id, "state": s.state}
 
     def get(self, session_id: str) -> dict[str, Any]:
@@ -427,8 +432,8 @@ class SessionBook:
         with self._lock:
             idle = [(s, self._end(s, f"idle for {self.idle_s:g}s")) for s in self._sessions.values()
                     if s.endpoint is not None and s.in_flight == 0 and now - s.last_seen > self.idle_s]
-        for s, endpoint in idle:
-            self._finish_close(s, endpoint)
+        for s, ending in idle:
+            self._finish_close(s, *ending)
         with self._lock:
             late = [s for s in self._sessions.values() if s.closed_at is not None and s.reward is None
                     and not s.dropped and not s.taken and now - s.closed_at > self.deadline_s]
@@ -469,21 +474,32 @@ class SessionBook:
                 if s.calls and s.state == "rated":
                     s.calls, s.live_calls, s.candidates = [], [], []
 
-    def _end(self, s: Session, reason: str):
-        """Mark `s` closed (lock held); returns its endpoint for `_finish_close`, None when already closed."""
+    def _end(self, s: Session, reason: str) -> tuple[Any, float] | None:
+        """Begin closing `s` (lock held): no request joins it from now, and its close is durable. Returns (its
+        endpoint, the close's clock time) for `_finish_close`, None when its close already began."""
         if s.endpoint is None:
             return None
-        endpoint, s.endpoint, s.closed_at = s.endpoint, None, self._clock()
+        endpoint, s.endpoint, at = s.endpoint, None, self._clock()
         del self._by_token[endpoint.api_key]
         self.store.close_session(s.session_id, reason)
         self.counts["closed"] += 1
-        return endpoint
+        return endpoint, at
 
-    def _finish_close(self, s: Session, endpoint) -> None:
-        """Take the closed episode's calls from the proxy (lock not held: the close runs on its event loop)."""
-        calls = self.proxy.close_episode(endpoint)
+    def _finish_close(self, s: Session, endpoint, at: float) -> None:
+        """Take the closing episode's calls from the proxy (lock not held: the close runs on its event loop, which
+        may be busy for a while), then mark `s` closed at `at` together with them: only then can it be ready for
+        training (`ready`, `take`) or judged. When the proxy fails to hand them over, `s` is dropped (never trained
+        on without its calls) and the error raised."""
+        try:
+            calls = self.proxy.close_episode(endpoint)
+        except Exception:
+            with self._lock:
+                s.closed_at, s.dropped = at, "its calls could not be taken from the proxy"
+                self.store.drop_session(s.session_id, s.dropped)
+                self.counts["dropped"] += 1
+            raise
         with self._lock:
-            s.calls, s.live_calls = calls, []
+            s.calls, s.live_calls, s.closed_at = calls, [], at
             self.changed.notify_all()
 
     def _judge(self, s: Session) -> None:
