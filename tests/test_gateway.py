@@ -165,7 +165,7 @@ def test_a_session_is_ready_for_training_only_with_its_calls(gw, monkeypatch):
     on a loaded machine) is not ready for training: a step that took it then trained a call-less episode, whose
     reward in the step's baseline zeroed the other session's advantage (a zero-gradient update). The close is held
     at that hop here; a proxy that fails it drops the session instead."""
-    url, book, _ = gw
+    url, book, clock = gw
     client = openai.OpenAI(base_url=url + "/v1", api_key=SECRET, max_retries=0)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
     sessions = [_chat(client, [{"role": "user", "content": text}])[1]["x-ajet-session"] for text in ("One.", "Two.")]
@@ -205,6 +205,14 @@ def test_a_session_is_ready_for_training_only_with_its_calls(gw, monkeypatch):
         book.close(sessions[1])
     assert book.get(sessions[1])["state"] == "dropped" and book.ready() == 0
     assert book.store.sessions()[sessions[1]].dropped                          # durable
+    # the reaper closing idle sessions: a failed hand-over drops that one, the next one still closes
+    idle = [_chat(client, [{"role": "user", "content": text}])[1]["x-ajet-session"] for text in ("Three.", "Four.")]
+    monkeypatch.setattr(book.proxy, "close_episode", lambda endpoint: close_episode(endpoint)
+                        if endpoint.episode_id == idle[1] else (_ for _ in ()).throw(TimeoutError("busy")))
+    clock.now += 61                                                              # past gateway.session_idle_s
+    book.tick()
+    assert [book.get(sid)["state"] for sid in idle] == ["dropped", "closed"]
+    assert book.get(idle[1])["calls"] == 1
 
 
 def test_no_feedback_by_the_deadline_is_judged(tokenizer, tmp_path):

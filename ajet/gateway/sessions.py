@@ -433,7 +433,10 @@ class SessionBook:
             idle = [(s, self._end(s, f"idle for {self.idle_s:g}s")) for s in self._sessions.values()
                     if s.endpoint is not None and s.in_flight == 0 and now - s.last_seen > self.idle_s]
         for s, ending in idle:
-            self._finish_close(s, *ending)
+            try:
+                self._finish_close(s, *ending)
+            except Exception:  # noqa: BLE001 - dropped by _finish_close; the other idle sessions still close
+                log.warning("gateway: closing idle session %s failed:\n%s", s.session_id, traceback.format_exc())
         with self._lock:
             late = [s for s in self._sessions.values() if s.closed_at is not None and s.reward is None
                     and not s.dropped and not s.taken and now - s.closed_at > self.deadline_s]
