@@ -28,6 +28,7 @@ from ajet.proxy.server import ProxyServer
 from ajet.tracker.sample import Sample
 from tests.local_servers import serving
 from tests.scripted_engine import ScriptedEngine
+from tests.test_gateway_gate import WORKFLOW   # one greedy call, reward 1 on an exact answer
 
 
 def test_rewards_outside_the_range_are_a_400_naming_it(tokenizer, tmp_path):
@@ -108,19 +109,6 @@ def test_a_nan_update_is_not_applied_and_never_a_new_version(tiny_model_dir, tmp
     finally:
         store.close()
         bb.close()
-
-
-WORKFLOW = '''
-from ajet.workflow import Workflow, WorkflowOutput
-
-
-class Exact(Workflow):
-    async def execute(self, task, tuner):
-        r = await tuner.client.chat.completions.create(
-            model=tuner.model, messages=[{"role": "user", "content": task.query}])
-        text = r.choices[0].message.content or ""
-        return WorkflowOutput(reward=1.0 if text == task.answer else 0.0, final_answer=text)
-'''
 
 
 class _Poisoned:
