@@ -9,7 +9,6 @@ import importlib.util
 import inspect
 import os
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,6 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 import ajet.config
+from tests.test_packaging import wheel  # noqa: F401  (the wheel built from the checkout, a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 # the commands a user can run, as the docs name them (docs/getting-started.md and the command pages)
@@ -71,23 +71,6 @@ def test_every_config_field_has_a_description_including_the_loaders():
                if not (info.description or "").strip()]
     assert missing == []
     assert "load_config" in ajet.config.AjetConfig.model_fields["config_dir"].description
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel, built from a copy of the build inputs (so no build/ folder lands in the checkout)."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"
-    src.mkdir()
-    for item in ROOT.iterdir():
-        if item.is_file():
-            shutil.copy2(item, src / item.name)
-    for folder in ("ajet", "tracker", "backbones", "tutorial/example_math_agent", ".ci"):
-        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp / "dist"), str(src)], check=True, timeout=600, capture_output=True)
-    (built,) = (tmp / "dist").glob("ajet-*.whl")
-    return built
 
 
 def test_license_is_apache_2_and_in_the_wheel_with_the_main_job_and_the_venv_builder(wheel):
