@@ -34,7 +34,9 @@ def resolve_model_path(path: str, cache_dir: str | None = None, require: str = "
     Args:
         path: `smollm2-135m-instruct` (any case), a local folder, or a Hugging Face hub id.
         cache_dir: root for converted models (default `$AJET_CACHE_DIR`, else `~/.cache/ajet`).
-        require: what a local folder must hold: "model" (config.json, weights, tokenizer) or "tokenizer".
+        require: what a local folder must hold: "model" (config.json, weights, tokenizer), "weights"
+            (config.json and weights: a model loaded without its tokenizer, e.g. a distillation teacher) or
+            "tokenizer".
 
     Returns:
         For the alias, `<cache_dir>/models/smollm2-135m-instruct` (float32 safetensors + tokenizer, whose
@@ -73,17 +75,17 @@ def check_model_folder(folder: str | Path, require: str = "model") -> None:
     fails with a traceback about tokenizer backends).
 
     Args:
-        folder: an existing folder. require: "model" (config.json, weight files and tokenizer files) or
-            "tokenizer" (tokenizer files only).
+        folder: an existing folder. require: "model" (config.json, weight files and tokenizer files),
+            "weights" (config.json and weight files) or "tokenizer" (tokenizer files only).
     Raises:
         ConfigError: a required part is missing; the message lists what the folder holds.
     """
     folder = Path(folder)
     names = sorted(p.name for p in folder.iterdir())
     has_tokenizer = any(n in _TOKENIZER_FILES or n.endswith(".tiktoken") for n in names)
-    missing = [] if has_tokenizer else ["the tokenizer (tokenizer.json, or tokenizer.model / vocab.json with "
-                                        "tokenizer_config.json)"]
-    if require == "model":
+    missing = [] if has_tokenizer or require == "weights" else [
+        "the tokenizer (tokenizer.json, or tokenizer.model / vocab.json with tokenizer_config.json)"]
+    if require in ("model", "weights"):
         if not any(n.endswith(_WEIGHT_SUFFIXES) for n in names):
             missing.insert(0, "the weights (model.safetensors or pytorch_model.bin, or their shards)")
         if "config.json" not in names:
@@ -171,8 +173,8 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto"):
         device: "auto" (cuda when available, else cpu) or a torch device string.
 
     Raises:
-        ConfigError: `dtype` is not one of the names above; `path` is a folder without config.json, weights or
-            tokenizer files (see `resolve_model_path`).
+        ConfigError: `dtype` is not one of the names above; `path` is a folder without config.json or weights
+            (see `resolve_model_path`; the tokenizer is not read here).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -181,5 +183,6 @@ def load_model(path: str, dtype: str = "float32", device: str = "auto"):
         raise ConfigError(f"model.dtype {dtype!r} is not one of float32, bfloat16, float16")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path, require="weights"),
+                                                 dtype=getattr(torch, dtype))
     return model.to(device)

@@ -203,7 +203,7 @@ def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.lora with the verl backbone's ajet rollout"):
         verl_overrides(_cfg(tmp_path, "model: {path: /x, lora: {rank: 4}}\n"), cuda=False)
     # on CPU the embedded GGUF model is fine (ajet's engine serves it; verl's actor gets the converted folder)
-    o = verl_overrides(_cfg(tmp_path, "model: {path: /nonexistent/hf-folder, device: cpu}\n"), cuda=False)
+    o = verl_overrides(_cfg(tmp_path, "model: {path: some-org/some-model, device: cpu}\n"), cuda=False)
     assert o["actor_rollout_ref.rollout.name"] == "vllm"      # verl's mandatory key; no verl rollout is built
 
 

@@ -541,7 +541,8 @@ def _load_teacher(cfg: AjetConfig, student):
                 "temperature 1, not to the teacher at %s; a teacher folder is scored at the rollout's temperature "
                 "and top_p", path, r.temperature, r.top_p, r.temperature, r.temperature)
         return RemoteTeacher(path, cfg.algorithm.distill.teacher_model)
-    teacher = load_model(resolve_model_path(path), cfg.model.dtype, cfg.model.device).eval().requires_grad_(False)
+    teacher = load_model(resolve_model_path(path, require="weights"), cfg.model.dtype, cfg.model.device)
+    teacher = teacher.eval().requires_grad_(False)
     sv, tv = student.get_output_embeddings().weight.shape[0], teacher.get_output_embeddings().weight.shape[0]
     if sv != tv:
         raise ConfigError(f"algorithm.distill.teacher {path!r} has a vocabulary of {tv} ids, the student {sv}: the "
