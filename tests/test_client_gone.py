@@ -33,6 +33,7 @@ from ajet.rollout.episode_queue import EpisodeQueue
 from ajet.serve.api import build_api, compose
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
+from tests.test_stream_disconnects import _read_to_first_token, _request
 
 LONG = 1800        # tokens each call asks for (max_model_len 2048)
 STEP_S = 0.005     # every forward pass takes at least this much longer: a call runs >= 9 s in full
@@ -96,19 +97,11 @@ def _call_and_leave(url: str, headers: dict[str, str], stream: bool, engine) -> 
     the engine's generated-token count at that moment."""
     body = json.dumps({"model": "m", "stream": stream, "messages": [{"role": "user", "content": "count"}]}).encode()
     u = urlsplit(url)
-    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    request = (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n{head}"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     start = engine.generated_tokens
     with socket.create_connection((u.hostname, u.port), timeout=120) as sock:
-        sock.sendall(request)
+        sock.sendall(_request(url, body, headers))
         if stream:
-            got = b""
-            while b'"content":"' not in got.replace(b'"content":""', b""):
-                part = sock.recv(65536)
-                assert part, got[-300:]
-                got += part
-            assert got.startswith(b"HTTP/1.1 200"), got[:300]
+            _read_to_first_token(sock)
         else:
             deadline = time.monotonic() + 120
             while engine.generated_tokens < start + 3:   # its row decodes

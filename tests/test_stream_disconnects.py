@@ -44,10 +44,22 @@ def proxy(tiny_model_dir):
         engine.close()
 
 
-def _request(url: str, body: bytes) -> bytes:
+def _request(url: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    """A raw HTTP/1.1 POST of JSON `body` to `url` (bytes to send on a socket), with extra `headers`."""
     u = urlsplit(url)
-    return (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+    head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    return (f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n{head}"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _read_to_first_token(sock: socket.socket) -> None:
+    """Read a streamed answer until its first non-empty content token; fails on a closed socket or a non-200."""
+    got = b""
+    while b'"content":"' not in got.replace(b'"content":""', b""):
+        part = sock.recv(65536)
+        assert part, got[-300:]
+        got += part
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
 
 
 def _stream_and_vanish(url: str, body: bytes) -> None:
@@ -55,12 +67,7 @@ def _stream_and_vanish(url: str, body: bytes) -> None:
     u = urlsplit(url)
     with socket.create_connection((u.hostname, u.port), timeout=120) as sock:
         sock.sendall(_request(url, body))
-        got = b""
-        while b'"content":"' not in got.replace(b'"content":""', b""):
-            part = sock.recv(65536)
-            assert part, got[-300:]
-            got += part
-        assert got.startswith(b"HTTP/1.1 200"), got[:300]
+        _read_to_first_token(sock)
 
 
 def _problems(caplog, err: str) -> list[str]:
