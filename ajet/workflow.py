@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # keep `import ajet` light: openai is imported only when a client is built
     from openai import AsyncOpenAI
 
-    from ajet.engine import EngineWait
+    from ajet.engines.base import EngineWait
     from ajet.task import Task
     from ajet.tool_types import ToolCaller, ToolResult
 
@@ -62,7 +62,7 @@ class Tuner:
 
     @property
     def engine_wait(self) -> EngineWait | None:
-        """How long this episode's calls have waited in the engine's queue (`ajet.engine.EngineWait`), which
+        """How long this episode's calls have waited in the engine's queue (`ajet.engines.base.EngineWait`), which
         the episode's timeout does not count; None where ajet cannot see it (a Ray worker)."""
         return self._engine_wait
 

@@ -23,7 +23,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ajet.engine import Engine
+from ajet.engines.base import Engine
 from ajet.errors import BackboneUnavailable
 from ajet.tracker.sample import Sample
 

@@ -72,7 +72,7 @@ def proxy_process(conn, engine_url: str, client: str, tokenizer_dir: str, root: 
     from ajet.llm_call import SamplingParams
     from ajet.model import load_tokenizer
     from ajet.proxy.server import ProxyServer
-    from ajet.remote_engine import RemoteEngine
+    from ajet.engines.remote import RemoteEngine
 
     engine = RemoteEngine(engine_url + "/v1", "instant", client=client)
     proxy = ProxyServer(engine, load_tokenizer(tokenizer_dir), SamplingParams(max_tokens=64),

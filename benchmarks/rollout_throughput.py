@@ -24,7 +24,7 @@ import time
 import openai
 import torch
 
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.llm_call import SamplingParams
 from ajet.model import load_model, load_tokenizer, resolve_model_path
 from ajet.proxy.server import ProxyServer

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ajet.backbones.debug.engine import HFEngine
-from ajet.backbones.debug.prefix_cache import PrefixCache
+from ajet.engines.in_process import HFEngine
+from ajet.engines.prefix_cache import PrefixCache
 from ajet.llm_call import SamplingParams
 from ajet.sampling_dist import processed_logprobs
 

@@ -19,7 +19,7 @@ API_PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 SURFACE = ["ajet.workflow.Workflow", "ajet.workflow.Tuner", "ajet.workflow.WorkflowOutput", "ajet.task.Task",
            "ajet.client.AjetClient", "ajet.client.Episode", "ajet.judges.load_judge",
            "ajet.judges.math_answer.math_answer_judge", "ajet.judges.countdown.countdown_judge",
-           "ajet.judges.frozenlake.frozenlake_judge", "ajet.judges.llm.LLMJudge", "ajet.engine.Engine",
+           "ajet.judges.frozenlake.frozenlake_judge", "ajet.judges.llm.LLMJudge", "ajet.engines.base.Engine",
            "ajet.backbones.base.Backbone", "ajet.tasks.load_tasks", "ajet.tasks.jsonl.read_jsonl_tasks",
            "ajet.tasks.hf.read_hf_tasks", "ajet.tasks.generator.read_generator_tasks",
            "ajet.tasks.env_service.read_env_service_tasks"]

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ajet.backbones.debug.backbone import token_logprobs
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.llm_call import SamplingParams
 
 

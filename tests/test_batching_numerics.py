@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.llm_call import SamplingParams
 
 QUERIES = ["Tom has 3 apples and buys 4 more. How many apples does Tom have now?", "What is 9 times 8?",

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.gateway.app import GatewayApp
 from ajet.gateway.sessions import SessionBook
 from ajet.gateway.source import attach

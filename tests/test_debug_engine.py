@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ajet.backbones.debug.backbone import token_logprobs
-from ajet.backbones.debug.engine import HFEngine, _Row, sample_rows
+from ajet.engines.in_process import HFEngine, _Row, sample_rows
 from ajet.llm_call import SamplingParams
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.llm_call import SamplingParams
 
 TOKENS = 24           # the lone request's max_tokens (no end-of-turn id: only max_tokens ends it)

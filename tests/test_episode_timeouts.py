@@ -21,7 +21,7 @@ import textwrap
 import openai  # noqa: F401 - imported here, not inside the first episode's own time
 import pytest
 
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.config import CommandWorkflowConfig
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer

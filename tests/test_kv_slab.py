@@ -1,4 +1,4 @@
-"""The running batch's KV cache written in place (`backbones/debug/kv_slab.py`): a slab layer holds what a
+"""The running batch's KV cache written in place (`ajet/engines/kv_slab.py`): a slab layer holds what a
 transformers `DynamicLayer` would (checked against `torch.cat`/indexing written out here), and the engine over
 it decodes rows that join and leave the batch at different steps, past the slab's spare columns, as each row
 decodes alone."""
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from ajet.backbones.debug.engine import HFEngine
-from ajet.backbones.debug.kv_slab import SlabLayer, drop_moves, slab_cache
+from ajet.engines.in_process import HFEngine
+from ajet.engines.kv_slab import SlabLayer, drop_moves, slab_cache
 from ajet.llm_call import SamplingParams
 
 
@@ -141,7 +141,7 @@ def test_rows_joining_and_leaving_at_different_steps_decode_as_each_row_alone(ti
 
 @pytest.mark.parametrize("interval_s, trims", [(1e-9, True), (0.0, False)])
 def test_the_engine_hands_freed_memory_back_when_rows_leave_unless_told_never(tiny, monkeypatch, interval_s, trims):
-    import ajet.backbones.debug.engine as engine_module
+    import ajet.engines.in_process as engine_module
 
     model, tok = tiny
     calls = []

@@ -34,7 +34,7 @@ def _is_build_debris(path: Path) -> bool:
 
 
 def expected_wheel_files() -> set[str]:
-    """Every file below the source folders, as its path inside the wheel (e.g. `ajet/backbones/debug/engine.py`)."""
+    """Every file below the source folders, as its path inside the wheel (e.g. `ajet/ajet/engines/in_process.py`)."""
     out = set()
     for folder, installed in SOURCE_FOLDERS.items():
         for path in (ROOT / folder).rglob("*"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.llm_call import SamplingParams, TokenDelta
 from ajet.proxy.server import ProxyServer
 from ajet.tracker import merge_calls

@@ -9,7 +9,7 @@ import torch
 
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
-from ajet.remote_engine import RemoteEngine
+from ajet.engines.remote import RemoteEngine
 from ajet.sampling_dist import processed_logprobs
 from benchmarks.instant_engine_server import InstantServer, raw_distribution, token_logprob
 from tests.local_servers import free_port

@@ -17,7 +17,7 @@ from ajet.agent_adapters import adapter_router  # noqa: E402
 from ajet.backbones.capabilities import check_supported  # noqa: E402
 from ajet.backbones.debug.backbone import DebugBackbone  # noqa: E402
 from ajet.config import AjetConfig, load_config  # noqa: E402
-from ajet.engine import reset_calling_agent, set_calling_agent  # noqa: E402
+from ajet.engines.base import reset_calling_agent, set_calling_agent  # noqa: E402
 from ajet.errors import ConfigError  # noqa: E402
 from ajet.llm_call import SamplingParams  # noqa: E402
 from ajet.tracker.sample import Sample  # noqa: E402
@@ -199,7 +199,7 @@ def test_the_proxy_routes_each_agent_to_its_adapter_in_the_remote_engine_model(t
     import openai
 
     from ajet.proxy.server import ProxyServer
-    from ajet.remote_engine import RemoteEngine
+    from ajet.engines.remote import RemoteEngine
     from benchmarks.instant_engine_server import InstantServer
 
     reply = tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.eos_token_id]

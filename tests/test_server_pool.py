@@ -7,10 +7,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from ajet.backbones.server_pool import ServerPool
+from ajet.engines.pool import ServerPool
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
-from ajet.remote_engine import RemoteEngine
+from ajet.engines.remote import RemoteEngine
 from benchmarks.instant_engine_server import InstantServer
 
 

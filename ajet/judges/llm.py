@@ -146,7 +146,7 @@ class FrozenPolicy:
     (greedy unless `llm_judge.temperature` > 0). Its threads are daemons: they end with the process."""
 
     def __init__(self, cfg: AjetConfig):
-        from ajet.backbones.debug.engine import HFEngine
+        from ajet.engines.in_process import HFEngine
         from ajet.llm_call import SamplingParams
         from ajet.model import load_model, load_tokenizer, resolve_model_path
         from ajet.proxy.server import ProxyServer

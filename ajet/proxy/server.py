@@ -44,7 +44,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
-from ajet.engine import (Engine, EngineWait, reset_calling_agent, reset_queue_ticket, set_calling_agent,
+from ajet.engines.base import (Engine, EngineWait, reset_calling_agent, reset_queue_ticket, set_calling_agent,
                          set_queue_ticket)
 from ajet.llm_call import Completion, LLMCall, SamplingParams, call_seed
 from ajet.proxy.api import Api
@@ -84,7 +84,7 @@ class EpisodeEndpoint:
         episode_id: the episode's id.
         base_url: the OpenAI base_url (`.../ep/<token>/v1`: Chat Completions and Responses).
         api_key: the episode's token (any SDK's api key: Bearer or `x-api-key`).
-        engine_wait: how long the episode's calls have waited in the engine's queue (`ajet.engine.EngineWait`;
+        engine_wait: how long the episode's calls have waited in the engine's queue (`ajet.engines.base.EngineWait`;
             the episode's timeout does not count it).
     """
 
@@ -108,7 +108,7 @@ class ProxyServer:
     """Serves the proxy with uvicorn in a background thread (its own event loop) on `host`.
 
     Args:
-        engine: generates completions (see `ajet.engine.Engine`).
+        engine: generates completions (see `ajet.engines.base.Engine`).
         tokenizer: the policy's tokenizer with a tool-capable chat template.
         defaults: sampling parameters from the config.
         sampling_policy: "config" (config temperature/top_p win; client max_tokens capped by config) or
@@ -473,7 +473,7 @@ class ProxyServer:
             params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             on_tokens = (lambda d: events.put_nowait((i, d))) if events is not None else None
             t1 = time.perf_counter()
-            ticket = ep.engine_wait.ticket()     # the engine reports the call's queue time (ajet/engine.py)
+            ticket = ep.engine_wait.ticket()     # the engine reports the call's queue time (ajet/engines/base.py)
             reset = set_queue_ticket(ticket)
             reset_agent = set_calling_agent(agent_tag)   # an engine with an adapter per role picks this one's
             try:

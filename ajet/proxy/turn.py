@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ajet.engine import EngineWait
+from ajet.engines.base import EngineWait
 from ajet.llm_call import Completion, LLMCall, SamplingParams
 from ajet.proxy.prompt import Prompt
 from ajet.proxy.schema import ChatCompletionRequest, NamedToolChoice, short_repr

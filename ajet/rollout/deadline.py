@@ -3,7 +3,7 @@
 With more episodes running than the engine has rows (`rollout.max_concurrency` 64 against `max_batch_size` 32,
 an evaluation of 160 tasks), a call can wait for minutes before generation starts for it; a wall-clock limit
 then fails episodes whose agent never got a turn. `run_within` extends the limit by the time the episode's
-calls spent queued (`ajet.engine.EngineWait`, reported by the engine through the proxy): the limit is on the
+calls spent queued (`ajet.engines.base.EngineWait`, reported by the engine through the proxy): the limit is on the
 episode's wall-clock time minus that wait. Generating, tool calls and the agent's own work all count. It is
 the one timer of `rollout.episode_timeout_s` (in-process workflows, `ajet serve`'s local workers) and of a
 command workflow's `workflow.timeout_s`.
@@ -15,7 +15,7 @@ import asyncio
 import time
 from typing import Awaitable, TypeVar
 
-from ajet.engine import EngineWait
+from ajet.engines.base import EngineWait
 
 T = TypeVar("T")
 

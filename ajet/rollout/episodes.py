@@ -24,7 +24,7 @@ from ajet.task import Task
 from ajet.workflow import Tuner, Workflow, WorkflowOutput
 
 if TYPE_CHECKING:
-    from ajet.engine import EngineWait
+    from ajet.engines.base import EngineWait
     from ajet.tools.mcp_hub import McpHub
 
 Judge = Callable[[Task, WorkflowOutput], float]

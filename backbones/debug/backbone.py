@@ -29,7 +29,7 @@ from ajet import progress
 from ajet.agent_adapters import adapter_names, adapter_router
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, sft_loss, truncated_is_weights
-from ajet.backbones.debug.engine import HFEngine
+from ajet.engines.in_process import HFEngine
 from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters, base_state_dict, load_adapters,
                                                 save_adapters, with_role_adapters)
 from ajet.backbones.debug.shared_prefix import pack, pack_rows, supports_packing

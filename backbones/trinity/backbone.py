@@ -235,7 +235,7 @@ class _ExplorerHandle:
 def _explorer_engine(cfg: AjetConfig, path: str):
     """(model, tokenizer, engine): the policy copy ajet's proxy generates with, served by the debug backbone's
     `HFEngine` (token ids and logprobs exactly as sampled)."""
-    from ajet.backbones.debug.engine import HFEngine
+    from ajet.engines.in_process import HFEngine
     from ajet.model import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(path, cfg.model.chat_template)

@@ -40,7 +40,7 @@ import torch
 from ajet import progress
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
-from ajet.backbones.server_pool import ServerPool
+from ajet.engines.pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
 from ajet.config import AjetConfig
@@ -169,7 +169,7 @@ class VerlBackbone:
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         from verl.utils import hf_tokenizer
 
-        from ajet.remote_engine import RemoteEngine
+        from ajet.engines.remote import RemoteEngine
 
         runner = BaseTaskRunner()        # verl's own wiring of roles, workers and resource pools
         _, worker_group_cls = runner.add_actor_rollout_worker(self.config)

@@ -27,7 +27,7 @@ of one token) must come back with logprob 0 for the sampled token and -9999 (-in
 `raw_logprobs` server reports the raw values instead, and `generate` raises a RuntimeError naming the flag.
 
 LoRA adapter per agent role (`agents:` in the config): with `adapter_for`, each request names the adapter of the
-agent that made it (`ajet.engine.calling_agent()`) as its `model`, which is how a vLLM server started with
+agent that made it (`ajet.engines.base.calling_agent()`) as its `model`, which is how a vLLM server started with
 `--enable-lora --lora-modules planner=<folder> solver=<folder> ...` picks the adapter for a request (vLLM batches
 requests of different adapters together).
 """
@@ -42,7 +42,7 @@ from typing import Any, Callable, Literal
 
 import orjson
 
-from ajet.engine import TokenCallback, calling_agent
+from ajet.engines.base import TokenCallback, calling_agent
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 
 _JSON = {"Content-Type": "application/json"}
@@ -107,7 +107,7 @@ class RemoteEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_tokens: TokenCallback | None = None) -> Completion:
-        """Sample one completion for `prompt_ids` `[prompt_len]`; see `ajet.engine.Engine.generate`.
+        """Sample one completion for `prompt_ids` `[prompt_len]`; see `ajet.engines.base.Engine.generate`.
 
         Without `on_tokens`, one JSON request; with it, an SSE stream: the chunks in each network read become
         one `on_tokens` call (on this event loop) with their ids and logprobs (vLLM sends one chunk per decode

@@ -4,7 +4,7 @@ Continuous batching (Yu et al. 2022, "Orca"): one worker thread runs decode step
 each step it admits the requests that have arrived (up to `max_batch_size` rows): each is prefilled on its own
 and joins the running batch at that step; a row that finishes (end-of-turn, stop string, max_tokens) leaves
 the batch at once and its caller is answered. The batch's KV cache is one transformers `DynamicCache` whose
-layers are slabs written in place (`backbones/debug/kv_slab.py`: a decode step writes its column, a joining row is
+layers are slabs written in place (`ajet/engines/kv_slab.py`: a decode step writes its column, a joining row is
 written into a free row, a leaving row's place is taken by the batch's last row; the whole cache is copied only
 when the slab runs out of rows or columns), left-padded to the longest row (each row's tokens are a contiguous
 suffix of the columns; the attention mask hides the padding, position ids count each row's own tokens).
@@ -12,13 +12,13 @@ suffix of the columns; the attention mask hides the padding, position ids count 
 Logits only where a token is sampled: prefill asks the model for the last position only (`logits_to_keep=1`),
 never `[rows, prompt, vocab]`.
 
-Prefix reuse (`backbones/debug/prefix_cache.py`): every prefilled prompt and every finished sequence leaves its
+Prefix reuse (`ajet/engines/prefix_cache.py`): every prefilled prompt and every finished sequence leaves its
 KV in a bounded LRU cache, and a new prompt prefills only the tokens after the longest stored prefix it shares
 (an episode's next call extends its last one token for token; a GRPO group's episodes share their first
 prompt). Entries from older weights are never used.
 
 Queue time: a request waits in the queue until a row is free (more requests than `max_batch_size`) and the
-worker is not stepping aside for an update; it reports the wait to its `ajet.engine.QueueTicket` (queued on
+worker is not stepping aside for an update; it reports the wait to its `ajet.engines.base.QueueTicket` (queued on
 arrival, admitted when its prefill starts), so that an episode's timeout does not count it.
 
 Sampling: each row samples (`sample_rows`: torch.multinomial's exponential race, batched) with its own request's
@@ -30,7 +30,7 @@ before the first update. Temperature 0 is greedy decoding: the argmax token, its
 truncation (report only; greedy tokens have no sampling distribution and are not trained on as sampled).
 
 LoRA adapter per agent role (`agents:` in the config): with `adapter_for`, each request is served with the adapter
-of the agent that made it (`ajet.engine.calling_agent()`, read when the request arrives); a batch may mix adapters:
+of the agent that made it (`ajet.engines.base.calling_agent()`, read when the request arrives); a batch may mix adapters:
 every forward passes peft's `adapter_names` (one per row, peft's mixed-adapter batch inference), so a row's tokens
 and logprobs are those of its own adapter whichever rows share its steps. Prefix-cache entries are per adapter.
 
@@ -59,9 +59,9 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from ajet.backbones.debug.kv_slab import drop_moves, slab_cache
-from ajet.backbones.debug.prefix_cache import KV, PrefixCache
-from ajet.engine import QueueTicket, TokenCallback, calling_agent, queue_ticket
+from ajet.engines.kv_slab import drop_moves, slab_cache
+from ajet.engines.prefix_cache import KV, PrefixCache
+from ajet.engines.base import QueueTicket, TokenCallback, calling_agent, queue_ticket
 from ajet.heap import trim_free_memory
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 from ajet.sampling_dist import processed_logprobs
@@ -120,7 +120,7 @@ class _Request:
     future: asyncio.Future
     on_tokens: TokenCallback | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
-    ticket: QueueTicket | None = None      # the caller's account of this request's queue time (`ajet.engine`)
+    ticket: QueueTicket | None = None      # the caller's account of this request's queue time (`ajet.engines.base`)
     adapter: str | None = None             # the LoRA adapter serving it (None: the model as it is)
     cancelled: bool = False                # its caller stopped waiting: never admitted, its row leaves unanswered
 
@@ -196,7 +196,7 @@ class HFEngine:
         batch_wait_s: when the engine is idle and a request arrives, how long (seconds) to wait for others
             before the first step (episodes that start together are admitted together).
         prefix_cache_bytes: byte budget of the KV prefix cache (0 disables prefix reuse).
-        adapter_for: agent tag (`ajet.engine.calling_agent()`, None outside the proxy) -> the name of the peft LoRA
+        adapter_for: agent tag (`ajet.engines.base.calling_agent()`, None outside the proxy) -> the name of the peft LoRA
             adapter of `model` that serves the call; None: every call is served by the model as it is.
         heap_trim_interval_s: when rows leave the batch, hand the C heap's free memory back to the system
             (`ajet.heap.trim_free_memory`) if this many seconds have passed since the last time; 0: never.
@@ -252,7 +252,7 @@ class HFEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_tokens: TokenCallback | None = None) -> Completion:
         """Queue one prompt and await its completion; `on_tokens` hears of every token as it is sampled.
-        See `ajet.engine.Engine.generate`.
+        See `ajet.engines.base.Engine.generate`.
 
         Cancelling the awaiting task (a closed episode, a proxy stopping) frees the request's row before the next
         decode step, or takes it out of the queue.

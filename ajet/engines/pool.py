@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ajet.engine import Engine, TokenCallback
+from ajet.engines.base import Engine, TokenCallback
 from ajet.llm_call import Completion, SamplingParams
 
 
