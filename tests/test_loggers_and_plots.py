@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ajet import config as config_module
+from ajet.config import trainer as config_module
 from ajet.config import load_config
 from ajet.errors import ConfigError
 from ajet.metrics_log import MetricsLogger

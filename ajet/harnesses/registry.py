@@ -1,6 +1,6 @@
 """The harness registry: coding-agent CLIs as data, installed into a cache, run unmodified per episode.
 
-A harness is a `HarnessSpec` (ajet/config.py): its package and pinned version, the executable, the command line
+A harness is a `HarnessSpec` (ajet/config/workflow.py): its package and pinned version, the executable, the command line
 of one non-interactive task, the environment variables and files that point it at the episode's proxy endpoint,
 the API it speaks and its timeout. The built-in ones are in `builtin.yaml` beside this file; a config adds or
 overrides one under its `harnesses:` section with the same keys.
