@@ -277,12 +277,14 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     eval_metrics.json: the CLI then exits with status 1).
 
     Raises:
-        ConfigError: both a checkpoint and a model, no task file, a bad checkpoint folder, bad config.
+        ConfigError: both a checkpoint and a model, no task file, a bad checkpoint folder, bad config, a
+            setting the backbone does not honour (`ajet.backbones.capabilities.check_supported`).
     """
     from rich.console import Console
     from rich.table import Table
 
     from ajet.backbones import load_backbone
+    from ajet.backbones.capabilities import check_supported
     from ajet.config import load_config
     from ajet.judges import load_judge
     from ajet.rollout.in_process import load_workflow
@@ -296,6 +298,7 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
     if checkpoint_dir or model:
         overrides["model.path"] = str(_checkpoint_folder(checkpoint_dir)) if checkpoint_dir else model
     cfg = load_config(conf, overrides)
+    check_supported(cfg)   # a setting the backbone does not honour: refused before the tasks and model load
     if not (data or cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
         raise ConfigError(f"{conf}: no held-out tasks: pass --data PATH or set data.val_path")
     tasks = load_tasks(cfg, "val", data)

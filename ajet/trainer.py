@@ -53,6 +53,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
             `InProcessRollout.from_context`; `ajet serve` passes its episode queue).
         port: the proxy's port (0: a free one).
     Raises:
+        ConfigError: a setting `cfg.backbone` does not honour (`ajet.backbones.capabilities.check_supported`),
+            before anything runs.
         AjetError subclasses for config, workflow-loading or backbone problems (before anything is written into
         a new experiment folder); AjetError when `trainer.max_failed_steps` steps in a row produce no usable
         episode, when no step of the run had one (nothing trained, no checkpoint), and when the held-out
@@ -62,6 +64,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
 
     from ajet.algorithm.advantage import assign_advantages
     from ajet.backbones import load_backbone
+    from ajet.backbones.capabilities import check_supported
     from ajet.eval import Validator
     from ajet.metrics_log import MetricsLogger, alert_console, run_console
     from ajet.progress import RunEta, configure, note, phase, quiet, reporter
@@ -74,6 +77,7 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     from ajet.tracker import merge_calls
     from ajet.trajectory_store import TrajectoryStore
 
+    check_supported(cfg)   # a setting the backbone does not honour: refused before anything runs or is written
     exp_dir = cfg.exp_path()
     _check_exp_dir(exp_dir, cfg.trainer.resume)
     random.seed(cfg.trainer.seed)
