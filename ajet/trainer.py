@@ -205,6 +205,8 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                 alerts.print(f"[bold red]step {step}: {lost}[/] (every error is in {exp_dir / 'trajectories.sqlite'})")
             for line in failure_lines(episodes, seen_errors):      # a new error: its message and the user's frame
                 alerts.print(f"  {line}", markup=False, highlight=False)
+            if (check_engine := getattr(backbone.engine, "raise_if_failed", None)) is not None:
+                check_engine()        # a vLLM server that died stops the run here, in one line naming its log
             failed_in_a_row = 0 if usable else failed_in_a_row + 1
             trained_steps += bool(usable)
             if failed_in_a_row >= cfg.trainer.max_failed_steps:

@@ -160,6 +160,22 @@ class VLLMEngine:
                           "weight_reload_s": t2 - t1}
         return dict(self.last_sync)
 
+    def raise_if_failed(self) -> None:
+        """Raise when generation cannot go on: the server this engine started has stopped (killed or crashed). The
+        trainer calls it after each rollout, so that a run whose server died stops there with this one line
+        (the calls it lost failed their episodes; the episodes recorded stay in the trajectory store).
+
+        Raises:
+            EngineUnavailable: the server's URL, its exit status, the last lines of its log and the log's path.
+        """
+        from ajet.engines.vllm_server import log_tail
+
+        server = self.server
+        if server is not None and server.process is not None and not server.alive():
+            raise EngineUnavailable(f"the vLLM server ajet started ({self.base_urls[0]}) stopped during the run "
+                                    f"(exit status {server.process.returncode}): {log_tail(server.log_path)} "
+                                    f"(log: {server.log_path})")
+
     def close(self) -> None:
         """Close the HTTP sessions still open and stop the owned server (if any). Idempotent."""
         try:
