@@ -5,6 +5,7 @@ the support table of docs/backbones.md is the one the declarations generate."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -182,6 +183,23 @@ def test_an_honoured_setting_gets_past_the_check_to_the_backbone(tmp_path, capsy
     conf = _write(tmp_path, "trainer: {async: {max_staleness: 0}}")
     rc = main(["--conf", str(conf), "--backbone=trinity", "--exp-dir", str(tmp_path / "exp")])
     assert rc == 2 and "pip install 'ajet[trinity]'" in capsys.readouterr().err
+
+
+def test_python_callers_of_trainer_run_and_eval_get_the_check(tmp_path):
+    """`ajet.trainer.run` and `ajet eval` called from Python (no CLI) refuse a setting the backbone does not honour
+    with the same one-line ConfigError, before anything is written (verl is not installed here: without the check
+    the error would be the missing package, after the tasks and workflow load)."""
+    from ajet import eval as ajet_eval
+    from ajet import trainer
+
+    conf = _write(tmp_path, "algorithm: {distill: {teacher: /t}}")
+    cfg = load_config(conf, {"backbone": "verl", "trainer.exp_dir": str(tmp_path / "exp")})
+    refused = 'algorithm.distill={"teacher": "/t"}: the verl backbone honours it only '
+    with pytest.raises(ConfigError, match="^" + re.escape(refused)):
+        trainer.run(cfg)
+    with pytest.raises(ConfigError, match="^" + re.escape(refused)):
+        ajet_eval.main(str(conf), data=str(tmp_path / "tasks.jsonl"), backbone="verl", out=str(tmp_path / "eval"))
+    assert not (tmp_path / "exp").exists() and not (tmp_path / "eval").exists()
 
 
 def test_several_refused_settings_are_one_line_each(tmp_path):
