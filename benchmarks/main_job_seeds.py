@@ -11,12 +11,23 @@ GRPO alone.
     `OUT/sft_grpo.yaml`: CONF with `model.path` set to the checkpoint and its file paths made absolute), against
     seed S0's run of (a) (GRPO alone). Held-out `val/pass@1` of each, and of the SFT model alone.
 
+Configs: CONF as it is ("shipped"), and each `--candidate NAME KEY=VALUE ...` (CONF with those fields set, values
+read as YAML: `--candidate clip_high algorithm.clip_ratio_high=0.28`), every one run in every seed. `--set
+KEY=VALUE` (repeated) and `--engine vllm` (`engine.kind`) change all of them. A config other than CONF as it is
+is written to `OUT/<config>.yaml` (file paths made absolute); a candidate's runs are `OUT/<NAME>_seed_S`.
+
 Every run is a plain `ajet` command (the table's figures are read from each run's `metrics.jsonl`); their output
-goes to `OUT/<run>.log`. The table is printed and written to `OUT/summary.json`. Runs still going at
-`--deadline-s` are stopped and reported as not finished.
+goes to `OUT/<run>.log`. One table per config is printed: per seed, held-out `val/pass@1` before and after, the gain
+in points, the held-out valid and grounded `calculate` calls per episode before and after (the tutorial's
+`workflow/valid_tool_calls` and `workflow/grounded_tool_calls`: what its reward's two 0.1 terms pay for); under it
+the config's mean gain, its minimum and the number of seeds with +10 points or more. All of it goes to
+`OUT/summary.json`. `--parallel N` runs at most N at once (default: all). Runs still going at `--deadline-s` are
+stopped and reported as not finished.
 
     python benchmarks/main_job_seeds.py                                   # seeds 0-4, then SFT from seed 1's run
     python benchmarks/main_job_seeds.py --seeds 0,1,2 --no-sft --out experiments/seeds
+    python benchmarks/main_job_seeds.py --seeds 3,4 --no-sft --engine vllm --parallel 1
+    python benchmarks/main_job_seeds.py --seeds 0-9 --no-sft --candidate lr1e-5 algorithm.lr=1.0e-5
 """
 
 from __future__ import annotations
@@ -68,20 +79,25 @@ class Run:
 
 def held_out(exp_dir: Path) -> dict:
     """A run's figures from its `metrics.jsonl`: `val/pass@1` (fraction of the held-out tasks answered right,
-    greedy) at its first and last evaluation with their steps, the gain in points, the held-out valid and grounded
-    tool calls per episode after, the mean training reward over its steps (`reward/mean`), the last step logged,
-    the sum of `time/step_s` (s) and, for an SFT run, `sft/kept_episodes`; {} when it logged no evaluation."""
+    greedy) at its first and last evaluation with their steps, the gain in points (100 x (after - before)), the
+    held-out valid and grounded tool calls per episode at both (`val/workflow/valid_tool_calls`,
+    `val/workflow/grounded_tool_calls`; None where not logged), the mean training reward over its steps
+    (`reward/mean`), the last step logged, the sum of `time/step_s` (s) and, for an SFT run, `sft/kept_episodes`;
+    {} when it logged no evaluation."""
     path = exp_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     vals = [r for r in rows if "val/pass@1" in r]
     if not vals:
         return {}
-    first, last = vals[0], vals[-1]
+    first, last = vals[0], vals[-1] if len(vals) > 1 else {}     # a run stopped before its last evaluation: no after
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     kept = [r["sft/kept_episodes"] for r in rows if "sft/kept_episodes" in r]
-    return {"before": first["val/pass@1"], "after": last["val/pass@1"], "val_tasks": last.get("val/tasks"),
+    return {"before": first["val/pass@1"], "after": last.get("val/pass@1"), "val_tasks": first.get("val/tasks"),
             "before_step": first.get("step"), "after_step": last.get("step"),
-            "gain_points": 100 * (last["val/pass@1"] - first["val/pass@1"]),
+            # rounded to 1e-6 points: 56/160 - 40/160 is 0.0999... in floats, and +10 points must count as +10
+            **({"gain_points": round(100 * (last["val/pass@1"] - first["val/pass@1"]), 6)} if last else {}),
+            "valid_calls_before": first.get("val/workflow/valid_tool_calls"),
+            "grounded_calls_before": first.get("val/workflow/grounded_tool_calls"),
             "valid_calls_after": last.get("val/workflow/valid_tool_calls"),
             "grounded_calls_after": last.get("val/workflow/grounded_tool_calls"),
             "last_step": max((r.get("step", 0) for r in rows), default=0),
@@ -106,12 +122,95 @@ def absolute_paths(conf: Path, data: dict) -> dict:
     return data
 
 
+def parse_overrides(pairs: list[str]) -> dict:
+    """`KEY=VALUE` strings as {dotted key: value}, each value read as YAML (`1.0e-5`, `true`, `[1, 2]`).
+    Raises ValueError naming a pair without `=` or with an empty key."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{pair!r} is not KEY=VALUE (e.g. algorithm.lr=1.0e-5)")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def config_data(conf: Path, overrides: dict) -> dict:
+    """CONF's YAML with its file paths made absolute (`absolute_paths`) and each dotted key of `overrides` set
+    (`engine.kind` -> data["engine"]["kind"], sections created where missing). Raises ValueError when a key goes
+    through a field that is not a section."""
+    data = absolute_paths(conf, yaml.safe_load(conf.read_text()))
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{key}: {part} is not a section of the config")
+        node[leaf] = value
+    return data
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"0,1,2" or "0-9" or "0-4,7" -> the seeds in order, each once. Raises ValueError on anything else."""
+    seeds: list[int] = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        lo, dash, hi = part.partition("-")
+        seeds += list(range(int(lo), int(hi) + 1)) if dash else [int(part)]
+    return list(dict.fromkeys(seeds))
+
+
+def config_summary(runs: list[dict]) -> dict:
+    """A config's seeds together: `runs` are `held_out` dicts (one per seed; those without `gain_points`, i.e. not
+    finished, are left out). Returns {"seeds": runs given, "finished": with a gain, "mean_gain" and "min_gain"
+    (points, None when none finished), "seeds_10": how many gained 10 points or more}."""
+    gains = [r["gain_points"] for r in runs if r.get("gain_points") is not None]
+    return {"seeds": len(runs), "finished": len(gains), "mean_gain": sum(gains) / len(gains) if gains else None,
+            "min_gain": min(gains) if gains else None, "seeds_10": sum(g >= 10 for g in gains)}
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _calls(r: dict, when: str) -> str:
+    v, g = r.get(f"valid_calls_{when}"), r.get(f"grounded_calls_{when}")
+    return "-" if v is None and g is None else f"{'-' if v is None else f'{v:.2f}'} / {'-' if g is None else f'{g:.2f}'}"
+
+
+def config_table(name: str, runs: dict[str, dict]) -> list[str]:
+    """One config's markdown table: a row per run (`runs`: run name -> `held_out` dict plus "rc" and "wall_s"),
+    then its `config_summary` line."""
+    lines = [f"config {name}:", "",
+             "| run | exit | held-out val/pass@1 before -> after | gain (points) | valid / grounded calls per episode "
+             "before -> after | steps | wall time |", "|---|---|---|---|---|---|---|"]
+    for run, r in runs.items():
+        gain = f"{r['gain_points']:+.1f}" if r.get("gain_points") is not None else "-"
+        wall = f"{r['wall_s']:.0f} s" if r.get("wall_s") is not None else "not finished"
+        lines.append(f"| {run} | {r.get('rc')} | {_pct(r.get('before'))} -> {_pct(r.get('after'))} | {gain} | "
+                     f"{_calls(r, 'before')} -> {_calls(r, 'after')} | {r.get('last_step', '-')} | {wall} |")
+    c = config_summary(list(runs.values()))
+    if c["finished"]:
+        lines.append(f"\n{name}: mean gain {c['mean_gain']:+.1f} points, minimum {c['min_gain']:+.1f}, "
+                     f"{c['seeds_10']} of {c['finished']} seeds +10 points or more"
+                     + (f" ({c['seeds'] - c['finished']} not finished)" if c["finished"] < c["seeds"] else ""))
+    else:
+        lines.append(f"\n{name}: no seed finished")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conf", type=Path, default=MAIN_JOB, help="the job's config (default: the main job)")
-    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds, one run each, all at once")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="seeds, one run each per config: 0,1,2 or 0-9")
     p.add_argument("--out", type=Path, default=Path("experiments/main_job_seeds"), help="runs' folders and logs")
     p.add_argument("--steps", type=int, help="override trainer.total_steps of every GRPO run")
+    p.add_argument("--engine", choices=["in_process", "vllm"], help="engine.kind of every run (default: CONF's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config field of every run "
+                   "(YAML value), e.g. engine.kv_cache_gb=1; repeat for more")
+    p.add_argument("--candidate", action="append", nargs="+", default=[], metavar="NAME KEY=VALUE",
+                   help="a config to compare with CONF: a name, then its fields (e.g. --candidate lr1e-5 "
+                        "algorithm.lr=1.0e-5); repeat for more; each runs in every seed")
+    p.add_argument("--parallel", type=int, default=0, help="runs at once, at most (0: all)")
     p.add_argument("--no-sft", action="store_true", help="only (a)")
     p.add_argument("--sft-from-seed", type=int, default=1, help="the stronger run whose rewarded episodes SFT trains on")
     p.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT and of the GRPO run after it (compared "
@@ -124,83 +223,115 @@ def main(argv: list[str] | None = None) -> int:
                    "(0: none)")
     args = p.parse_args(argv)
 
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError:
+        p.error(f"--seeds: comma-separated seeds or ranges (0,1,2 or 0-9), got {args.seeds!r}")
     sft = not args.no_sft
     if sft and args.sft_from_seed not in seeds or sft and args.sft_seed not in seeds:
         p.error("--sft-from-seed and --sft-seed must be among --seeds (or pass --no-sft)")
+    try:
+        common = {**parse_overrides(args.set), **({"engine.kind": args.engine} if args.engine else {})}
+        candidates = {c[0]: parse_overrides(c[1:]) for c in args.candidate}
+    except ValueError as exc:
+        p.error(f"--set/--candidate: {exc}")
+    if "shipped" in candidates or len(candidates) < len(args.candidate) or any("=" in n or "/" in n for n in candidates):
+        p.error("--candidate: each needs its own name (not 'shipped', no '=' or '/') before its KEY=VALUE fields")
     conf = args.conf.resolve()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // (len(seeds) + int(sft)))
+    configs: dict[str, Path] = {}                      # config name -> its YAML
+    for name, fields in {"shipped": {}, **candidates}.items():
+        overrides = {**common, **fields}
+        if not overrides:
+            configs[name] = conf
+            continue
+        try:
+            data = config_data(conf, overrides)
+        except ValueError as exc:
+            p.error(f"--set/--candidate {name}: {exc}")
+        configs[name] = out / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(data, sort_keys=False))
+
+    def run_name(config: str, seed: int) -> str:
+        return f"seed_{seed}" if config == "shipped" else f"{config}_seed_{seed}"
+
+    total = len(configs) * len(seeds) + 2 * int(sft)
+    parallel = args.parallel or total
+    threads = args.threads or max(1, (os.cpu_count() or 1) // min(parallel, total))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     steps = ["--steps", str(args.steps)] if args.steps else []
     ajet = [sys.executable, "-m", "ajet"]
     t0 = time.monotonic()
 
-    def grpo(name: str, conf_path: Path, seed: int) -> Run:
-        return Run(name, ajet + ["--conf", str(conf_path), "--backbone=debug", "--seed", str(seed), "--exp-dir",
-                                 str(out / name), "--quiet"] + steps, out, env, t0)
+    def grpo(name: str, conf_path: Path, seed: int) -> list[str]:
+        return ajet + ["--conf", str(conf_path), "--backbone=debug", "--seed", str(seed), "--exp-dir",
+                       str(out / name), "--quiet"] + steps
 
-    runs = {f"seed_{s}": grpo(f"seed_{s}", conf, s) for s in seeds}
-    print(f"[{time.monotonic() - t0:6.0f} s] started {len(runs)} runs (OMP_NUM_THREADS={threads}) -> {out}", flush=True)
+    # runs not started yet, in order (seed by seed, every config in each); SFT runs go to the front when due
+    pending: list[tuple[str, list[str]]] = [(run_name(c, s), grpo(run_name(c, s), path, s))
+                                            for s in seeds for c, path in configs.items()]
+    runs: dict[str, Run] = {}
+    print(f"[{time.monotonic() - t0:6.0f} s] {len(pending)} runs, {parallel} at once (OMP_NUM_THREADS={threads}) "
+          f"-> {out}", flush=True)
     stopped: list[str] = []
     try:
         while True:
+            while pending and sum(r.rc is None for r in runs.values()) < parallel:
+                name, argv_ = pending.pop(0)
+                runs[name] = Run(name, argv_, out, env, t0)
+                print(f"[{runs[name].started:6.0f} s] started {name}", flush=True)
             for name, run in list(runs.items()):
                 if run.rc is None and run.poll(t0):
                     print(f"[{run.ended:6.0f} s] {name} exited {run.rc}", flush=True)
                     if not sft or run.rc != 0:
                         continue
                     if name == f"seed_{args.sft_from_seed}":
-                        runs["sft"] = Run("sft", ajet + [
+                        pending.insert(0, ("sft", ajet + [
                             "sft", "--from", str(run.exp_dir), "--min-reward", str(args.min_reward), "--conf",
-                            str(conf), "--backbone=debug", "--steps", str(args.sft_steps), "--seed",
-                            str(args.sft_seed), "--exp-dir", str(out / "sft"), "--quiet"], out, env, t0)
+                            str(configs["shipped"]), "--backbone=debug", "--steps", str(args.sft_steps), "--seed",
+                            str(args.sft_seed), "--exp-dir", str(out / "sft"), "--quiet"]))
                     elif name == "sft":
-                        data = absolute_paths(conf, yaml.safe_load(conf.read_text()))
+                        data = config_data(conf, common)
                         data["experiment_name"] = "sft_grpo"
                         data.setdefault("model", {})["path"] = str(out / "sft" / "checkpoints" /
                                                                    f"step_{args.sft_steps}")
                         derived = out / "sft_grpo.yaml"
                         derived.write_text(yaml.safe_dump(data, sort_keys=False))
-                        runs["sft_grpo"] = grpo("sft_grpo", derived, args.sft_seed)
-            if all(r.rc is not None for r in runs.values()):
+                        pending.insert(0, ("sft_grpo", grpo("sft_grpo", derived, args.sft_seed)))
+            if not pending and all(r.rc is not None for r in runs.values()):
                 break
             if args.deadline_s and time.monotonic() - t0 > args.deadline_s:
-                stopped = [n for n, r in runs.items() if r.rc is None]
+                stopped = [n for n, r in runs.items() if r.rc is None] + [n for n, _ in pending]
                 print(f"[{time.monotonic() - t0:6.0f} s] deadline: stopping {stopped}", flush=True)
                 for n in stopped:
-                    runs[n].stop()
-                    runs[n].poll(t0)
+                    if n in runs:
+                        runs[n].stop()
+                        runs[n].poll(t0)
                 break
             time.sleep(1)
     finally:
         for r in runs.values():
             r.stop()
 
-    summary = {"conf": str(conf), "seeds": seeds, "steps": args.steps, "wall_s": time.monotonic() - t0,
-               "stopped_at_deadline": stopped, "runs": {}}
+    summary = {"conf": str(conf), "seeds": seeds, "steps": args.steps, "overrides": common,
+               "candidates": candidates, "wall_s": time.monotonic() - t0, "stopped_at_deadline": stopped,
+               "runs": {}, "configs": {}}
     for name, r in runs.items():
         summary["runs"][name] = {"rc": r.rc, "started_s": round(r.started, 1),
                                  "wall_s": round(r.ended - r.started, 1) if r.ended is not None else None,
                                  **held_out(r.exp_dir)}
+    for config in configs:
+        rows = {n: summary["runs"].get(n, {"rc": None, "wall_s": None}) for n in (run_name(config, s) for s in seeds)}
+        summary["configs"][config] = config_summary(list(rows.values()))
+        print("\n" + "\n".join(config_table(config, rows)))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
-    def pct(x):
-        return "-" if x is None else f"{100 * x:.1f}%"
-
-    print("\n| run | exit | held-out val/pass@1 before -> after | gain (points) | steps | wall time |")
-    print("|---|---|---|---|---|---|")
-    for name, s in summary["runs"].items():
-        gain = f"{s['gain_points']:+.1f}" if "gain_points" in s else "-"
-        wall = f"{s['wall_s']:.0f} s" if s["wall_s"] is not None else "not finished"
-        print(f"| {name} | {s['rc']} | {pct(s.get('before'))} -> {pct(s.get('after'))} | {gain} | "
-              f"{s.get('last_step', '-')} | {wall} |")
     if sft and "sft_grpo" in summary["runs"] and f"seed_{args.sft_seed}" in summary["runs"]:
         a, b = summary["runs"][f"seed_{args.sft_seed}"], summary["runs"]["sft_grpo"]
         print(f"\nSFT (from seed_{args.sft_from_seed}, reward >= {args.min_reward:g}, {args.sft_steps} steps) then GRPO: "
-              f"{pct(b.get('after'))}; GRPO alone (seed {args.sft_seed}): {pct(a.get('after'))}; both from "
-              f"{pct(a.get('before'))} before any training")
+              f"{_pct(b.get('after'))}; GRPO alone (seed {args.sft_seed}): {_pct(a.get('after'))}; both from "
+              f"{_pct(a.get('before'))} before any training")
     print(f"\ntotal wall time {summary['wall_s']:.0f} s; {out / 'summary.json'}")
     return 0 if all(r.rc == 0 for r in runs.values()) and not stopped else 1
 

@@ -1,0 +1,96 @@
+"""benchmarks/main_job_seeds.py's report: per-seed figures read from a run's metrics.jsonl, a config's mean / minimum
+/ seeds at +10 points, its table, config overrides, and a bad override refused in one line. The expected values are
+worked out by hand from the synthetic metrics below."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.main_job_seeds import MAIN_JOB, config_data, config_summary, config_table, held_out, parse_seeds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_run(folder: Path, evals: list[tuple[int, float, float, float]], rewards: list[float]) -> Path:
+    """A run folder whose metrics.jsonl has a step-0 evaluation row, one row per training step (reward/mean,
+    time/step_s 10 s) and the last evaluation merged into the last step's row, as the trainer logs them.
+    `evals`: (step, val/pass@1, val/workflow/valid_tool_calls, val/workflow/grounded_tool_calls)."""
+    folder.mkdir(parents=True)
+    val = {s: {"val/pass@1": p, "val/tasks": 160.0, "val/workflow/valid_tool_calls": v,
+               "val/workflow/grounded_tool_calls": g} for s, p, v, g in evals}
+    rows = [{"step": 0, **val[0]}] if 0 in val else []
+    for step, reward in enumerate(rewards, start=1):
+        rows.append({"step": step, "reward/mean": reward, "time/step_s": 10.0, **val.get(step, {})})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.fixture
+def runs(tmp_path) -> dict[str, dict]:
+    """Four seeds of one config: a learner (22/160 -> 80/160), a collapse (22/160 -> 3/160), exactly +10 points
+    (40/160 -> 56/160: 0.35 - 0.25 is 0.0999... in floating point) and one stopped after its first evaluation."""
+    return {
+        "seed_0": held_out(write_run(tmp_path / "s0", [(0, 22 / 160, 0.35, 0.21), (2, 80 / 160, 1.0, 0.96)], [0.5, 0.7])),
+        "seed_1": held_out(write_run(tmp_path / "s1", [(0, 22 / 160, 0.35, 0.21), (2, 3 / 160, 1.0, 0.18)], [0.1, 0.2])),
+        "seed_2": held_out(write_run(tmp_path / "s2", [(0, 40 / 160, 0.5, 0.25), (2, 56 / 160, 0.75, 0.5)], [0.3, 0.4])),
+        "seed_3": held_out(write_run(tmp_path / "s3", [(0, 22 / 160, 0.35, 0.21)], [0.2])),
+    }
+
+
+def test_a_runs_figures_come_from_its_first_and_last_evaluation(runs):
+    s0 = runs["seed_0"]
+    assert (s0["before"], s0["after"], s0["before_step"], s0["after_step"]) == (0.1375, 0.5, 0, 2)
+    assert s0["gain_points"] == pytest.approx(36.25)
+    assert (s0["valid_calls_before"], s0["grounded_calls_before"]) == (0.35, 0.21)
+    assert (s0["valid_calls_after"], s0["grounded_calls_after"]) == (1.0, 0.96)
+    assert s0["train_reward_mean"] == pytest.approx(0.6) and s0["steps_time_s"] == 20.0 and s0["last_step"] == 2
+    assert runs["seed_1"]["gain_points"] == pytest.approx(-11.875)
+    stopped = runs["seed_3"]                     # one evaluation: a before, no after and no gain
+    assert stopped["before"] == 0.1375 and stopped["after"] is None and "gain_points" not in stopped
+    assert stopped["valid_calls_after"] is None
+
+
+def test_a_config_reports_mean_minimum_and_seeds_at_ten_points(runs):
+    c = config_summary(list(runs.values()))
+    # gains +36.25, -11.875, +10 (16 of 160 more: counts as +10), seed 3 not finished
+    assert (c["seeds"], c["finished"], c["seeds_10"]) == (4, 3, 2)
+    assert c["mean_gain"] == pytest.approx((36.25 - 11.875 + 10) / 3)            # 11.458...
+    assert c["min_gain"] == pytest.approx(-11.875)
+    assert config_summary([runs["seed_3"]]) == {"seeds": 1, "finished": 0, "mean_gain": None, "min_gain": None,
+                                                "seeds_10": 0}
+
+
+def test_the_table_has_a_row_per_seed_and_the_configs_line(runs):
+    runs = {n: {**r, "rc": 0, "wall_s": 600.0} for n, r in runs.items()}
+    runs["seed_3"].update(rc=-15, wall_s=None)
+    text = "\n".join(config_table("shipped", runs))
+    assert "| seed_0 | 0 | 13.8% -> 50.0% | +36.2 | 0.35 / 0.21 -> 1.00 / 0.96 | 2 | 600 s |" in text
+    assert "| seed_1 | 0 | 13.8% -> 1.9% | -11.9 | 0.35 / 0.21 -> 1.00 / 0.18 | 2 | 600 s |" in text
+    assert "| seed_2 | 0 | 25.0% -> 35.0% | +10.0 | 0.50 / 0.25 -> 0.75 / 0.50 | 2 | 600 s |" in text
+    assert "| seed_3 | -15 | 13.8% -> - | - | 0.35 / 0.21 -> - | 1 | not finished |" in text
+    assert "shipped: mean gain +11.5 points, minimum -11.9, 2 of 3 seeds +10 points or more (1 not finished)" in text
+
+
+def test_overrides_set_nested_fields_and_seed_ranges_expand():
+    data = config_data(MAIN_JOB, {"engine.kind": "vllm", "algorithm.lr": 1e-5, "trainer.seed": 3})
+    assert data["engine"] == {"kind": "vllm"} and data["algorithm"]["lr"] == 1e-5 and data["trainer"]["seed"] == 3
+    assert data["algorithm"]["micro_batch_tokens"] == 1024                     # the rest of the section is kept
+    assert Path(data["data"]["train_path"]).is_absolute() and Path(data["data"]["train_path"]).exists()
+    with pytest.raises(ValueError, match="not a section"):
+        config_data(MAIN_JOB, {"algorithm.lr.x": 1})
+    assert parse_seeds("0-3,7,2") == [0, 1, 2, 3, 7]
+
+
+def test_a_bad_override_is_one_line_naming_it(tmp_path):
+    out = tmp_path / "stderr.txt"
+    with open(out, "w") as err:
+        rc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "main_job_seeds.py"), "--no-sft", "--set",
+                             "algorithm.lr", "--out", str(tmp_path / "o")], stdout=err, stderr=err, timeout=120).returncode
+    text = out.read_text()
+    assert rc == 2 and "'algorithm.lr' is not KEY=VALUE" in text and "Traceback" not in text
+    assert not (tmp_path / "o").exists()                                          # nothing started
