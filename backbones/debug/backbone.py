@@ -74,7 +74,8 @@ class DebugBackbone:
         if cfg.engine.kind == "vllm":   # a vLLM server generates; the weights reach it after each update
             from ajet.engines.vllm import vllm_engine
 
-            self.engine = vllm_engine(cfg, path, self._served_state_dict())
+            self.engine = vllm_engine(cfg, path, self._served_state_dict(),
+                                      self._write_adapters if self._lora_served() else None)
         else:
             self.engine = engine_for(self.model, self.tokenizer, cfg, self.adapter_for)
         self.share_prefixes = supports_packing(self.model)
@@ -281,18 +282,30 @@ class DebugBackbone:
 
     def _publish_weights(self, version: int) -> dict[str, float]:
         """Serve the weights the update just trained as policy `version`: the in-process engine generates with them
-        already; a vLLM engine reloads them (`VLLMEngine.sync_weights`: with LoRA, the adapters merged in), and its
-        figures (`weight_sync_s`, `weight_save_s`, `weight_reload_s`, seconds) are returned for the step's metrics.
+        already; a vLLM engine reloads them (`VLLMEngine.sync_weights`), or with LoRA loads the adapters alone under
+        new names (`VLLMEngine.sync_adapters`), and its figures (`weight_sync_s`, `weight_save_s`,
+        `weight_reload_s`, seconds) are returned for the step's metrics.
         Raises RuntimeError when a vLLM server fails the reload."""
         if isinstance(self.engine, HFEngine):
             self.engine.policy_version = version
             return {}
+        if self._lora_served():
+            return self.engine.sync_adapters(self._write_adapters, version)
         return self.engine.sync_weights(self._served_state_dict(), version)
 
+    def _lora_served(self) -> bool:
+        """Whether the policy is LoRA adapters (`model.lora` or `agents:`): a vLLM server then serves the base model
+        and loads the adapters."""
+        return self.cfg.model.lora is not None or bool(self.adapters)
+
+    def _write_adapters(self, folder: Path) -> None:
+        """Write each adapter (`default` for `model.lora`) in peft's format into `folder/<adapter>/`."""
+        save_adapters(self.model, folder, self.adapters or ["default"])
+
     def _served_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights under the base model's Hugging Face names, as a server loads them (with
-        `model.lora`, the adapters merged in)."""
-        return merged_lora_state_dict(self.model) if self.cfg.model.lora is not None else self.model.state_dict()
+        """The weights a vLLM server starts from, under the base model's Hugging Face names: the policy's, or with
+        LoRA the frozen base model's (the adapters are loaded by name)."""
+        return base_state_dict(self.model) if self._lora_served() else self.model.state_dict()
 
     def _optimizer_step(self, samples: list[Sample]) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
