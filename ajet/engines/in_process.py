@@ -44,6 +44,12 @@ keys/values of its earlier tokens stay those the older weights computed (the row
 after a swap the recorded logprobs are the behaviour policy's exactly, and the trainer's importance-sampling
 correction (`ajet.algorithm.loss.truncated_is_weights`) accounts for the difference to its own policy. Prefix-cache
 entries are tagged with the version that started them and are never reused after an update.
+
+Serving while training (`switch_weights`; the gateway, docs/gateway.md): the engine serves a model that the update
+does not train (the trainer trains its own copy), so decoding never stops for an update. The new weights come in
+by a switch that queues like a request: the worker admits nothing past it, lets the rows in flight finish on the
+weights they started with, copies the new weights in between two decode steps (under `weights_lock`, no row in
+the batch), then admits again. Every completion is then sampled by one version, the one it records.
 """
 
 from __future__ import annotations
@@ -126,6 +132,23 @@ class _Request:
 
     def fail(self, exc: BaseException) -> None:
         _post(self.loop, _resolve, self.future, None, exc)
+
+
+class _Switch:
+    """A weight switch waiting in the engine's queue (`HFEngine.switch_weights`): `apply` runs on the worker once
+    every row admitted before it has finished; `done` is set after, with `error` when it raised or the engine
+    stopped."""
+
+    def __init__(self, apply: Callable[[], None], version: int):
+        self.apply, self.version = apply, version
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.queued_at = time.perf_counter()
+        self.drained_at: float | None = None     # when the rows in flight had finished (the copy starts)
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.done.set()
 
 
 @dataclass
@@ -232,8 +255,11 @@ class HFEngine:
         self.generated_tokens = 0
         self.prefilled_tokens = 0
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._queue: queue.Queue[_Request | _Switch | None] = queue.Queue()
+        self._switch: _Switch | None = None   # a weight switch taken from the queue: no admission until it is done
+        self._pending_switches = 0
         self._generator = torch.Generator(device="cpu").manual_seed(0)
+        self._rng_lock = threading.Lock()      # the generator's draws against `rng_state` from another thread
         self._closed = False
         # the running batch: rows in flight, their cache [B, kv_heads, L, head_dim] per layer, mask [B, L]
         self._rows: list[_Row] = []
@@ -247,7 +273,19 @@ class HFEngine:
     # ---- public API -------------------------------------------------------------------------------
     def seed(self, seed: int) -> None:
         """Reseed the engine's generator (calls that pass their own `seed` are unaffected)."""
-        self._generator.manual_seed(seed)
+        with self._rng_lock:
+            self._generator.manual_seed(seed)
+
+    def rng_state(self) -> torch.Tensor:
+        """The engine's generator state (what seeds requests without a `seed`), for a checkpoint; safe from any
+        thread while the engine decodes."""
+        with self._rng_lock:
+            return self._generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Restore a state from `rng_state`; safe from any thread."""
+        with self._rng_lock:
+            self._generator.set_state(state)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_tokens: TokenCallback | None = None) -> Completion:
@@ -279,6 +317,42 @@ class HFEngine:
             req.cancelled = True         # read by the worker before its next step (`_drop_cancelled`)
             raise
 
+    def switch_weights(self, apply: Callable[[], None], version: int) -> dict[str, float]:
+        """Serve new weights as policy `version` without cutting any completion in two (serving while training:
+        the update trained another copy of the weights, and `apply` copies them into the served model).
+
+        The switch queues behind the requests already waiting; once the worker takes it, it admits nothing more,
+        lets every row in flight finish on the weights it started with (bounded by their `max_tokens`), then runs
+        `apply()` on the worker thread under `weights_lock` (between two decode steps, no row in the batch),
+        moves `policy_version`, forgets the cached prefixes, and admits again: requests queued after the switch
+        are answered by the new weights only. Blocks the calling thread (never the worker's) until done.
+
+        Returns:
+            `weight_switch_s` (seconds from the call to the new weights serving) and `weight_copy_s` (of that, the
+            `apply` itself; the rest is the rows in flight finishing).
+        Raises:
+            RuntimeError: the engine is shut down (or stopped before the switch).
+            Exception: whatever `apply` raised (the old weights stay served, `policy_version` unchanged).
+        """
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        sw = _Switch(apply, version)
+        self._pending_switches += 1
+        try:
+            self._queue.put(sw)
+            sw.done.wait()
+        finally:
+            self._pending_switches -= 1
+        if sw.error is not None:
+            raise sw.error
+        end = time.perf_counter()
+        return {"weight_switch_s": end - sw.queued_at, "weight_copy_s": end - (sw.drained_at or end)}
+
+    @property
+    def pending_switches(self) -> int:
+        """Weight switches asked for and not yet done (queued, or waiting for the rows in flight to finish)."""
+        return self._pending_switches
+
     @property
     def active_rows(self) -> int:
         """Requests being decoded now (rows of the running batch; a snapshot, from any thread)."""
@@ -298,7 +372,7 @@ class HFEngine:
             if holding and self.weights_lock.wanted():   # an update waits: let it in between two decode steps
                 self._release()
                 holding = False
-            joiners, stopping = self._take_new()
+            joiners, stopping = self._take_new() if self._switch is None else ([], False)
             if stopping or self._closed:         # close() also stops a full batch that reads no queue
                 stopping = True
                 for req in joiners:
@@ -317,16 +391,38 @@ class HFEngine:
                         self._decode_step()
             except Exception as exc:  # noqa: BLE001 - every waiting request must hear about it
                 self._fail_all(exc, joiners)
+            if self._switch is not None and not self._rows:   # the rows before the switch are done: switch now
+                if not holding:
+                    self.weights_lock.acquire_when_free()
+                    holding = True
+                    self._was_training = self.model.training
+                self._do_switch()
             if holding and not self._rows:
                 self._release()
                 holding = False
         if holding:
             self._release()
         self._fail_all(RuntimeError("engine is shut down"), [])
+        if self._switch is not None:
+            self._switch.fail(RuntimeError("engine is shut down"))
         while not self._queue.empty():
             req = self._queue.get_nowait()
             if req is not None:
                 req.fail(RuntimeError("engine is shut down"))
+
+    def _do_switch(self) -> None:
+        """Run the pending switch (worker thread, `weights_lock` held, no row in flight)."""
+        sw, self._switch = self._switch, None
+        sw.drained_at = time.perf_counter()
+        try:
+            with torch.no_grad():
+                sw.apply()
+            self.policy_version = sw.version
+            self.prefix_cache.clear()            # computed by the weights just replaced
+        except BaseException as exc:  # noqa: BLE001 - the caller hears of it; the worker serves on
+            sw.fail(exc)
+            return
+        sw.done.set()
 
     def _release(self) -> None:
         if self._was_training:
@@ -342,6 +438,9 @@ class HFEngine:
             first = self._queue.get()
             if first is None:
                 return [], True
+            if isinstance(first, _Switch):        # a weight switch: admit nothing until it is done
+                self._switch = first
+                return [], False
             taken.append(first)
             deadline = time.perf_counter() + self.batch_wait_s
             while len(taken) < free:
@@ -352,6 +451,9 @@ class HFEngine:
                 if nxt is None:
                     self._queue.put(None)          # seen again on the next call: stop after this step
                     break
+                if isinstance(nxt, _Switch):
+                    self._switch = nxt
+                    break
                 taken.append(nxt)
             return taken, False
         while len(taken) < free:
@@ -361,6 +463,9 @@ class HFEngine:
                 break
             if nxt is None:
                 return taken, True
+            if isinstance(nxt, _Switch):
+                self._switch = nxt
+                break
             taken.append(nxt)
         return taken, False
 
@@ -382,7 +487,11 @@ class HFEngine:
     def _new_row(self, req: _Request) -> _Row:
         p = req.params
         greedy = p.temperature == 0
-        seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        if p.seed is not None:
+            seed = p.seed
+        else:
+            with self._rng_lock:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
         budget = max(1, min(p.max_tokens, self.max_model_len - len(req.prompt_ids)))
         return _Row(req, 1.0 if greedy else p.temperature, 1.0 if greedy else p.top_p, greedy,
                     torch.Generator(device="cpu").manual_seed(seed), budget, self.policy_version)

@@ -64,13 +64,12 @@ import logging
 import math
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ajet.algorithm.guards import not_a_new_version
 from ajet.config import AjetConfig
-from ajet.errors import ConfigError
 from ajet.gateway.store import GatewayStore
 from ajet.gateway.versions import VersionStore
 
@@ -146,9 +145,9 @@ class VersionGate:
         console: a rich console for the decision lines (None: the log).
         evaluate: `(step, out_dir) -> EvalResult` of the weights the engine holds now (default: the config's
             held-out evaluation, `ajet.eval.evaluate`); tests pass their own.
-    Raises:
-        ConfigError: mode `eval` without `data.val_path` or without a `workflow`; mode `replay` without a
-            `judge`.
+
+    The config is the one `AjetConfig.for_mode("gateway")` checked: mode `eval` has `data.val_path` and a
+    `workflow`, mode `replay` a `judge` (ajet/config/experiment.py).
     """
 
     def __init__(self, cfg: AjetConfig, store: GatewayStore, hold: LiveHold, console=None,
@@ -162,23 +161,14 @@ class VersionGate:
         self._gating: int | None = None            # the serving version while a candidate is updated and evaluated
         self.counts = {"swaps": 0, "gate_evaluations": 0, "gate_refusals": 0, "gate_invalid": 0, "rollbacks": 0}
         self._evaluate = evaluate
+        self.beside = False                        # the backbone serves while it trains (see `attach`)
         self._workflow = self._judge = None
         if self.g.mode == "eval" and evaluate is None:
-            if not cfg.data.val_path:
-                raise ConfigError("gateway.gate.mode is `eval` but data.val_path is not set: name the held-out task "
-                                  "file the gate evaluates each new policy on, or set gateway.gate.mode: off")
-            if cfg.workflow is None:
-                raise ConfigError("gateway.gate.mode is `eval` but the config names no `workflow` to run the "
-                                  "held-out tasks (data.val_path) with: add one, or set gateway.gate.mode: off")
             from ajet.judges import load_judge
             from ajet.rollout.in_process import load_workflow
 
             self._workflow, self._judge = load_workflow(cfg), load_judge(cfg)
         if self.g.mode == "replay" and evaluate is None:
-            if not cfg.judge:
-                raise ConfigError("gateway.gate.mode is `replay` but the config names no `judge` to score the replayed "
-                                  "answers with: add one (e.g. judge: ajet.judges.llm:LLMJudge), or set "
-                                  "gateway.gate.mode: eval (held-out tasks) or off")
             from ajet.gateway.replay import ReplayWorkflow
             from ajet.judges import load_judge
 
@@ -190,6 +180,9 @@ class VersionGate:
         serve the version gateway.sqlite last served when the checkpoint holds another (a rollback after it),
         from its kept checkpoint, then do any rollback asked for while the gateway was down."""
         self.backbone = backbone
+        if hasattr(backbone, "serve_while_training"):   # the update trains a copy; the served policy answers on
+            backbone.serve_while_training()
+        self.beside = bool(getattr(backbone, "serves_while_training", False))
         served = self.store.versions()
         version = backbone.engine.policy_version
         newest = self.versions.newest()
@@ -221,6 +214,14 @@ class VersionGate:
         engine = backbone.engine
         serving = engine.policy_version
         self._checkpoint(serving)
+        tasks = None
+        if self.g.mode == "replay":                # one replay set for both figures (ajet/gateway/replay.py)
+            from ajet.gateway.replay import replay_tasks
+
+            sessions = {s.episode_id.split("~", 1)[0] for s in samples}   # a best-of candidate: <session>~<k>
+            tasks = replay_tasks(self.store, self.g.replay_sessions, exclude=sessions)
+        if self.beside:
+            return self._update_beside(samples, step, trained, serving, tasks)
         if self.g.mode == "off":
             train = backbone.update(samples)
             candidate = engine.policy_version
@@ -232,12 +233,6 @@ class VersionGate:
                     return {**train, "gate/served": 0.0}
                 self._served(candidate, step, "ungated", None, trained)
             return train
-        tasks = None
-        if self.g.mode == "replay":                # one replay set for both figures (ajet/gateway/replay.py)
-            from ajet.gateway.replay import replay_tasks
-
-            sessions = {s.episode_id.split("~", 1)[0] for s in samples}   # a best-of candidate: <session>~<k>
-            tasks = replay_tasks(self.store, self.g.replay_sessions, exclude=sessions)
         baseline = self._serving_figure(step, tasks)
         with self.hold.held():
             self._gating = serving
@@ -246,41 +241,84 @@ class VersionGate:
             if candidate == serving:               # nothing was trained: nothing to gate
                 self._gating = None
                 return train
-            figure, reason = None, not_a_new_version(train)
-            if reason is None and tasks == []:
-                reason = "no rated session with a recorded call to replay"
-            elif reason is None:
-                result = self._run_eval(step, self.exp_dir / "gate" / f"step_{step}", tasks)
-                figure, reason = self._figure(result)
-                reason = degenerate_reason(result.episodes, self.backbone.tokenizer) or reason   # whatever the metric
-            if reason is None and self.g.min_score is not None and figure < self.g.min_score:
-                reason = f"{self.g.metric} {figure:.4g} is below gateway.gate.min_score {self.g.min_score:g}"
-            if reason is None and baseline is None:
-                reason = "the serving policy's evaluation was invalid: no figure to compare with"
-            if reason is None and figure < baseline - self.g.max_drop:
-                reason = (f"{self.g.metric} {figure:.4g} is {baseline - figure:.4g} below "
-                          f"{'the best served version' if tasks is None else 'the serving policy'}'s "
-                          f"{baseline:.4g} (gateway.gate.max_drop {self.g.max_drop:g})")
-            served = reason is None
-            metric = self.g.metric if tasks is None else f"replay:{self.g.metric}"
-            if served:
-                # (a replay figure is of this update's set only: not kept as the version's figure)
-                self._served(candidate, step, "gate", figure if tasks is None else None, trained)
-                self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, True,
-                                    "served" if tasks is None else f"served (replay of {len(tasks)} sessions)")
-                self._say(f"gate: step {step}: version {candidate} served ({self.g.metric} {figure:.4g}, reference "
-                          f"{_fmt(baseline)})")
-            else:
-                self._refuse(step, candidate, serving, metric, baseline, figure, reason)
+            figure, reason = self._judge_candidate(step, train, tasks, baseline)
+            served = self._decide(step, candidate, serving, tasks, baseline, figure, reason, trained)
             self._gating = None
         return {**train, "gate/served": float(served), "gate/candidate_figure": _nan(figure),
                 "gate/serving_figure": _nan(baseline)}
 
+    def _update_beside(self, samples, step: int, trained, serving: int, tasks) -> dict[str, float]:
+        """`update` for a backbone that serves while it trains (`serve_while_training`): live calls are never
+        held. The serving figure is measured on the trainer's copy before the update (it holds the serving
+        weights then), the update trains that copy, the candidate is evaluated on it too (`trainer_engine`), and
+        only a candidate that passes is switched in (`publish`: streams in flight finish on `serving` first).
+        A refused one is dropped by loading the serving checkpoint into the trainer's copy (nothing served
+        changes)."""
+        backbone = self.backbone
+        baseline = None if self.g.mode == "off" else self._serving_figure(step, tasks)
+        train = backbone.update(samples)
+        candidate = backbone.candidate_version
+        if candidate is None:                      # nothing was trained: nothing to gate
+            return train
+        if self.g.mode == "off":
+            figure, reason = None, not_a_new_version(train)
+            if reason is not None:
+                self._refuse(step, candidate, serving, "update", None, None, reason)
+                return {**train, "gate/served": 0.0}
+            train.update(backbone.publish())
+            self._served(candidate, step, "ungated", None, trained)
+            return train
+        figure, reason = self._judge_candidate(step, train, tasks, baseline)
+        served = self._decide(step, candidate, serving, tasks, baseline, figure, reason, trained)
+        return {**train, "gate/served": float(served), "gate/candidate_figure": _nan(figure),
+                "gate/serving_figure": _nan(baseline)}
+
+    def _judge_candidate(self, step: int, train: dict[str, float], tasks, baseline: float | None
+                         ) -> tuple[float | None, str | None]:
+        """(the candidate's figure or None, why it is refused or None): the update's own numbers, its evaluation
+        (on the trainer's copy beside serving, else on the engine, which holds it), degenerate answers, the floor
+        and the drop below `baseline`."""
+        figure, reason = None, not_a_new_version(train)
+        if reason is None and tasks == []:
+            reason = "no rated session with a recorded call to replay"
+        elif reason is None:
+            result = self._run_eval(step, self.exp_dir / "gate" / f"step_{step}", tasks)
+            figure, reason = self._figure(result)
+            reason = degenerate_reason(result.episodes, self.backbone.tokenizer) or reason   # whatever the metric
+        if reason is None and self.g.min_score is not None and figure < self.g.min_score:
+            reason = f"{self.g.metric} {figure:.4g} is below gateway.gate.min_score {self.g.min_score:g}"
+        if reason is None and baseline is None:
+            reason = "the serving policy's evaluation was invalid: no figure to compare with"
+        if reason is None and figure < baseline - self.g.max_drop:
+            reason = (f"{self.g.metric} {figure:.4g} is {baseline - figure:.4g} below "
+                      f"{'the best served version' if tasks is None else 'the serving policy'}'s "
+                      f"{baseline:.4g} (gateway.gate.max_drop {self.g.max_drop:g})")
+        return figure, reason
+
+    def _decide(self, step: int, candidate: int, serving: int, tasks, baseline: float | None, figure: float | None,
+                reason: str | None, trained) -> bool:
+        """Serve `candidate` (switched in first when it was trained beside serving) when `reason` is None, else
+        refuse it; record and say the decision. Returns whether it is served."""
+        metric = self.g.metric if tasks is None else f"replay:{self.g.metric}"
+        if reason is not None:
+            self._refuse(step, candidate, serving, metric, baseline, figure, reason)
+            return False
+        if self.beside:
+            self.backbone.publish()
+        # (a replay figure is of this update's set only: not kept as the version's figure)
+        self._served(candidate, step, "gate", figure if tasks is None else None, trained)
+        self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, True,
+                            "served" if tasks is None else f"served (replay of {len(tasks)} sessions)")
+        self._say(f"gate: step {step}: version {candidate} served ({self.g.metric} {figure:.4g}, reference "
+                  f"{_fmt(baseline)})")
+        return True
+
     def _refuse(self, step: int, candidate: int, serving: int, metric: str, baseline: float | None,
                 figure: float | None, reason: str) -> None:
-        """Refuse `candidate` (live calls held by the caller): engine and training back to the serving version's
-        checkpoint, the decision recorded in gateway.sqlite and said."""
-        self._load(self.versions.folder(serving))
+        """Refuse `candidate` (live calls held by the caller, unless it was trained beside serving: then only the
+        trainer's copy goes back): engine and training back to the serving version's checkpoint, the decision
+        recorded in gateway.sqlite and said."""
+        self._load(self.versions.folder(serving), serve=not self.beside)
         self.counts["gate_refusals"] += 1
         self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, False, reason)
         self._say(f"gate: step {step}: version {candidate} REFUSED: {reason}; version {serving} stays served")
@@ -319,7 +357,7 @@ class VersionGate:
             kept = ", ".join(map(str, self.versions.kept())) or "none"
             return False, f"refused: no checkpoint of version {to} is kept (kept: {kept}; gateway.gate.keep_versions)"
         self._checkpoint(current)                  # so that one can roll forward again
-        with self.hold.held():
+        with nullcontext() if self.beside else self.hold.held():   # beside: the switch lets streams finish
             self._load(path)
         self.store.add_version(engine.policy_version, self.step, "rollback", _figure_of(served, to))
         self.counts["rollbacks"] += 1
@@ -327,9 +365,13 @@ class VersionGate:
         return True, f"version {engine.policy_version} is served (was {current})"
 
     # ---- pieces ------------------------------------------------------------------------------------
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, serve: bool = True) -> None:
         """Load a kept version's checkpoint (weights, optimizer, RNG, policy version) and forget the engine's
-        cached prefixes: they are keyed by policy version, and a number comes back with other weights."""
+        cached prefixes: they are keyed by policy version, and a number comes back with other weights.
+        `serve=False` (serving while training): into the trainer's copy only."""
+        if self.beside:
+            self.backbone.load_checkpoint(path, serve=serve)
+            return
         self.backbone.load_checkpoint(path)
         engine = self.backbone.engine
         cache = getattr(engine, "prefix_cache", None)
@@ -390,8 +432,9 @@ class VersionGate:
         from ajet.tasks import load_tasks
 
         b = self.backbone
-        result = evaluate(self.cfg, b.engine, b.tokenizer, self._workflow, self._judge,
-                          load_tasks(self.cfg, "val") if tasks is None else tasks, step=step)
+        with b.trainer_engine() if self.beside else nullcontext(b.engine) as engine:   # beside: serving goes on
+            result = evaluate(self.cfg, engine, b.tokenizer, self._workflow, self._judge,
+                              load_tasks(self.cfg, "val") if tasks is None else tasks, step=step)
         write_result(result, out_dir)
         return result
 

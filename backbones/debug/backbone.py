@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -96,6 +96,12 @@ class DebugBackbone:
         self.is_cap = cfg.trainer.async_.is_cap if cfg.trainer.async_.max_staleness else None
         self._prox: dict[int, list[float]] | None = None   # id(sample) -> log pi_prox of its response tokens
         self._teacher_lp: dict[int, list[float]] | None = None   # id(sample) -> a URL teacher's logprobs
+        # serving while training (`serve_while_training`): the engine serves `served_model`, the update trains
+        # `self.model`, and a trained policy waits as `candidate_version` until `publish`
+        self.serves_while_training = False
+        self.served_model = self.model
+        self.candidate_version: int | None = None
+        self._trainer_engine: HFEngine | None = None
 
     # ---- the RL step ------------------------------------------------------------------------------
     def update(self, samples: list[Sample]) -> dict[str, float]:
@@ -135,16 +141,16 @@ class DebugBackbone:
         self._teacher_lp = (_remote_teacher_logprobs(self.teacher, [s for s in trainable if self._forwarded(s)])
                             if isinstance(self.teacher, RemoteTeacher) else None)
         try:
-            with self.engine.weights_lock:   # every adapter moves between the same two decode steps
+            with self._weights_held():   # every adapter moves between the same two decode steps
                 # every stored prefix was computed by the weights this update replaces, so none is reused after it
                 # (the cache skips other versions' entries): free their memory (up to its budget) before training
-                if isinstance(self.engine, HFEngine):
+                if isinstance(self.engine, HFEngine) and not self.serves_while_training:
                     self.engine.prefix_cache.clear()
                 # and hand back what the engine's thread freed (its malloc arena keeps it otherwise: ajet/heap.py),
                 # so that the update's activations do not come on top of it
                 trim_free_memory()
                 out = self._update_roles(trainable) if self.adapters else self._ppo_update(trainable)
-                out.update(self._publish_weights(self.engine.policy_version + 1))
+                out.update(self._trained(self.engine.policy_version + 1))
         finally:
             self._prox = self._teacher_lp = None
             trim_free_memory()     # the activations' memory, freed in this thread: back before the next sampling
@@ -241,7 +247,7 @@ class DebugBackbone:
             return {"update_s": 0.0, "optimizer_steps": 0.0}
         episodes = sorted({s.episode_id for s in trainable})
         losses, norms, skipped = [], [], 0
-        with self.engine.weights_lock:
+        with self._weights_held():
             self.model.train()
             for _ in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
@@ -274,11 +280,91 @@ class DebugBackbone:
                     norms.append(norm)
                     losses.append(total)
             self.model.eval()
-            synced = self._publish_weights(self.engine.policy_version + 1)
+            synced = self._trained(self.engine.policy_version + 1)
         return {"sft_loss": losses[0], "loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms),
                 "sft_tokens": float(sum(s.num_loss_tokens for s in trainable)), "optimizer_steps": float(len(losses)),
                 NONFINITE_SKIPPED: float(skipped),
                 **synced, "update_s": time.perf_counter() - t0}
+
+    # ---- serving while training ----------------------------------------------------------------------
+    def serve_while_training(self) -> None:
+        """From now on the engine keeps serving while the update trains (the gateway, docs/gateway.md): the update
+        trains `self.model`, the trainer's copy, and leaves the result as `candidate_version`; nothing is served
+        until `publish()` (or dropped by `load_checkpoint(path, serve=False)`).
+
+        In-process engine: the engine serves `served_model`, a second copy of the trained parameters made here
+        (the whole model; with LoRA or `agents:` only the adapters, the frozen base weights are shared, read-only),
+        and `publish` copies the trained weights into it between two decode steps (`HFEngine.switch_weights`: the
+        rows in flight finish on the version they started with first). vLLM engine: the server already holds its
+        own weights; `publish` syncs them (`sync_weights`/`sync_adapters`: new calls wait, calls in flight finish).
+        Call it before the engine serves anything. Idempotent."""
+        if self.serves_while_training:
+            return
+        if isinstance(self.engine, HFEngine):
+            trained = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
+            shared = {id(p): p for p in self.model.parameters() if id(p) not in trained} if self.lora else {}
+            served = copy.deepcopy(self.model, memo=dict(shared)).eval()
+            for p in served.parameters():
+                if id(p) not in shared:
+                    p.requires_grad_(False)
+            with self.engine.weights_lock:
+                self.engine.model = served
+            self.served_model = served
+        self.serves_while_training = True
+
+    def publish(self) -> dict[str, float]:
+        """Serve the candidate the last update trained (`candidate_version`), with serving while training; returns
+        the switch's figures for the step's metrics (`weight_switch_s`, `weight_copy_s`; vLLM's sync figures), {}
+        when there is no candidate."""
+        version, self.candidate_version = self.candidate_version, None
+        if version is None:
+            return {}
+        return self._serve(version)
+
+    @contextmanager
+    def trainer_engine(self):
+        """An in-process engine over the trainer's copy of the weights (`self.model`), for evaluating the candidate,
+        or before an update the serving weights, beside the served engine, which keeps answering. Its policy
+        version is the candidate's (else the served one); its cached prefixes are dropped on entry and exit. Only
+        with serving while training (the served engine's weights are another object), on the trainer thread,
+        between updates."""
+        if not self.serves_while_training:
+            raise RuntimeError("trainer_engine() needs serve_while_training(): the engine serves the trained weights")
+        if self._trainer_engine is None:
+            self._trainer_engine = engine_for(self.model, self.tokenizer, self.cfg, self.adapter_for)
+        engine = self._trainer_engine
+        engine.policy_version = self.engine.policy_version if self.candidate_version is None else self.candidate_version
+        with engine.weights_lock:
+            engine.prefix_cache.clear()
+        try:
+            yield engine
+        finally:
+            with engine.weights_lock:
+                engine.prefix_cache.clear()
+
+    def _weights_held(self):
+        """The engine's `weights_lock` when it serves the weights the trainer changes; nothing when it serves its
+        own copy (serving while training)."""
+        return nullcontext() if self.serves_while_training else self.engine.weights_lock
+
+    def _trained(self, version: int) -> dict[str, float]:
+        """After an update: serve it as `version` at once, or with serving while training keep it as the candidate
+        (`publish` serves it)."""
+        if self.serves_while_training:
+            self.candidate_version = version
+            return {}
+        return self._publish_weights(version)
+
+    def _serve(self, version: int) -> dict[str, float]:
+        """Serve the trainer's weights as `version`: copied into the served copy by a switch of the in-process
+        engine, else `_publish_weights`."""
+        if isinstance(self.engine, HFEngine) and self.served_model is not self.model:
+            names = None
+            if self.lora:     # only the adapters train: the base weights are shared with the served copy
+                trained = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
+                names = {n for n, p in self.model.named_parameters() if id(p) in trained}
+            return self.engine.switch_weights(lambda: copy_parameters(self.served_model, self.model, names), version)
+        return self._publish_weights(version)
 
     def _publish_weights(self, version: int) -> dict[str, float]:
         """Serve the weights the update just trained as policy `version`: the in-process engine generates with them
@@ -474,7 +560,7 @@ class DebugBackbone:
         folder per adapter, `path/adapters/<name>/` (`peft.PeftModel.from_pretrained(base, folder)`, vLLM
         `--lora-modules <name>=<folder>`); `backbone_state.pt` holds each adapter's optimizer state."""
         path.mkdir(parents=True, exist_ok=True)
-        with self.engine.weights_lock:
+        with self._weights_held():
             if self.adapters:
                 save_adapters(self.model, path / ADAPTERS_DIR, self.adapters)
                 self.model.get_base_model().save_pretrained(path, state_dict=base_state_dict(self.model))
@@ -485,15 +571,19 @@ class DebugBackbone:
                 self.model.save_pretrained(path)
             optimizers = ({"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
                           if self.adapters else {"optimizer": self.optimizer.state_dict()})
-            engine_rng = self.engine._generator.get_state() if isinstance(self.engine, HFEngine) else None
+            engine_rng = self.engine.rng_state() if isinstance(self.engine, HFEngine) else None
             torch.save({**optimizers, "engine_rng": engine_rng,
                         "update_rng": self._rng.getstate(), "policy_version": self.engine.policy_version},
                        path / "backbone_state.pt")
         self.tokenizer.save_pretrained(path)
 
-    def load_checkpoint(self, path: Path) -> None:
+    def load_checkpoint(self, path: Path, serve: bool = True) -> None:
         """Restore weights, optimizer(s), RNG and policy version written by `save_checkpoint` (with `agents:`
         every adapter and its optimizer).
+
+        With serving while training the weights go into the trainer's copy, then (`serve`) into the served copy
+        by a switch; `serve=False` only brings the trainer back (a refused candidate dropped: the served weights
+        and the engine's sampler stay as they are).
 
         Raises:
             ConfigError: the checkpoint was written by a run with other adapters (or none) than this config's."""
@@ -505,7 +595,7 @@ class DebugBackbone:
             raise ConfigError(f"agents: the checkpoint {path} holds the adapters "
                               f"{saved_adapters or 'none (one policy)'}, this config {self.adapters or 'none (one policy)'}"
                               f": resume with the config it was written with")
-        with self.engine.weights_lock:
+        with self._weights_held():
             if self.adapters:
                 load_adapters(self.model, path / ADAPTERS_DIR, self.adapters)
                 for name, opt in self.optimizers.items():
@@ -520,13 +610,21 @@ class DebugBackbone:
                 self.model.load_state_dict(saved.state_dict())
             if not self.adapters:
                 self.optimizer.load_state_dict(state["optimizer"])
-            if isinstance(self.engine, HFEngine) and state["engine_rng"] is not None:
-                self.engine._generator.set_state(state["engine_rng"])
             self._rng.setstate(state["update_rng"])
-            self._publish_weights(state["policy_version"])
+            if not self.serves_while_training:
+                if isinstance(self.engine, HFEngine) and state["engine_rng"] is not None:
+                    self.engine.set_rng_state(state["engine_rng"])
+                self._publish_weights(state["policy_version"])
+        self.candidate_version = None
+        if self.serves_while_training and serve:
+            if isinstance(self.engine, HFEngine) and state["engine_rng"] is not None:
+                self.engine.set_rng_state(state["engine_rng"])
+            self._serve(state["policy_version"])
 
     def close(self) -> None:
         self.engine.close()
+        if self._trainer_engine is not None:
+            self._trainer_engine.close()
         if isinstance(self.teacher, RemoteTeacher):
             self.teacher.close()
 
@@ -601,6 +699,16 @@ def _with_lora(model, lora):
 
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
                                             lora_dropout=lora.dropout, task_type="CAUSAL_LM"))
+
+
+@torch.no_grad()
+def copy_parameters(dst, src, names: set[str] | None = None) -> None:
+    """Copy `src`'s parameters into `dst`'s, in place, by name (`dst` a deep copy of `src`: same names and
+    shapes); `names`: only these (None: all). Raises KeyError for a name `dst` lacks."""
+    dst_params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        if names is None or name in names:
+            dst_params[name].copy_(p)
 
 
 @torch.no_grad()
