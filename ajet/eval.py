@@ -188,7 +188,8 @@ class Validator:
     `val/*` carry `val/valid` 0 and no score.
 
     Raises:
-        ConfigError: `trainer.val_freq` is set without `data.val_path` (or the file cannot be read).
+        ConfigError: the held-out task file cannot be read (a `trainer.val_freq` without a held-out task source
+            is refused by the config's own check, ajet/config/experiment.py).
     """
 
     def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None, console=None, alerts=None):
@@ -206,8 +207,6 @@ class Validator:
             from ajet.rollout.in_process import load_workflow
             from ajet.tasks import load_tasks
 
-            if not (cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
-                raise ConfigError("trainer.val_freq is set but data.val_path is not: name the held-out task file")
             self.tasks = load_tasks(cfg, "val")
             if self.workflow is None:
                 self.workflow, self.judge = load_workflow(cfg), load_judge(cfg)
@@ -297,7 +296,7 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
                                                    ("backbone", backbone)) if v is not None}
     if checkpoint_dir or model:
         overrides["model.path"] = str(_checkpoint_folder(checkpoint_dir)) if checkpoint_dir else model
-    cfg = load_config(conf, overrides)
+    cfg = load_config(conf, overrides, mode="eval")
     check_supported(cfg)   # a setting the backbone does not honour: refused before the tasks and model load
     if not (data or cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
         raise ConfigError(f"{conf}: no held-out tasks: pass --data PATH or set data.val_path")

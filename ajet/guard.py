@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
 import secrets
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
@@ -132,6 +133,19 @@ def api_key(scope: dict[str, Any]) -> str:
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     return ((auth[7:].strip() if auth.lower().startswith("bearer ") else None) or headers.get("x-api-key")
             or headers.get("x-goog-api-key") or (query.get("key") or [""])[0] or "")
+
+
+def configured_secret(configured: str | None) -> str | None:
+    """The secret a server is configured with: `configured` (its section's `secret`), else the environment variable
+    AJET_SECRET, else None."""
+    return configured or os.environ.get("AJET_SECRET") or None
+
+
+def server_secret(configured: str | None) -> tuple[str, bool]:
+    """The secret a server checks, and whether it was generated: `configured_secret(configured)`, else a new
+    random one (24 bytes, URL-safe base64) that the server prints for its clients."""
+    secret = configured_secret(configured)
+    return (secret, False) if secret is not None else (secrets.token_urlsafe(24), True)
 
 
 def secret_matches(given: str, secret: str) -> bool:

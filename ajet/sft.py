@@ -238,10 +238,7 @@ class RecordedSource:
     def from_context(cls, ctx: RolloutContext) -> RecordedSource:
         """The source of `ctx.cfg.sft` (relative `from_dir` resolves against the working directory)."""
         sft = ctx.cfg.sft
-        from_dir = Path(sft.from_dir).expanduser().resolve()
-        if from_dir == ctx.cfg.exp_path().resolve():
-            raise ConfigError(f"sft.from_dir {from_dir} is also this run's experiment folder: give the SFT run its own "
-                              f"(--exp-dir or trainer.exp_dir)")
+        from_dir = Path(sft.from_dir).expanduser().resolve()   # not the run's own folder: the config's check
         recorded = read_recorded(from_dir, sft.min_reward, sft.agent)
         if not recorded:
             raise ConfigError(f"sft: no recorded sample of {from_dir} passes the filters (sft.min_reward="

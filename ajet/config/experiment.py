@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ajet.config.algorithm import AlgorithmConfig
 from ajet.config.base import _Section
@@ -13,11 +13,15 @@ from ajet.config.data import DataConfig
 from ajet.config.engine import EngineConfig
 from ajet.config.model import AGENT_NAME, AgentConfig, ModelConfig
 from ajet.config.rollout import ProxyConfig, RolloutConfig
-from ajet.config.serving import GatewayConfig, ServeConfig
+from ajet.config.serving import GATEWAY_ESTIMATOR, GatewayConfig, ServeConfig
 from ajet.config.tools import ToolsConfig
 from ajet.config.trainer import EvalConfig, SftConfig, TrainerConfig
 from ajet.config.workflow import (CommandWorkflowConfig, HarnessSpec, HarnessWorkflowConfig, LLMJudgeConfig,
                                   RewardModelConfig)
+from ajet.errors import ConfigError
+
+Mode = Literal["train", "eval", "serve", "gateway"]
+"""The commands a config is checked for (`AjetConfig.mode`)."""
 
 
 class AjetConfig(_Section):
@@ -92,6 +96,10 @@ class AjetConfig(_Section):
     config_dir: Path | None = Field(None, exclude=True, description="not a YAML key: the folder of the YAML file, "
                                     "set by `load_config`; relative paths (workflow, judge, task files) resolve "
                                     "against it first, then against the working directory. None: built in code")
+    mode: Mode = Field("train", exclude=True, description="not a YAML key: the command the config is checked for "
+                       "(`load_config(..., mode=)`, `for_mode`): `train` (and `ajet sft`), `eval`, `serve` or "
+                       "`gateway`; the checks and defaults only a command needs apply in its mode (e.g. a "
+                       "non-loopback `gateway.host` without a secret is refused in mode gateway only)")
 
     @field_validator("agents")
     @classmethod
@@ -118,6 +126,104 @@ class AjetConfig(_Section):
             raise ValueError("agents: fine-tuning on recorded traces (`sft:`) trains one policy; remove `agents` "
                              "or `sft`")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_defaults(cls, data: Any) -> Any:
+        """Modes serve and gateway: the defaults their servers resolve, at validation (never set on a loaded
+        config; a section given as a model is copied, not changed).
+
+        `proxy.host` is `serve.host` (mode serve) or `gateway.host` (mode gateway): the proxy answers behind that
+        server's address. Mode gateway, `algorithm.adv_estimator` when the config leaves it unset: `grpo` with
+        best-of-N (`gateway.n` > 1: each request's candidates share a prompt), else GATEWAY_ESTIMATOR
+        (`reinforce_plus_plus`: live sessions have no same-prompt groups)."""
+        if not isinstance(data, dict) or data.get("mode") not in ("serve", "gateway"):
+            return data
+        server = ServeConfig if data["mode"] == "serve" else GatewayConfig
+        try:
+            s = server.model_validate(data.get(data["mode"]) or {})
+        except ValidationError:
+            return data                           # reported by the section's own validation
+        resolved = [("proxy", ProxyConfig, "host", s.host, False)]
+        if isinstance(s, GatewayConfig):
+            resolved.append(("algorithm", AlgorithmConfig, "adv_estimator", "grpo" if s.n > 1 else GATEWAY_ESTIMATOR,
+                             True))
+        data = dict(data)
+        for key, model, field, value, unset_only in resolved:
+            section = data.get(key) or {}
+            if isinstance(section, dict) and (field not in section or not unset_only):
+                data[key] = {**section, field: value}
+            elif isinstance(section, model) and (field not in section.model_fields_set or not unset_only) \
+                    and getattr(section, field) != value:
+                data[key] = section.model_copy(update={field: value})
+        return data
+
+    @model_validator(mode="after")
+    def _check_across_sections(self) -> AjetConfig:
+        """Rules between keys of different sections, whatever the mode (ValueError naming the keys)."""
+        d = self.data
+        if self.trainer.val_freq and not (d.val_path or d.generator or d.env_service) and self.mode != "eval":
+            raise ValueError("trainer.val_freq is set but data.val_path is not: name the held-out task file")
+        if self.sft is not None and Path(self.sft.from_dir).expanduser().resolve() == self.exp_path().resolve():
+            raise ValueError(f"sft.from_dir {Path(self.sft.from_dir).expanduser().resolve()} is also this run's "
+                             f"experiment folder: give the SFT run its own (--exp-dir or trainer.exp_dir)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> AjetConfig:
+        """Mode serve and gateway: what their servers need of the config (ValueError naming the keys)."""
+        from ajet.guard import configured_secret, is_loopback
+
+        if self.mode == "serve":
+            s = self.serve
+            if not is_loopback(s.host) and configured_secret(s.secret) is None:
+                raise ValueError(f"serve.host {s.host!r} is reachable from other machines: set serve.secret (or "
+                                 f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
+            if s.local_workers and self.workflow is None:
+                raise ValueError("serve.local_workers needs a `workflow` (a class or {command: [...]}) to run")
+        if self.mode != "gateway":
+            return self
+        g = self.gateway
+        if not is_loopback(g.host) and configured_secret(g.secret) is None:
+            raise ValueError(f"gateway.host {g.host!r} is reachable from other machines: set gateway.secret (or "
+                             f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
+        if g.n > 1 and not self.judge:
+            raise ValueError(f"gateway.n is {g.n} (best-of-N) but the config names no `judge` to choose the answer: "
+                             "add one (e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.n: 1")
+        if g.on_no_feedback == "judge" and not self.judge:
+            raise ValueError("gateway.on_no_feedback is `judge` but the config names no `judge`: add one "
+                             "(e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.on_no_feedback: drop")
+        if self.algorithm.dynamic_sampling.enabled:
+            raise ValueError("algorithm.dynamic_sampling.enabled refills zero-variance same-prompt groups; the "
+                             "gateway's groups are sessions by arrival: set it to false")
+        if g.gate.mode == "eval" and not self.data.val_path:
+            raise ValueError("gateway.gate.mode is `eval` but data.val_path is not set: name the held-out task "
+                             "file the gate evaluates each new policy on, or set gateway.gate.mode: off")
+        if g.gate.mode == "eval" and self.workflow is None:
+            raise ValueError("gateway.gate.mode is `eval` but the config names no `workflow` to run the "
+                             "held-out tasks (data.val_path) with: add one, or set gateway.gate.mode: off")
+        if g.gate.mode == "replay" and not self.judge:
+            raise ValueError("gateway.gate.mode is `replay` but the config names no `judge` to score the replayed "
+                             "answers with: add one (e.g. judge: ajet.judges.llm:LLMJudge), or set "
+                             "gateway.gate.mode: eval (held-out tasks) or off")
+        return self
+
+    def for_mode(self, mode: Mode) -> AjetConfig:
+        """This config checked and resolved for command `mode` (see `mode`): a new config, this one unchanged
+        (itself when it already is in `mode`). What was set keeps counting as set (`model_fields_set`).
+
+        Raises:
+            ConfigError: what `mode` refuses of the config, one line per problem naming the keys.
+        """
+        from ajet.config.loading import describe
+
+        if mode == self.mode:
+            return self
+        data = self.model_dump(by_alias=True, exclude_unset=True, round_trip=True)
+        try:
+            return type(self).model_validate({**data, "config_dir": self.config_dir, "mode": mode})
+        except ValidationError as exc:
+            raise ConfigError("\n".join(describe(e) for e in exc.errors())) from None
 
     def exp_path(self) -> Path:
         """The experiment folder: `trainer.exp_dir` with `{experiment_name}` filled in (relative to the cwd)."""

@@ -9,16 +9,21 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ajet.config.experiment import AjetConfig
+from ajet.config.experiment import AjetConfig, Mode
 from ajet.errors import ConfigError
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> AjetConfig:
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode: Mode = "train") -> AjetConfig:
     """Read a YAML experiment file into an `AjetConfig`.
 
     Args:
         path: the YAML file.
         overrides: dotted keys applied before validation, e.g. {"trainer.exp_dir": "/tmp/x"}.
+        mode: the command the config is checked for (`AjetConfig.mode`): train, eval, serve or gateway.
+
+    Returns:
+        The validated config, its `config_dir` the file's folder.
+
     Raises:
         ConfigError: missing/unreadable file, bad YAML, unknown key (with a "did you mean"), wrong type or
             value, missing required key. The message names the file and every offending key.
@@ -44,9 +49,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Aj
     if errors:
         raise ConfigError(f"{path}: " + "\n".join(errors))
     try:
-        cfg = AjetConfig.model_validate(data)
+        cfg = AjetConfig.model_validate({**data, "mode": mode})
     except ValidationError as exc:
-        raise ConfigError(f"{path}:\n" + "\n".join(_describe(e) for e in exc.errors())) from exc
+        raise ConfigError(f"{path}:\n" + "\n".join(describe(e) for e in exc.errors())) from exc
     cfg.config_dir = path.resolve().parent
     return cfg
 
@@ -116,7 +121,9 @@ def _key_paths(key: str, model: type[BaseModel] = AjetConfig, prefix: str = "") 
     return paths
 
 
-def _describe(err: dict[str, Any]) -> str:
+def describe(err: dict[str, Any]) -> str:
+    """One line for one of pydantic's validation errors: the dotted key, the message and the value given (a check
+    across sections: its own message, which names the keys)."""
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "missing":
         return f"missing required key `{key}`"

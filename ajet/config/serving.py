@@ -10,6 +10,10 @@ from pydantic import Field, field_validator
 from ajet.config.base import _Section
 
 
+GATEWAY_ESTIMATOR = "reinforce_plus_plus"
+"""The gateway's `algorithm.adv_estimator` when the config sets none and `gateway.n` is 1: live sessions have
+no same-prompt groups for GRPO's baseline (see ajet/gateway/source.py)."""
+
 class ServeConfig(_Section):
     """`ajet serve`: the training server that clients anywhere run episodes against (docs/serve.md).
 

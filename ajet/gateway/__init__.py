@@ -19,8 +19,6 @@ lists; no episode runs it). `data.val_path` still gives held-out validation (`tr
 from __future__ import annotations
 
 import math
-import os
-import secrets
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,7 +27,6 @@ from ajet.errors import ConfigError
 from ajet.rollout import RolloutContext
 
 LIVE_TRAFFIC = "ajet.gateway:live_traffic"
-DEFAULT_ESTIMATOR = "reinforce_plus_plus"   # no same-prompt groups in live traffic: see source.py
 
 
 def live_traffic(split: str) -> Iterator[dict[str, Any]]:
@@ -58,9 +55,9 @@ def gateway(cfg: AjetConfig) -> Path:
     printed at start (on a loopback host only).
 
     Raises:
-        ConfigError: a non-loopback `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1
-            without a `judge`; `gateway.gate.mode: eval` without `data.val_path` or a `workflow`, `replay`
-            without a `judge`;
+        ConfigError: what `cfg.for_mode("gateway")` refuses (ajet/config/experiment.py): a non-loopback
+            `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1 without a `judge`;
+            `gateway.gate.mode: eval` without `data.val_path` or a `workflow`, `replay` without a `judge`;
             `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
             problem `ajet.trainer.run` raises.
     """
@@ -71,29 +68,13 @@ def gateway(cfg: AjetConfig) -> Path:
     from ajet.gateway.sessions import SessionBook
     from ajet.gateway.source import GatewaySource
     from ajet.gateway.store import GatewayStore
-    from ajet.guard import allowed_hosts, is_loopback
+    from ajet.guard import allowed_hosts, server_secret
     from ajet.judges import load_judge
     from ajet.trainer import run
 
+    cfg = cfg.for_mode("gateway")   # its checks, and its defaults: adv_estimator, proxy.host (ajet/config/)
     g = cfg.gateway
-    secret = g.secret or os.environ.get("AJET_SECRET") or None
-    if not is_loopback(g.host) and secret is None:
-        raise ConfigError(f"gateway.host {g.host!r} is reachable from other machines: set gateway.secret (or "
-                          f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
-    if g.n > 1 and not cfg.judge:
-        raise ConfigError(f"gateway.n is {g.n} (best-of-N) but the config names no `judge` to choose the answer: "
-                          "add one (e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.n: 1")
-    if g.on_no_feedback == "judge" and not cfg.judge:
-        raise ConfigError("gateway.on_no_feedback is `judge` but the config names no `judge`: add one "
-                          "(e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.on_no_feedback: drop")
-    if cfg.algorithm.dynamic_sampling.enabled:
-        raise ConfigError("algorithm.dynamic_sampling.enabled refills zero-variance same-prompt groups; the "
-                          "gateway's groups are sessions by arrival: set it to false")
-    if "adv_estimator" not in cfg.algorithm.model_fields_set:   # best-of-N groups share a prompt: GRPO
-        cfg.algorithm.adv_estimator = "grpo" if g.n > 1 else DEFAULT_ESTIMATOR
-    generated = secret is None
-    secret = secret or secrets.token_urlsafe(24)
-    cfg.proxy.host = g.host
+    secret, generated = server_secret(g.secret)
     hosts = allowed_hosts(g.host, g.allowed_hosts)
     judge = load_judge(cfg) if g.on_no_feedback == "judge" or g.n > 1 else None
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from ajet.config import AjetConfig
-from ajet.errors import ConfigError
-from ajet.guard import Guard, allowed_hosts, is_loopback
+from ajet.guard import Guard, allowed_hosts, server_secret
 from ajet.rollout import RolloutContext
 from ajet.rollout.episode_queue import EpisodeQueue
 
@@ -48,8 +46,6 @@ class ServeSource(EpisodeQueue):
             from ajet.rollout.in_process import load_workflow
             from ajet.serve.local_workers import LocalWorkers
 
-            if cfg.workflow is None:
-                raise ConfigError("serve.local_workers needs a `workflow` (a class or {command: [...]}) to run")
             self.workers = LocalWorkers(self, load_workflow(cfg), cfg.serve.local_workers, cfg.rollout.episode_timeout_s)
 
     def bind(self, proxy) -> None:
@@ -90,21 +86,17 @@ def serve(cfg: AjetConfig) -> Path:
     """Run `ajet serve` until `trainer.total_steps` steps are trained; returns the experiment folder.
 
     Raises:
-        ConfigError: a non-loopback `serve.host` without a secret (`serve.secret` or AJET_SECRET), or any
+        ConfigError: what `cfg.for_mode("serve")` refuses (ajet/config/experiment.py): a non-loopback `serve.host`
+            without a secret (`serve.secret` or AJET_SECRET), `serve.local_workers` without a `workflow`; or any
             config problem `ajet.trainer.run` raises.
         SystemExit: `INTERRUPTED_EXIT` after Ctrl-C, once the server has stopped (one line on stderr says where
             the run is and how to continue it; no traceback).
     """
     from ajet.trainer import run
 
+    cfg = cfg.for_mode("serve")   # its checks, and proxy.host = serve.host (ajet/config/)
     host = cfg.serve.host
-    secret = cfg.serve.secret or os.environ.get("AJET_SECRET") or None
-    if not is_loopback(host) and secret is None:
-        raise ConfigError(f"serve.host {host!r} is reachable from other machines: set serve.secret (or AJET_SECRET) "
-                          f"to a long random string first, or keep the default host 127.0.0.1")
-    generated = secret is None
-    secret = secret or secrets.token_urlsafe(24)
-    cfg.proxy.host = host
+    secret, generated = server_secret(cfg.serve.secret)
 
     interrupted = threading.Event()
 
