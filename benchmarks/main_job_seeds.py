@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,6 +199,93 @@ def config_table(name: str, runs: dict[str, dict]) -> list[str]:
     return lines
 
 
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def call_form(expression: str, question: str) -> str:
+    """A `calculate` expression's form: each number the question gives written as N, any other number kept, spaces
+    dropped: "3 * 8" for "8 pens ..." -> "3*N"; "8 + 8" for "8 pens and 8 more" -> "N+N"."""
+    given = set(_NUMBER.findall(question))
+    return _NUMBER.sub(lambda m: "N" if m.group() in given else m.group(), expression).replace(" ", "")
+
+
+def _first_expression(calls: list[dict]) -> str | None:
+    """The expression of an episode's first `calculate` call (its calls' records in order), None without one."""
+    for call in calls:
+        for tc in (call.get("response_message") or {}).get("tool_calls") or []:
+            if tc.get("function", {}).get("name") == "calculate":
+                try:
+                    return str(json.loads(tc["function"]["arguments"])["expression"])
+                except (ValueError, KeyError, TypeError):
+                    return None
+    return None
+
+
+def dynamics(exp_dir: Path) -> list[dict]:
+    """Per training step of a finished run, from `metrics.jsonl` and `trajectories.sqlite`: the mean reward, the
+    entropy of the sampling distribution at the trained tokens (`train/entropy`, nats), the share of the step's GRPO
+    groups with no signal (`rollout/zero_std_groups` over the groups rolled out, extra tasks included), the extra
+    tasks, the training episodes' valid and grounded calls per episode (`workflow/*`), the most common form of the
+    episodes' first `calculate` call (`call_form`) with its share of the episodes, and the mean advantage of the
+    trained episodes whose first call's form has a number the question does not give ("foreign") against those whose
+    form uses two or more of the question's numbers and no other ("question's numbers"); None where there is nothing
+    to average."""
+    import sqlite3
+    from collections import Counter, defaultdict
+
+    rows = [json.loads(x) for x in (exp_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    n_repeat = 4
+    if (exp_dir / "config.json").exists():
+        n_repeat = json.loads((exp_dir / "config.json").read_text()).get("rollout", {}).get("num_repeat", 4)
+    con = sqlite3.connect(f"file:{exp_dir / 'trajectories.sqlite'}?mode=ro", uri=True)
+    calls: dict[str, list[dict]] = defaultdict(list)
+    for eid, rec in con.execute("select episode_id, record from calls order by episode_id, idx"):
+        calls[eid].append(json.loads(rec))
+    adv = dict(con.execute("select episode_id, avg(advantage) from samples group by episode_id"))
+    episodes: dict[int, list[tuple[str, str | None]]] = defaultdict(list)   # step -> (episode id, first call's form)
+    for eid, step, rec in con.execute("select episode_id, step, record from episodes"):
+        expression = _first_expression(calls.get(eid, []))
+        query = json.loads(rec)["task"]["query"]
+        episodes[step].append((eid, None if expression is None else call_form(expression, query)))
+    con.close()
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    out = []
+    for r in (r for r in rows if "reward/mean" in r):
+        step = r["step"]
+        forms = Counter(f for _, f in episodes.get(step, []) if f is not None)
+        top, top_n = forms.most_common(1)[0] if forms else (None, 0)
+        foreign = [adv[e] for e, f in episodes.get(step, []) if f and e in adv and re.search(r"\d", f)]
+        own = [adv[e] for e, f in episodes.get(step, []) if f and e in adv and not re.search(r"\d", f)
+               and f.count("N") >= 2]
+        groups = r.get("rollout/episodes", 0) / n_repeat
+        out.append({"step": step, "reward_mean": r["reward/mean"], "entropy": r.get("train/entropy"),
+                    "no_signal_share": r.get("rollout/zero_std_groups", 0) / groups if groups else None,
+                    "oversampled": r.get("rollout/oversampled_tasks"),
+                    "valid_calls": r.get("workflow/valid_tool_calls"),
+                    "grounded_calls": r.get("workflow/grounded_tool_calls"),
+                    "top_form": top, "top_form_share": top_n / len(episodes[step]) if episodes.get(step) else None,
+                    "adv_foreign": mean(foreign), "adv_own": mean(own), "n_foreign": len(foreign), "n_own": len(own)})
+    return out
+
+
+def dynamics_table(steps: list[dict]) -> list[str]:
+    """`dynamics` as a markdown table, one row per step."""
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| step | reward | entropy | groups without signal | extra tasks | valid / grounded calls | commonest "
+             "first call (share) | advantage: foreign number (n) / question's numbers (n) |", "|---" * 8 + "|"]
+    for d in steps:
+        lines.append(f"| {d['step']} | {f(d['reward_mean'], '.3f')} | {f(d['entropy'], '.3f')} | "
+                     f"{f(d['no_signal_share'], '.2f')} | {f(d['oversampled'], '.0f')} | {f(d['valid_calls'], '.2f')} / "
+                     f"{f(d['grounded_calls'], '.2f')} | `{d['top_form']}` ({f(d['top_form_share'], '.2f')}) | "
+                     f"{f(d['adv_foreign'], '+.3f')} ({d['n_foreign']}) / {f(d['adv_own'], '+.3f')} ({d['n_own']}) |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conf", type=Path, default=MAIN_JOB, help="the job's config (default: the main job)")
@@ -221,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of each run (default: CPU cores / runs at once)")
     p.add_argument("--deadline-s", type=float, default=0, help="stop the runs still going after this many seconds "
                    "(0: none)")
+    p.add_argument("--dynamics", type=Path, metavar="RUN_DIR", help="run nothing: print a finished run's per-step "
+                   "dynamics (entropy, groups without signal, call forms, valid/grounded calls, advantages)")
     args = p.parse_args(argv)
+    if args.dynamics:
+        if not (args.dynamics / "metrics.jsonl").exists() or not (args.dynamics / "trajectories.sqlite").exists():
+            p.error(f"--dynamics: {args.dynamics} has no metrics.jsonl and trajectories.sqlite (a run's --exp-dir)")
+        print("\n".join(dynamics_table(dynamics(args.dynamics))))
+        return 0
 
     try:
         seeds = parse_seeds(args.seeds)

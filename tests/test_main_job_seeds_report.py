@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.main_job_seeds import MAIN_JOB, config_data, config_summary, config_table, held_out, parse_seeds
+from benchmarks.main_job_seeds import (MAIN_JOB, call_form, config_data, config_summary, config_table, dynamics, held_out,
+                                      parse_seeds)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,3 +95,55 @@ def test_a_bad_override_is_one_line_naming_it(tmp_path):
     text = out.read_text()
     assert rc == 2 and "'algorithm.lr' is not KEY=VALUE" in text and "Traceback" not in text
     assert not (tmp_path / "o").exists()                                          # nothing started
+
+
+def test_call_forms_keep_the_numbers_the_question_does_not_give():
+    q = "Mia has 8 pens and buys 8 more and 12 pencils. How many pens?"
+    assert call_form("3 * 8", q) == "3*N"
+    assert call_form("8 + 8", q) == "N+N"
+    assert call_form("(12 - 8) * 2.5", q) == "(N-N)*2.5"
+
+
+def test_dynamics_per_step_from_metrics_and_the_store(tmp_path):
+    """Step 1: 2 groups x 2 episodes logged, one group without signal; first calls `3 * 5` / `3 * 7` (a number the
+    question does not give) and `5 + 7` (the question's), advantages written per sample; step 2: one untrained."""
+    import sqlite3
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"rollout": {"num_repeat": 2}}))
+    metrics = [{"step": 0, "val/pass@1": 0.1},
+               {"step": 1, "reward/mean": 0.3, "train/entropy": 1.25, "rollout/episodes": 4,
+                "rollout/zero_std_groups": 1, "rollout/oversampled_tasks": 0, "workflow/valid_tool_calls": 1.0,
+                "workflow/grounded_tool_calls": 0.5},
+               {"step": 2, "reward/mean": 0.5, "train/entropy": 0.5, "rollout/episodes": 6,
+                "rollout/zero_std_groups": 0, "rollout/oversampled_tasks": 1}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    con = sqlite3.connect(run / "trajectories.sqlite")
+    con.executescript("create table episodes (episode_id, step, attempt, task_id, reward, error, record);"
+                      "create table calls (call_id, episode_id, attempt, idx, record);"
+                      "create table samples (episode_id, attempt, idx, step, advantage, record);")
+    q = "Ann has 5 apples and gets 7 more."
+
+    def call(expression):
+        return json.dumps({"response_message": {"tool_calls": [{"function": {
+            "name": "calculate", "arguments": json.dumps({"expression": expression})}}]}})
+
+    episodes = [("e1", 1, "3 * 5", 0.5), ("e2", 1, "3 * 7", 1.5), ("e3", 1, "5 + 7", -1.0), ("e4", 1, "5 + 7", -1.0),
+                ("e0", 1, "3*5", None),                    # a dropped group's episode: a form, no advantage
+                ("e5", 2, "3 * 5", None)]
+    for eid, step, expression, advantage in episodes:
+        con.execute("insert into episodes values (?, ?, 0, 't', 0, null, ?)", (eid, step, json.dumps({"task": {"query": q}})))
+        con.execute("insert into calls values (?, ?, 0, 0, ?)", (eid + "c", eid, call(expression)))
+        if advantage is not None:
+            con.execute("insert into samples values (?, 0, 0, ?, ?, '{}')", (eid, step, advantage))
+    con.commit()
+    con.close()
+    s1, s2 = dynamics(run)
+    assert (s1["step"], s1["reward_mean"], s1["entropy"], s1["no_signal_share"]) == (1, 0.3, 1.25, 0.5)  # 1 of 4/2
+    assert (s1["valid_calls"], s1["grounded_calls"]) == (1.0, 0.5)
+    assert (s1["top_form"], s1["top_form_share"]) == ("3*N", 0.6)           # 3*N 3 of 5 episodes, N+N 2
+    assert s1["adv_foreign"] == pytest.approx(1.0) and s1["n_foreign"] == 2    # (0.5 + 1.5) / 2
+    assert s1["adv_own"] == pytest.approx(-1.0) and s1["n_own"] == 2
+    assert s2["no_signal_share"] == 0.0 and s2["adv_foreign"] is None and s2["top_form"] == "3*N"
+    assert s2["top_form_share"] == 1.0 and s2["valid_calls"] is None
