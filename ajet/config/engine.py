@@ -15,7 +15,8 @@ class EngineConfig(_Section):
     `in_process`: ajet's own engine, in the trainer's process, on the very weights the update trains. `vllm`: a vLLM
     OpenAI server that ajet starts and owns (from the venv of `python`, on a free port of 127.0.0.1, its log in the
     run folder, stopped with the run), or the servers at `urls`; after every update the full weights are written to
-    `weights_dir` and reloaded by each server (vLLM's dev-mode `reload_weights`)."""
+    `weights_dir` and reloaded by each server (vLLM's dev-mode `reload_weights`), or with `model.lora` / `agents:`
+    only the adapters, loaded under names never reused (vLLM's `/v1/load_lora_adapter`)."""
 
     kind: Literal["in_process", "vllm"] = Field(
         "in_process", description="`in_process` (ajet's engine, in this process) or `vllm` (a vLLM OpenAI server, "
