@@ -193,7 +193,7 @@ DEBUG: dict[str, Support] = {
     **_gateway(HONOURED),
     "sft": honoured("token-level cross-entropy on the loss-mask-1 tokens, mean over tokens"),
     "engine": honoured("`vllm`: a vLLM server generates, and reloads the full weights after every update "
-                       "(docs/engines.md); not with `agents:`"),
+                       "(with LoRA or `agents:`, loads the adapters under new names; docs/engines.md)"),
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
