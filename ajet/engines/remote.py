@@ -22,6 +22,13 @@ rule (drop a token when the mass of the likelier ones already reaches top_p) is 
 requests (temperature 0) get argmax tokens; their logprob is under temperature 1 (in an all-greedy batch, of
 the unprocessed distribution), and greedy tokens are not trained on as samples.
 
+Cancelling `generate` (the proxy does when the call's client disconnects or its episode is closed at its time
+limit) closes the request's connection: aiohttp and httpx close a connection whose answer was not read to the
+end instead of returning it to the pool, and vLLM aborts a request whose connection closes, so nothing goes on
+decoding for nobody (tests/test_vllm_faults.py reads vLLM's own /metrics to show it). A connection the server
+refuses (nothing was sent) raises `ServerUnreachable`, on which `ajet.engines.pool.ServerPool` sends the call to
+another server.
+
 `RemoteEngine` checks the mode once, before its first completion: a 1-token probe with top_p = 1e-6 (a nucleus
 of one token) must come back with logprob 0 for the sampled token and -9999 (-inf) for any alternative; a
 `raw_logprobs` server reports the raw values instead, and `generate` raises a RuntimeError naming the flag.
@@ -50,6 +57,11 @@ _CONTEXT_ERROR = re.compile(r"context|max(imum)?[ _-]?(model[ _-]?)?len", re.IGN
 _ID_PREFIX = len("token_id:")
 
 
+class ServerUnreachable(RuntimeError):
+    """The server could not be connected to (refused, unresolvable, connect timeout): the request was never sent,
+    so it may be sent to another server as it is."""
+
+
 class RemoteEngine:
     """Generates through an OpenAI-style completions server that speaks vLLM's token-id extensions.
 
@@ -72,7 +84,10 @@ class RemoteEngine:
         policy_version: the optimizer step of the weights the server holds; the backbone sets it after a
             weight sync. A completion carries the value read when its request was sent.
 
-    Each event loop that calls `generate` gets its own HTTP session (created on first use); `aclose` closes them.
+    Each event loop that calls `generate` gets its own HTTP session (created on first use); `aclose` closes them,
+    and a session whose loop ends first (`asyncio.run` returning, e.g. the proxy's server thread once stopped) is
+    closed by that loop as it ends: a task held open beside the session closes it when `asyncio.run` cancels the
+    tasks still pending.
     """
 
     def __init__(self, base_url: str, model: str, client: Literal["aiohttp", "httpx"] = "aiohttp",
@@ -88,7 +103,8 @@ class RemoteEngine:
         self.max_connections = max_connections
         self.policy_version = 0
         self._mode_checked = not check_logprobs_mode
-        self._sessions: dict[asyncio.AbstractEventLoop, Any] = {}
+        # event loop -> (its HTTP session, the task that closes the session when the loop ends)
+        self._sessions: dict[asyncio.AbstractEventLoop, tuple[Any, asyncio.Task]] = {}
 
     def request_body(self, prompt_ids: list[int], params: SamplingParams, stream: bool) -> dict[str, Any]:
         """The JSON body vLLM's `/v1/completions` receives for one prompt `[prompt_len]`.
@@ -115,7 +131,8 @@ class RemoteEngine:
 
         Raises:
             ValueError: the server answered 400 about the context length (prompt + max_tokens too long).
-            RuntimeError: any other HTTP error status (with a short body), a connection error or timeout,
+            ServerUnreachable (a RuntimeError): no connection could be made (nothing was sent).
+            RuntimeError: any other HTTP error status (with a short body), a connection lost or timed out,
                 a stream cut off or carrying an error, a response without token ids / logprobs, or a server
                 that does not report processed logprobs (see the module docstring).
         """
@@ -154,6 +171,8 @@ class RemoteEngine:
                         if done:
                             break
         except (OSError, asyncio.TimeoutError, self._errors()) as exc:
+            if isinstance(exc, self._connect_errors()):
+                raise ServerUnreachable(f"{self.url} cannot be reached: {type(exc).__name__}: {_cut(str(exc))}") from exc
             raise RuntimeError(f"{self.url} failed: {type(exc).__name__}: {_cut(str(exc))}") from exc
         if error is not None:
             _raise_for_status(*error, self.url)
@@ -178,15 +197,27 @@ class RemoteEngine:
         self._mode_checked = True
 
     async def aclose(self) -> None:
-        """Close the HTTP sessions: this loop's, and those of other loops still running (the proxy's thread)."""
+        """Close the HTTP sessions: this loop's, and those of other loops still running (the proxy's thread) or
+        stopped but not closed; a closed loop closed its session as it ended (see the class docstring)."""
         here = asyncio.get_running_loop()
         sessions, self._sessions = self._sessions, {}
-        for loop, session in sessions.items():
-            close = session.close if self.client == "aiohttp" else session.aclose
+        for loop, (_, keeper) in sessions.items():
             if loop is here:
-                await close()
+                await _finish(keeper)
             elif loop.is_running():
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(close(), loop))
+                with contextlib.suppress(RuntimeError, asyncio.TimeoutError):   # the loop ended meanwhile
+                    await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                        _finish(keeper), loop)), 30)
+            elif not loop.is_closed():
+                await asyncio.to_thread(loop.run_until_complete, _finish(keeper))
+
+    async def _close_when_cancelled(self, session: Any) -> None:
+        """Hold `session` open until this task is cancelled (by `aclose`, or by `asyncio.run` ending its loop),
+        then close it on its own loop."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await (session.close() if self.client == "aiohttp" else session.aclose())
 
     # ---- HTTP -------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -203,8 +234,8 @@ class RemoteEngine:
 
     def _session(self):
         loop = asyncio.get_running_loop()
-        session = self._sessions.get(loop)
-        if session is None:
+        entry = self._sessions.get(loop)
+        if entry is None:
             for old in [lp for lp in self._sessions if lp.is_closed()]:   # loops gone: nothing left to close
                 del self._sessions[old]
             if self.client == "aiohttp":
@@ -216,8 +247,8 @@ class RemoteEngine:
                 n = self.max_connections
                 session = httpx.AsyncClient(timeout=self.timeout_s, limits=httpx.Limits(
                     max_connections=n, max_keepalive_connections=n))
-            self._sessions[loop] = session
-        return session
+            entry = self._sessions[loop] = (session, loop.create_task(self._close_when_cancelled(session)))
+        return entry[0]
 
     def _errors(self) -> type[Exception]:
         """The client library's base class for transport errors."""
@@ -226,6 +257,20 @@ class RemoteEngine:
             return aiohttp.ClientError
         import httpx
         return httpx.HTTPError
+
+    def _connect_errors(self) -> type[Exception]:
+        """The client library's class for a connection that could not be made (no request sent)."""
+        if self.client == "aiohttp":
+            import aiohttp
+            return aiohttp.ClientConnectorError
+        import httpx
+        return httpx.ConnectError
+
+
+async def _finish(task: asyncio.Task) -> None:
+    """Cancel `task` and wait for it to end (its `finally` runs)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _choice(payload: bytes, url: str) -> dict[str, Any] | None:
