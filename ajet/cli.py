@@ -166,7 +166,7 @@ def _gateway_rollback_parser() -> argparse.ArgumentParser:
 
 
 def _gateway_rollback(args: argparse.Namespace) -> int:
-    from ajet.gateway import rollback_main
+    from ajet.commands.gateway import rollback_main
 
     return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
 
@@ -233,7 +233,7 @@ def _harnesses_parser() -> argparse.ArgumentParser:
 
 
 def _init_parser() -> argparse.ArgumentParser:
-    from ajet.init_project import DEFAULT_KIND, kinds
+    from ajet.commands.init import DEFAULT_KIND, kinds
 
     p = argparse.ArgumentParser(prog="ajet init", description="Write a small project that trains as written on the "
                                 "bundled model: a config, the code of one episode, a few tasks and a reward.")
@@ -280,7 +280,7 @@ def _backbone_env(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from ajet.init_project import main as init
+    from ajet.commands.init import main as init
 
     return init(args.directory, args.kind, args.force)
 
@@ -314,14 +314,14 @@ def _harnesses(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ajet.trainer import run
+    from ajet.commands.train import train
 
-    run(_load(args))
+    train(_load(args))
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ajet.serve import serve
+    from ajet.commands.serve import serve
 
     cfg = _load(args, **{"serve.host": args.host, "serve.port": args.port})
     with _server_port(cfg.serve.host, cfg.serve.port, "serve"):
@@ -330,7 +330,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from ajet.gateway import gateway, task_source_overrides
+    from ajet.commands.gateway import gateway
+    from ajet.gateway import task_source_overrides
 
     cfg = _load(args, **{"gateway.host": args.host, "gateway.port": args.port}, **task_source_overrides(args.conf))
     with _server_port(cfg.gateway.host, cfg.gateway.port, "gateway"):
@@ -349,17 +350,17 @@ def _server_port(host: str, port: int, section: str):
 
 
 def _sft(args: argparse.Namespace) -> int:
+    from ajet.commands.sft import sft
     from ajet.gateway import task_source_overrides
-    from ajet.trainer import run
 
     # nothing is generated: a config without a task source (a gateway's) gets the gateway's placeholder
-    run(_load(args, **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward, "sft.agent": args.agent},
+    sft(_load(args, **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward, "sft.agent": args.agent},
               **task_source_overrides(args.conf)))
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ajet.export import export_hf
+    from ajet.commands.export import export_hf
 
     out, rows = export_hf(args.exp_dir, args.out, args.min_reward, args.agent)
     print(f"{rows} samples -> {out} (datasets.load_from_disk)")
@@ -367,7 +368,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from ajet.doctor import main as doctor
+    from ajet.commands.doctor import main as doctor
 
     try:
         return doctor(args.model, args.chat_template)
@@ -377,7 +378,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _eval(a: argparse.Namespace) -> int:
-    from ajet.eval import main as evaluate
+    from ajet.commands.eval import main as evaluate
 
     try:
         out = evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone)

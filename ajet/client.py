@@ -79,23 +79,28 @@ class _EpisodeData:
 
 
 class Episode(_EpisodeData):
-    """A running episode (sync). Attributes: `episode_id`, `episode_token` (the episode's own secret: only
-    the client holding it can finish, abort or heartbeat the episode), `task` (dict: task_id, query, answer, metadata),
+    """A running episode. Attributes: `episode_id`, `episode_token` (the episode's own secret: only the client
+    holding it can finish, abort or heartbeat the episode), `task` (dict: task_id, query, answer, metadata),
     `base_url` / `api_key` (OpenAI-compatible, record every call), `model`, `group_id`, `idle_timeout_s`
-    (the server abandons the episode after this long without a call or heartbeat), `policy_version`."""
+    (the server abandons the episode after this long without a call or heartbeat), `policy_version`.
 
-    _client: AjetClient
+    One implementation for both clients: an `AjetClient`'s episode (this class) calls the server at once, an
+    `AsyncAjetClient`'s (`AsyncEpisode`) returns each call as a coroutine to await.
+    """
+
+    _client: AjetClient | AsyncAjetClient
+    _asynchronous = False
 
     def openai(self, **kwargs):
-        """An `openai.OpenAI` client bound to this episode (kwargs go to its constructor; without `http_client`
-        it shares the process's TLS context, `ajet.tls`)."""
-        from openai import OpenAI
+        """An `openai.OpenAI` client (`openai.AsyncOpenAI` for an `AsyncEpisode`) bound to this episode (kwargs go
+        to its constructor; without `http_client` it shares the process's TLS context, `ajet.tls`)."""
+        from openai import AsyncOpenAI, OpenAI
 
         from ajet.tls import openai_http_client
 
         if "http_client" not in kwargs:
-            kwargs["http_client"] = openai_http_client(asynchronous=False)
-        return OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+            kwargs["http_client"] = openai_http_client(asynchronous=self._asynchronous)
+        return (AsyncOpenAI if self._asynchronous else OpenAI)(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def finish(self, reward: float | None = None, final_answer: str | None = None,
                metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
@@ -109,10 +114,7 @@ class Episode(_EpisodeData):
                 seconds without a call or heartbeat, aborted, or the server restarted).
             httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
-        out = self._client._end(self.episode_id, self.episode_token, "finish",
-                                _finish_body(reward, final_answer, metadata, metrics))
-        self.finished = True
-        return out
+        return self._end("finish", _finish_body(reward, final_answer, metadata, metrics))
 
     def fail(self, error: str) -> dict[str, Any]:
         """End the episode as failed (recorded with `error`, never trained on).
@@ -121,9 +123,7 @@ class Episode(_EpisodeData):
             EpisodeGone: the server no longer knows the episode. AjetClientError: any other refusal (a 4xx).
             httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
-        out = self._client._end(self.episode_id, self.episode_token, "finish", {"error": error})
-        self.finished = True
-        return out
+        return self._end("finish", {"error": error})
 
     def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
         """Give the episode up: recorded with `reason`, never trained on; its task goes to another client.
@@ -132,9 +132,7 @@ class Episode(_EpisodeData):
             EpisodeGone: the server no longer knows the episode. AjetClientError: any other refusal (a 4xx).
             httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
-        out = self._client._end(self.episode_id, self.episode_token, "abort", {"reason": reason})
-        self.finished = True
-        return out
+        return self._end("abort", {"reason": reason})
 
     def heartbeat(self) -> None:
         """Tell the server the episode is alive (needed only for work longer than `idle_timeout_s` seconds
@@ -144,44 +142,34 @@ class Episode(_EpisodeData):
             EpisodeGone: the server no longer knows the episode. AjetClientError: any other refusal (a 4xx).
             httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
-        self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {}, token=self.episode_token)
+        return self._then(self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {},
+                                             token=self.episode_token), lambda _: None)
+
+    def _end(self, how: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST `how` ("finish" or "abort") with `body`; the episode is finished once the server answered."""
+        def ended(out: dict[str, Any]) -> dict[str, Any]:
+            self.finished = True
+            return out
+
+        return self._then(self._client._end(self.episode_id, self.episode_token, how, body), ended)
+
+    def _then(self, out: Any, after: Any) -> Any:
+        """`after(out)`: at once for a sync client's answer `out`; for an async client's (a coroutine), a coroutine
+        that awaits it first."""
+        if not self._asynchronous:
+            return after(out)
+
+        async def awaited() -> Any:
+            return after(await out)
+
+        return awaited()
 
 
-class AsyncEpisode(_EpisodeData):
-    """A running episode (async); see `Episode`."""
+class AsyncEpisode(Episode):
+    """A running episode of an `AsyncAjetClient`: `Episode`'s methods as coroutines (`await ep.finish(...)`), and
+    `openai()` an `openai.AsyncOpenAI`."""
 
-    _client: AsyncAjetClient
-
-    def openai(self, **kwargs):
-        """An `openai.AsyncOpenAI` client bound to this episode (kwargs go to its constructor; without `http_client`
-        it shares the process's TLS context, `ajet.tls`)."""
-        from openai import AsyncOpenAI
-
-        from ajet.tls import openai_http_client
-
-        if "http_client" not in kwargs:
-            kwargs["http_client"] = openai_http_client()
-        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-
-    async def finish(self, reward: float | None = None, final_answer: str | None = None,
-                     metadata: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, self.episode_token, "finish",
-                                      _finish_body(reward, final_answer, metadata, metrics))
-        self.finished = True
-        return out
-
-    async def fail(self, error: str) -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, self.episode_token, "finish", {"error": error})
-        self.finished = True
-        return out
-
-    async def abort(self, reason: str = "aborted by the client") -> dict[str, Any]:
-        out = await self._client._end(self.episode_id, self.episode_token, "abort", {"reason": reason})
-        self.finished = True
-        return out
-
-    async def heartbeat(self) -> None:
-        await self._client._call("POST", f"{API}/episodes/{self.episode_id}/heartbeat", {}, token=self.episode_token)
+    _asynchronous = True
 
 
 def _finish_body(reward, final_answer, metadata, metrics) -> dict[str, Any]:

@@ -79,14 +79,14 @@ class Episode:
     def from_dict(cls, record: dict[str, Any]) -> Episode:
         """The episode of a stored `to_dict()` record (samples are left out: the tracker rebuilds them from
         the calls). `record["attempt"]`, when present, sets `attempt`."""
-        from ajet.llm_call import LLMCall, SamplingParams
+        from ajet.llm_call import LLMCall
         from ajet.task import Task
         from ajet.workflow import WorkflowOutput
 
         out = record.get("output")
         return cls(episode_id=record["episode_id"], task=Task(**record["task"]), group_id=record["group_id"],
                    repeat_index=record["repeat_index"],
-                   calls=[LLMCall(**{**c, "sampling": SamplingParams(**c["sampling"])}) for c in record["calls"]],
+                   calls=[LLMCall.from_dict(c) for c in record["calls"]],
                    output=None if out is None else WorkflowOutput(reward=record.get("reward"), **out),
                    reward=record.get("reward"), error=record.get("error"), duration_s=record.get("duration_s", 0.0),
                    attempt=record.get("attempt", 0))

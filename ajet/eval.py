@@ -40,7 +40,6 @@ from typing import Any, Callable
 from ajet import progress
 from ajet.config import AjetConfig
 from ajet.episode import Episode
-from ajet.errors import ConfigError
 from ajet.failures import failure_counts, failure_lines, failure_summary
 from ajet.heap import trim_free_memory
 from ajet.llm_call import SamplingParams
@@ -247,85 +246,3 @@ def result_line(step: int, metrics: dict[str, float], first_step: int, first: di
         parts.append(f"{k} {first[k]:.3f} -> {metrics[k]:.3f}" if later and k in first else f"{k} {metrics[k]:.3f}")
     parts.append(f"failed {metrics['failed']:.0f}/{metrics['episodes']:.0f}")
     return f"held-out at step {step}{f' (vs step {first_step})' if later else ''}: " + " | ".join(parts)
-
-
-def _checkpoint_folder(path: str) -> Path:
-    """A Hugging Face weights folder from `--checkpoint`: a `checkpoints/step_N` folder, or an experiment
-    folder (its newest checkpoint). Raises ConfigError when neither."""
-    from ajet import checkpoint
-
-    p = Path(path).expanduser()
-    if any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin")):
-        return p
-    newest = checkpoint.latest(p) if p.is_dir() else None
-    if newest is None:
-        raise ConfigError(f"--checkpoint {path}: not a checkpoint folder (no *.safetensors weights) nor an experiment "
-                          f"folder with checkpoints/step_N")
-    return newest
-
-
-def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None, data: str | None = None,
-         n: int | None = None, temperature: float | None = None, out: str | None = None,
-         backbone: str | None = None) -> Path:
-    """`ajet eval`: evaluate the config's workflow on held-out tasks; returns the output folder.
-
-    The policy is the config's `model.path`, or `model` (any model path), or the weights of
-    `checkpoint_dir`. Tasks: `data`, else `data.val_path`. Output (default `<exp_dir>/eval/<model name>`):
-    eval.jsonl, eval_trajectories.jsonl, eval_metrics.json; the summary is printed, and for an invalid
-    evaluation (more than `eval.max_failed_frac` of the episodes failed) why, without scores (`valid` 0 in
-    eval_metrics.json: the CLI then exits with status 1).
-
-    Raises:
-        ConfigError: both a checkpoint and a model, no task file, a bad checkpoint folder, bad config, a
-            setting the backbone does not honour (`ajet.backbones.capabilities.check_supported`).
-    """
-    from rich.console import Console
-    from rich.table import Table
-
-    from ajet.backbones import load_backbone
-    from ajet.backbones.capabilities import check_supported
-    from ajet.config import load_config
-    from ajet.judges import load_judge
-    from ajet.rollout.in_process import load_workflow
-    from ajet.tasks import load_tasks, task_source_name
-    from ajet.tools.mcp_hub import McpHub
-
-    if checkpoint_dir and model:
-        raise ConfigError("give either --checkpoint or --model, not both")
-    overrides: dict[str, Any] = {k: v for k, v in (("eval.n", n), ("eval.temperature", temperature),
-                                                   ("backbone", backbone)) if v is not None}
-    if checkpoint_dir or model:
-        overrides["model.path"] = str(_checkpoint_folder(checkpoint_dir)) if checkpoint_dir else model
-    cfg = load_config(conf, overrides, mode="eval")
-    check_supported(cfg)   # a setting the backbone does not honour: refused before the tasks and model load
-    if not (data or cfg.data.val_path or cfg.data.generator or cfg.data.env_service):
-        raise ConfigError(f"{conf}: no held-out tasks: pass --data PATH or set data.val_path")
-    tasks = load_tasks(cfg, "val", data)
-    workflow = load_workflow(cfg)
-    judge = load_judge(cfg)
-    out_dir = Path(out) if out else cfg.exp_path() / "eval" / Path(cfg.model.path).name
-    console = progress.unwrapped_when_piped(Console(highlight=False))
-    progress.configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)
-    progress.note(console, f"[bold]ajet eval[/] {cfg.experiment_name}: model={cfg.model.path} tasks={len(tasks)} "
-                           f"n={cfg.eval.n} temperature={cfg.eval.temperature}{' (greedy)' if cfg.eval.temperature == 0 else ''}")
-    bb = load_backbone(cfg.backbone)(cfg)
-    tools = McpHub(cfg.tools, cfg.config_dir, out_dir).start() if cfg.tools.mcp_servers else None
-    try:
-        t0 = time.perf_counter()
-        result = evaluate(cfg, bb.engine, bb.tokenizer, workflow, judge, tasks, tools=tools)
-    finally:
-        if tools is not None:
-            tools.stop()
-        bb.close()
-    result.metrics["time_s"] = time.perf_counter() - t0
-    write_result(result, out_dir)
-    table = Table("metric", "value", title=f"eval on {data or task_source_name(cfg, 'val')}")
-    for k, v in result.metrics.items():
-        table.add_row(k, f"{v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")
-    console.print(table)
-    if not result.valid:
-        console.print(f"[bold red]{result.invalid_reason(cfg.eval.max_failed_frac)}[/]")
-        for line in failure_lines(result.episodes):
-            console.print(f"  {line}", markup=False, highlight=False)
-    console.print(f"per-task table: {out_dir / 'eval.jsonl'}")
-    return out_dir

@@ -7,7 +7,7 @@ saw and sampled (token-in-token-out): nothing here is ever re-tokenized from tex
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -51,6 +51,13 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """The parameters of a stored `asdict()` form (JSON: `stop` as a list); keys this version does not know
+        are dropped, missing ones take their defaults (None: all defaults)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: (tuple(v) if k == "stop" else v) for k, v in (d or {}).items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -150,5 +157,16 @@ class LLMCall:
     token_versions: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form (used for trajectories.jsonl)."""
+        """JSON-serialisable form (used for trajectories.jsonl, trajectories.sqlite and gateway.sqlite)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LLMCall:
+        """The call of a stored `to_dict()` form. Keys this version does not know are dropped and missing optional
+        ones take their defaults, so a record written by an older or newer ajet still reads.
+
+        Raises:
+            TypeError: a required field (call_id, ..., policy_version) is missing.
+        """
+        known = {f.name for f in fields(cls)} - {"sampling"}
+        return cls(**{k: v for k, v in d.items() if k in known}, sampling=SamplingParams.from_dict(d.get("sampling")))

@@ -1,13 +1,14 @@
 """The training loop, the only one: a rollout source yields finished episodes -> merge into samples ->
 GRPO advantages -> backbone update -> ledger -> log -> checkpoint.
 
-    source = make_source(ctx)                                 # in-process workflow, or `ajet serve`'s clients
-                                                              # (wrapped by DynamicSampling when enabled)
+    rollout = mode.setup(ctx)                                 # the run mode's (ajet/rollout RunMode): in-process
+    source = rollout.source                                   # workflow, `ajet serve`'s clients, the gateway's
+                                                              # sessions, recorded samples (sft)
     for step in first_step..total_steps:
         episodes = source.collect(step)                       # complete GRPO groups, each committed to the store
         samples  = merge_calls(episode.calls) for each episode   # context tracker
         advantage per episode = adv_estimator over its task group  # shared by the episode's samples
-        backbone.update(samples)                                  # the engine serves the new weights
+        rollout.update.update(backbone, samples)                  # the engine serves the new weights
         store.mark_trained(step, attempt, episodes, left_out)     # the ledger: which update used which episode,
                                                                   # and why the others were left out
 """
@@ -18,7 +19,6 @@ import logging
 import random
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,24 +34,25 @@ from ajet.failures import failure_counts, failure_lines, failure_message, failur
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
 from ajet.progress import fmt_duration
-from ajet.task import Task
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
 
 if TYPE_CHECKING:
-    from ajet.rollout import RolloutContext, RolloutSource
+    from ajet.metrics_log import MetricsLogger
+    from ajet.proxy.server import ProxyServer
+    from ajet.rollout import Rollout, RolloutSource, RunMode
+    from ajet.tools.mcp_hub import McpHub
+    from ajet.trajectory_store import TrajectoryStore
 
 
-def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] | None = None,
-        port: int = 0) -> Path:
+def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     """Train as `cfg` says; returns the experiment folder (metrics.jsonl, trajectories.jsonl,
     trajectories.sqlite, checkpoints/). With `trainer.resume`, continues from the newest checkpoint.
 
     Args:
         cfg: the experiment.
-        make_source: builds the rollout source from a `RolloutContext` (default: the in-process workflow,
-            `InProcessRollout.from_context`; `ajet serve` passes its episode queue).
-        port: the proxy's port (0: a free one).
+        mode: what the command trains with (`ajet.rollout.RunMode`: datasets, rollout source, update policy, what
+            follows the last step, port); default `ajet.rollout.in_process.in_process_mode()`.
     Raises:
         ConfigError: a setting `cfg.backbone` does not honour (`ajet.backbones.capabilities.check_supported`),
             before anything runs.
@@ -62,102 +63,255 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
     """
     import torch
 
-    from ajet.algorithm.advantage import assign_advantages
     from ajet.backbones import load_backbone
     from ajet.backbones.capabilities import check_supported
     from ajet.eval import Validator
-    from ajet.metrics_log import MetricsLogger, alert_console, run_console
-    from ajet.progress import RunEta, configure, note, phase, quiet, reporter
-    from ajet.proxy.server import ProxyServer
+    from ajet.metrics_log import alert_console, run_console
+    from ajet.progress import RunEta, configure, note, quiet
     from ajet.rollout import RolloutContext
-    from ajet.rollout.dynamic_sampling import DynamicSampling
-    from ajet.rollout.in_process import InProcessRollout
-    from ajet.tools.episode_tools import tool_metrics
-    from ajet.tools.mcp_hub import McpHub
-    from ajet.tracker import merge_calls
+    from ajet.rollout.in_process import in_process_mode
     from ajet.trajectory_store import TrajectoryStore
 
+    mode = mode or in_process_mode()
     check_supported(cfg)   # a setting the backbone does not honour: refused before anything runs or is written
     exp_dir = cfg.exp_path()
     _check_exp_dir(exp_dir, cfg.trainer.resume)
-    random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    datasets = _read_datasets(cfg)
+    random.seed(cfg.trainer.seed), torch.manual_seed(cfg.trainer.seed)
+    datasets = mode.read_datasets(cfg)
     backbone_cls = load_backbone(cfg.backbone)
 
-    # resume: continue after the newest checkpoint (or from scratch when the run died before its first);
-    # what the interrupted attempt logged after that checkpoint is dropped, what it stored stays, marked
-    # abandoned by this attempt's `resumed_from_step`
-    resume_from = checkpoint.latest(exp_dir) if cfg.trainer.resume else None
-    state = checkpoint.load_trainer_state(resume_from) if resume_from is not None else None
-    resumed_step = state["step"] if state else 0
+    resume_from, state, resumed_step = _resume_point(cfg, exp_dir)
     first_step, total = resumed_step + 1, cfg.trainer.total_steps
     # nothing is written into a new experiment folder before the run can start (workflow, judge, held-out tasks
     # and model loaded): a mistake leaves no run behind that the corrected command would need --resume for
     store_path = exp_dir / "trajectories.sqlite"
     store = TrajectoryStore(store_path) if store_path.exists() else None   # (only a resumed run has one)
     attempt = store.begin_attempt(resumed_step) if store is not None else 0   # a new store's first attempt is 0
-    loggers = cfg.trainer.active_loggers()
-    console = run_console(loggers)
+    console = run_console(cfg.trainer.active_loggers())
     configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)   # ajet/progress.py
-    log: MetricsLogger | None = None
-    source: Any = None
     progress: list[Callable[..., None]] = [lambda status=None: None]
     collecting = [first_step]                     # the step whose progress bar is shown
+    rollout: Rollout | None = None
 
     def record(step: int, ep: Episode) -> None:   # every finished episode: durable before training uses it
         store.add_episode(step, ep.attempt, ep.to_dict())
         kill_point("rollout", step)
         if step == collecting[0]:                 # (asynchronous training also finishes later steps' episodes)
-            progress[0](_live_status(source.metrics(), ep))
+            progress[0](rollout.live_status(ep) if rollout.live_status is not None else "")
 
     ctx = RolloutContext(cfg, datasets, store, attempt, first_step, record, console)
     try:
-        default_source = InProcessRollout.from_context
-        if cfg.sft is not None:   # fine-tuning on a finished run's recorded samples (ajet/sft.py): nothing is generated
-            from ajet.sft import RecordedSource
-
-            default_source = RecordedSource.from_context
-        source = (make_source or default_source)(ctx)   # loads the workflow: fails before the model
-        if cfg.algorithm.dynamic_sampling.enabled and cfg.sft is None:   # refills the step's groups with signal (DAPO)
-            source = DynamicSampling(source, cfg)
+        rollout = mode.setup(ctx)   # loads the workflow: fails before the model
+        source = rollout.source
         # held-out val/* at step 0 and every trainer.val_freq steps (never trained on): its tasks load now
-        validate = Validator(cfg, None, getattr(source, "workflow", None), getattr(source, "judge", None), None,
-                             console, alerts=alert_console(console))
+        validate = Validator(cfg, None, rollout.workflow, rollout.judge, None, console, alerts=alert_console(console))
         if state is not None:
             source.load_state_dict(state["rollout"])
             random.setstate(state["python_rng"])
             torch.set_rng_state(state["torch_rng"])
-        note(console, f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path} "
-                      f"tasks={' + '.join(f'{len(t)} ({n})' for n, t in datasets.items())} -> {exp_dir}")
+        note(console, _start_line(cfg, datasets, exp_dir))
         t_load = time.perf_counter()
         backbone = backbone_cls(cfg)
     except BaseException:
-        if source is not None:
-            source.close()
-        if store is not None:
-            store.close()
+        for closing in ((rollout.source.close,) if rollout else ()) + ((store.close,) if store is not None else ()):
+            closing()
         raise
-    try:   # the run can start: its files
+    store, log = _open_run(cfg, exp_dir, store, attempt, resume_from, first_step, console, source, backbone)
+    ctx.store, validate.backbone = store, backbone
+    proxy = _proxy(cfg, backbone, mode.port)
+    rollout.update.attach(backbone)   # before the proxy serves (the gateway's gate checkpoints and rolls back)
+    source.bind(proxy)
+    proxy.start()
+    note(console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
+    if mode.server and quiet():   # a server's address is not a status line: printed even with --quiet
+        console.print(f"proxy on {proxy.url}", markup=False, highlight=False)
+    failed_in_a_row, trained_steps = 0, 0
+    alerts = alert_console(console)   # failure lines print even without the console logger
+    seen_errors: set[tuple[str, str]] = set()   # each distinct error is spelt out once per run
+    try:
+        ctx.tools = validate.tools = _start_tools(cfg, exp_dir, console)   # stopped by _close_run
+        if first_step == 1:
+            _first_validation(cfg, validate, log, exp_dir)
+        eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
+        for step in range(first_step, total + 1):
+            t0, gen0 = time.perf_counter(), _generated(backbone)
+            collecting[0] = step
+            episodes = _collect(cfg, step, source, backbone, progress)
+            kill_point("stored", step)
+            rollout_s = time.perf_counter() - t0
+            usable = _usable(cfg, step, episodes, alerts, seen_errors, exp_dir)
+            if (check_engine := getattr(backbone.engine, "raise_if_failed", None)) is not None:
+                check_engine()        # a vLLM server that died stops the run here, in one line naming its log
+            failed_in_a_row = 0 if usable else failed_in_a_row + 1
+            trained_steps += bool(usable)
+            if failed_in_a_row >= cfg.trainer.max_failed_steps:
+                raise AjetError(_no_usable_episode(f"{failed_in_a_row} steps in a row produced no usable episode "
+                                                   f"(trainer.max_failed_steps): the run stops", episodes, cfg, exp_dir))
+            trained = _train_step(cfg, step, attempt, episodes, usable, backbone, store, rollout)
+            metrics = {**_step_metrics(episodes, rollout_s, _generated(backbone) - gen0), **trained,
+                       **source.metrics(), "time/step_s": time.perf_counter() - t0,
+                       "policy_version": backbone.engine.policy_version, **validate(step)}
+            _log_step(cfg, step, metrics, episodes, log)
+            extra = rollout.step_line(metrics) if rollout.step_line is not None else ""
+            console.print(_console_line(step, total, metrics, eta.step_done(step), extra))
+            if step == total and not trained_steps:   # it ends because its episodes fail: an error, no checkpoint
+                n = total - first_step + 1
+                raise AjetError(_no_usable_episode(f"the run trained nothing: no episode of its {n} step"
+                                                   f"{'s' * (n != 1)} was usable", episodes, cfg, exp_dir))
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
+                _save(exp_dir, step, attempt, backbone, source)
+        rollout.after_training()
+    finally:
+        _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log)
+    return exp_dir
+
+
+def _start_line(cfg: AjetConfig, datasets: dict[str, list[Any]], exp_dir: Path) -> str:
+    """The run's first status line: experiment, backbone, model, the datasets' sizes (when the mode has any), folder."""
+    tasks = f" tasks={' + '.join(f'{len(t)} ({n})' for n, t in datasets.items())}" if datasets else ""
+    return f"[bold]ajet[/] {cfg.experiment_name}: backbone={cfg.backbone} model={cfg.model.path}{tasks} -> {exp_dir}"
+
+
+def _start_tools(cfg: AjetConfig, exp_dir: Path, console: Any) -> McpHub | None:
+    """The run's MCP servers (`tools.mcp_servers`), started, their tools named on `console`; None without any."""
+    from ajet.progress import note
+    from ajet.tools.mcp_hub import McpHub
+
+    if not cfg.tools.mcp_servers:
+        return None
+    hub = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
+    note(console, f"MCP tools: {', '.join(t['function']['name'] for t in hub.schemas)}")
+    return hub
+
+
+def _collect(cfg: AjetConfig, step: int, source: RolloutSource, backbone: Any,
+             progress: list[Callable[..., None]]) -> list[Episode]:
+    """`source.collect(step)` under the step's progress bar: `progress[0](status)`, called by the trainer's `record`
+    for each finished episode of the step, advances it (with the tokens generated since the step began)."""
+    from ajet.progress import phase
+
+    total, gen0 = cfg.trainer.total_steps, _generated(backbone)
+    with phase(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * cfg.rollout.num_repeat) as bar:
+        progress[0] = lambda status=None: bar.advance(1, status=status, tokens=_generated(backbone) - gen0)
+        episodes = source.collect(step)
+        progress[0] = lambda status=None: None
+    return episodes
+
+
+def _save(exp_dir: Path, step: int, attempt: int, backbone: Any, source: RolloutSource) -> None:
+    """The checkpoint after `step` (ajet/checkpoint.py): the backbone's weights and the trainer state (step, attempt,
+    the source's state, the Python and torch random states)."""
+    import torch
+
+    checkpoint.save(exp_dir, step, backbone, {
+        "step": step, "attempt": attempt, "rollout": source.state_dict(step),
+        "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
+
+
+def _resume_point(cfg: AjetConfig, exp_dir: Path) -> tuple[Path | None, dict[str, Any] | None, int]:
+    """(the checkpoint to resume from, its trainer state, its step); (None, None, 0) without `trainer.resume` or
+    before a first checkpoint. A resumed run continues after that checkpoint (or from scratch when the run died
+    before its first); what the interrupted attempt logged after it is dropped, what it stored stays, marked
+    abandoned by the new attempt's `resumed_from_step`."""
+    resume_from = checkpoint.latest(exp_dir) if cfg.trainer.resume else None
+    state = checkpoint.load_trainer_state(resume_from) if resume_from is not None else None
+    return resume_from, state, state["step"] if state else 0
+
+
+def _generated(backbone: Any) -> int:
+    """Tokens the backbone's engine generated so far (0 for an engine that does not count them)."""
+    return getattr(backbone.engine, "generated_tokens", 0)
+
+
+def _first_validation(cfg: AjetConfig, validate: Any, log: MetricsLogger, exp_dir: Path) -> None:
+    """The held-out evaluation before step 1 (when validation is on), logged at step 0.
+
+    Raises:
+        AjetError: it is invalid (too many failed episodes) and `trainer.stop_on_invalid_eval` is set.
+    """
+    if not (val := validate(0)):
+        return
+    log.log(0, val)
+    if not val.get("val/valid", 1.0) and cfg.trainer.stop_on_invalid_eval:
+        raise AjetError(f"the held-out evaluation before step 1 is invalid (above): its failures, not the "
+                        f"policy, would set every later score. Fix what the episodes fail on (each is in "
+                        f"{exp_dir / 'val' / 'step_0'}), raise eval.max_failed_frac, or set "
+                        f"trainer.stop_on_invalid_eval: false to train on")
+
+
+def _log_step(cfg: AjetConfig, step: int, metrics: dict[str, Any], episodes: list[Episode],
+              log: MetricsLogger) -> None:
+    """A finished step's `metrics` into metrics.jsonl (and the loggers), its episodes into trajectories.jsonl
+    (`trainer.save_trajectories`)."""
+    log.log(step, metrics)
+    if cfg.trainer.save_trajectories:
+        for e in episodes:
+            log.write_episode(step, e.to_dict())
+        log.flush()
+
+
+def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, proxy: ProxyServer, backbone: Any,
+               store: TrajectoryStore, log: MetricsLogger) -> None:
+    """Close what a started run holds, in order (source, MCP servers, proxy, backbone, store, logger, live
+    display), then write EXP_DIR/plots/*.png (also after a failed run)."""
+    from ajet.progress import quiet, reporter
+    from ajet.viewer.plots import write_plots_safely
+
+    source.close()
+    if tools is not None:
+        tools.stop()
+    proxy.stop()
+    backbone.close()
+    store.close()
+    log.close()
+    reporter().close()   # a phase an error left open: its live display stops
+    write_plots_safely(exp_dir, None if quiet() else console)
+
+
+def _open_run(cfg: AjetConfig, exp_dir: Path, store: TrajectoryStore | None, attempt: int,
+              resume_from: Path | None, first_step: int, console: Any, source: RolloutSource,
+              backbone: Any) -> tuple[TrajectoryStore, MetricsLogger]:
+    """The run can start: its folder, trajectory store (a new one begins its first attempt), metrics logger and
+    config.json; on resume, the logs truncated to the checkpoint's step, the backbone loaded from it and a line
+    saying so. On any error the source, backbone, store and logger are closed before it propagates.
+
+    Returns:
+        (the trajectory store, the metrics logger).
+    """
+    from ajet.metrics_log import MetricsLogger
+    from ajet.progress import note
+    from ajet.trajectory_store import TrajectoryStore
+
+    log: MetricsLogger | None = None
+    resumed_step = first_step - 1
+    try:
         exp_dir.mkdir(parents=True, exist_ok=True)
         if store is None:
-            store = ctx.store = TrajectoryStore(store_path)
+            store = TrajectoryStore(exp_dir / "trajectories.sqlite")
             store.begin_attempt(resumed_step)
         if cfg.trainer.resume:   # before the logger opens them: it appends to whatever file is there
             for name in ("metrics.jsonl", "trajectories.jsonl"):
                 checkpoint.truncate_jsonl(exp_dir / name, resumed_step or -1)   # from the start: step 0 runs again
-        log = MetricsLogger(exp_dir, first_step=first_step, loggers=loggers, run_config=cfg, console=console)
+        log = MetricsLogger(exp_dir, first_step=first_step, loggers=cfg.trainer.active_loggers(), run_config=cfg,
+                            console=console)
         (exp_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         if resume_from is not None:
             backbone.load_checkpoint(resume_from)
     except BaseException:
-        for closing in (source.close, backbone.close, store.close, *((log.close,) if log is not None else ())):
+        for closing in (source.close, backbone.close, *((store.close,) if store is not None else ()),
+                        *((log.close,) if log is not None else ())):
             closing()
         raise
-    validate.backbone = backbone
     if cfg.trainer.resume:
         note(console, f"resumed from {resume_from or 'the start (no checkpoint yet)'} (attempt {attempt}); "
                       f"next step {first_step}")
+    return store, log
+
+
+def _proxy(cfg: AjetConfig, backbone: Any, port: int) -> ProxyServer:
+    """The run's recording proxy over `backbone`'s engine (created, not started), on `port` (0: a free one)."""
+    from ajet.proxy.server import ProxyServer
+
     r = cfg.rollout
     proxy = ProxyServer(backbone.engine, backbone.tokenizer,
                         SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
@@ -166,156 +320,81 @@ def run(cfg: AjetConfig, make_source: Callable[[RolloutContext], RolloutSource] 
                         accepted_models=cfg.proxy.accepted_models, retry_after_s=cfg.proxy.retry_after_s,
                         seed=cfg.trainer.seed)
     proxy.port = port
-    if hasattr(source, "attach_backbone"):   # the gateway's evaluation gate and rollbacks (ajet/gateway/gate.py)
-        source.attach_backbone(backbone)
-    source.bind(proxy)
-    proxy.start()
-    note(console, f"model loaded in {time.perf_counter() - t_load:.1f}s; proxy on {proxy.url}")
-    if quiet() and make_source is not None:   # a server (ajet serve / gateway): its address is not a status line
-        console.print(f"proxy on {proxy.url}", markup=False, highlight=False)
-    failed_in_a_row, trained_steps = 0, 0
-    alerts = alert_console(console)   # failure lines print even without the console logger
-    seen_errors: set[tuple[str, str]] = set()   # each distinct error is spelt out once per run
-    try:
-        if cfg.tools.mcp_servers:   # started once per run; stopped below
-            ctx.tools = McpHub(cfg.tools, cfg.config_dir, exp_dir).start()
-            note(console, f"MCP tools: {', '.join(t['function']['name'] for t in ctx.tools.schemas)}")
-        validate.tools = ctx.tools
-        if first_step == 1 and (val := validate(0)):
-            log.log(0, val)
-            if not val.get("val/valid", 1.0) and cfg.trainer.stop_on_invalid_eval:
-                raise AjetError(f"the held-out evaluation before step 1 is invalid (above): its failures, not the "
-                                f"policy, would set every later score. Fix what the episodes fail on (each is in "
-                                f"{exp_dir / 'val' / 'step_0'}), raise eval.max_failed_frac, or set "
-                                f"trainer.stop_on_invalid_eval: false to train on")
-        eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
-        for step in range(first_step, total + 1):
-            t0 = time.perf_counter()
-            gen0 = getattr(backbone.engine, "generated_tokens", 0)
-            with phase(f"step {step}/{total} rollout", cfg.trainer.tasks_per_step * r.num_repeat) as bar:
-                progress[0] = lambda status=None, bar=bar, gen0=gen0: bar.advance(
-                    1, status=status, tokens=getattr(backbone.engine, "generated_tokens", 0) - gen0)
-                collecting[0] = step
-                episodes = source.collect(step)
-                progress[0] = lambda status=None: None
-            kill_point("stored", step)
-            rollout_s = time.perf_counter() - t0
-            usable = _trainable(episodes, r.failed_episode_policy)
-            if lost := failure_summary(episodes, more_than=0.5):    # most of the step lost: say why
-                alerts.print(f"[bold red]step {step}: {lost}[/] (every error is in {exp_dir / 'trajectories.sqlite'})")
-            for line in failure_lines(episodes, seen_errors):      # a new error: its message and the user's frame
-                alerts.print(f"  {line}", markup=False, highlight=False)
-            if (check_engine := getattr(backbone.engine, "raise_if_failed", None)) is not None:
-                check_engine()        # a vLLM server that died stops the run here, in one line naming its log
-            failed_in_a_row = 0 if usable else failed_in_a_row + 1
-            trained_steps += bool(usable)
-            if failed_in_a_row >= cfg.trainer.max_failed_steps:
-                raise AjetError(_no_usable_episode(
-                    f"{failed_in_a_row} steps in a row produced no usable episode (trainer.max_failed_steps): the run "
-                    f"stops", episodes, r.failed_episode_policy, exp_dir))
-            # recorded samples (sft) carry another run's policy versions: no staleness bound applies to them
-            max_staleness = cfg.trainer.async_.max_staleness if cfg.sft is None else None
-            guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version,
-                                            max_staleness)
-            for e in usable:
-                # a guarded episode's ids may not even decode: no samples; recorded samples (sft) train as stored
-                if id(e) not in guarded and (cfg.sft is None or not e.samples):
-                    # with an adapter per role (`agents:`) each role's samples form their own GRPO groups
-                    e.samples = merge_calls(e.calls, e.group_id, cfg.algorithm.group_by_agent_tag or bool(cfg.agents),
-                                            cfg.algorithm.train_greedy_calls)
-            trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
-            samples = _trained_samples(trainable, cfg.algorithm.trainable_targets)
-            # asynchronous training: a sample with a token older than max_staleness versions is never trained
-            # (stale_policy "flag": they are trained, importance-corrected, and only counted by the guard)
-            samples, staleness = _drop_stale(samples, backbone.engine.policy_version,
-                                             max_staleness if cfg.algorithm.guards.stale_policy == "drop" else None)
-            # every usable episode is in its group's baseline, with or without a trained sample
-            assign_advantages(samples, {e.episode_id: e.reward for e in usable},
-                              {e.episode_id: e.group_id for e in usable},
-                              cfg.algorithm.adv_eps, cfg.algorithm.norm_adv_by_std, cfg.algorithm.adv_estimator)
-            used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
-            store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in usable for s in e.samples])
-            backbone.sleep_rollout()           # rollout servers may free their memory for the update
-            # the gateway updates through its evaluation gate: a refused policy is never served (ajet/gateway/gate.py)
-            train = source.gated_update(backbone, samples) if hasattr(source, "gated_update") else backbone.update(samples)
-            backbone.wake_rollout()            # ... and serve the new weights
-            kill_point("update", step)
-            store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable],
-                               _left_out(episodes, trainable))
-            kill_point("trained", step)
-            source.step_done(step)
-            metrics = _step_metrics(episodes, rollout_s, getattr(backbone.engine, "generated_tokens", 0) - gen0)
-            metrics["tracker/trained_samples"] = len(samples)
-            metrics.update(guard_metrics, **{"guards/empty_loss_samples": empty_loss_samples(samples)})
-            metrics.update(staleness)
-            metrics.update(tool_metrics(episodes))
-            metrics.update({k if "/" in k else f"train/{k}": v for k, v in train.items()})   # e.g. distill/kl as is
-            metrics["rollout/trained_episodes"] = len(trainable)
-            if cfg.agents:   # an adapter per role: each role's reward and samples (its loss: train/<adapter>/...)
-                metrics.update(role_metrics(episodes, samples))
-            for _, _, why in _left_out(episodes, trainable):
-                metrics[f"rollout/not_trained/{why}"] = metrics.get(f"rollout/not_trained/{why}", 0) + 1
-            metrics.update(source.metrics())
-            metrics["time/step_s"] = time.perf_counter() - t0
-            metrics["policy_version"] = backbone.engine.policy_version
-            metrics.update(validate(step))
-            log.log(step, metrics)
-            if cfg.trainer.save_trajectories:
-                for e in episodes:
-                    log.write_episode(step, e.to_dict())
-                log.flush()
-            console.print(_console_line(step, total, metrics, eta.step_done(step)))
-            if step == total and not trained_steps:   # it ends because its episodes fail: an error, no checkpoint
-                n = total - first_step + 1
-                raise AjetError(_no_usable_episode(f"the run trained nothing: no episode of its {n} step"
-                                                   f"{'s' * (n != 1)} was usable", episodes, r.failed_episode_policy,
-                                                   exp_dir))
-            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
-                checkpoint.save(exp_dir, step, backbone, {
-                    "step": step, "attempt": attempt, "rollout": source.state_dict(step),
-                    "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()})
-        if hasattr(source, "serve_after_training"):   # the gateway keeps serving its last policy until stopped
-            source.serve_after_training()
-    finally:
-        source.close()
-        if ctx.tools is not None:
-            ctx.tools.stop()
-        proxy.stop()
-        backbone.close()
-        store.close()
-        log.close()
-        reporter().close()   # a phase an error left open: its live display stops
-        from ajet.viewer.plots import write_plots_safely
-
-        write_plots_safely(exp_dir, None if quiet() else console)   # EXP_DIR/plots/*.png, also after a failed run
-    return exp_dir
+    return proxy
 
 
-def _no_usable_episode(head: str, episodes: list[Episode], policy: str, exp_dir: Path) -> str:
+def _usable(cfg: AjetConfig, step: int, episodes: list[Episode], alerts: Any, seen_errors: set[tuple[str, str]],
+            exp_dir: Path) -> list[Episode]:
+    """The step's episodes the update may use (`_trainable`); says on `alerts` why most of the step was lost,
+    and spells out each error not seen before in the run (`seen_errors`, updated)."""
+    usable = _trainable(episodes, cfg.rollout.failed_episode_policy)
+    if lost := failure_summary(episodes, more_than=0.5):    # most of the step lost: say why
+        alerts.print(f"[bold red]step {step}: {lost}[/] (every error is in {exp_dir / 'trajectories.sqlite'})")
+    for line in failure_lines(episodes, seen_errors):      # a new error: its message and the user's frame
+        alerts.print(f"  {line}", markup=False, highlight=False)
+    return usable
+
+
+def _train_step(cfg: AjetConfig, step: int, attempt: int, episodes: list[Episode], usable: list[Episode],
+                backbone: Any, store: TrajectoryStore, rollout: Rollout) -> dict[str, Any]:
+    """One step's update from its `usable` episodes: guards, samples merged from the calls (an episode that came
+    with samples keeps them), advantages, the update through `rollout.update`, the ledger, `source.step_done`.
+
+    Returns:
+        the step's guards/*, async/*, tool, train/* and trained-episode figures.
+    """
+    from ajet.algorithm.advantage import assign_advantages
+    from ajet.tools.episode_tools import tool_metrics
+    from ajet.tracker import merge_calls
+
+    a = cfg.algorithm
+    # recorded samples (sft) carry another run's policy versions: no staleness bound applies to them
+    max_staleness = cfg.trainer.async_.max_staleness if rollout.staleness_bound else None
+    guarded, guard_metrics = _guard(usable, len(backbone.tokenizer), backbone.engine.policy_version, max_staleness)
+    for e in usable:
+        # a guarded episode's ids may not even decode: no samples; recorded samples (sft) train as stored
+        if id(e) not in guarded and not e.samples:
+            # with an adapter per role (`agents:`) each role's samples form their own GRPO groups
+            e.samples = merge_calls(e.calls, e.group_id, a.group_by_agent_tag or bool(cfg.agents),
+                                    a.train_greedy_calls)
+    trainable = [e for e in usable if e.not_trained is None]   # minus zero-std groups and guarded episodes
+    samples = _trained_samples(trainable, a.trainable_targets)
+    # asynchronous training: a sample with a token older than max_staleness versions is never trained
+    # (stale_policy "flag": they are trained, importance-corrected, and only counted by the guard)
+    samples, staleness = _drop_stale(samples, backbone.engine.policy_version,
+                                     max_staleness if a.guards.stale_policy == "drop" else None)
+    # every usable episode is in its group's baseline, with or without a trained sample
+    assign_advantages(samples, {e.episode_id: e.reward for e in usable}, {e.episode_id: e.group_id for e in usable},
+                      a.adv_eps, a.norm_adv_by_std, a.adv_estimator)
+    used = {id(s) for s in samples}   # for `ajet view`: every sample, its advantage and whether it trained
+    store.add_samples(step, attempt, [{**s.to_dict(), "trained": id(s) in used} for e in usable for s in e.samples])
+    backbone.sleep_rollout()           # rollout servers may free their memory for the update
+    train = rollout.update.update(backbone, samples)   # the gateway's: through its evaluation gate
+    backbone.wake_rollout()            # ... and serve the new weights
+    kill_point("update", step)
+    left_out = _left_out(episodes, trainable)
+    store.mark_trained(step, attempt, [(e.episode_id, e.attempt) for e in trainable], left_out)
+    kill_point("trained", step)
+    rollout.source.step_done(step)
+    metrics: dict[str, Any] = {"tracker/trained_samples": len(samples), **guard_metrics,
+                               "guards/empty_loss_samples": empty_loss_samples(samples), **staleness,
+                               **tool_metrics(episodes)}
+    metrics.update({k if "/" in k else f"train/{k}": v for k, v in train.items()})   # e.g. distill/kl as is
+    metrics["rollout/trained_episodes"] = len(trainable)
+    if cfg.agents:   # an adapter per role: each role's reward and samples (its loss: train/<adapter>/...)
+        metrics.update(role_metrics(episodes, samples))
+    for _, _, why in left_out:
+        metrics[f"rollout/not_trained/{why}"] = metrics.get(f"rollout/not_trained/{why}", 0) + 1
+    return metrics
+
+
+def _no_usable_episode(head: str, episodes: list[Episode], cfg: AjetConfig, exp_dir: Path) -> str:
     """The error of a run stopped because its episodes fail: `head`, then each distinct error of the last
     step's `episodes` (message and the user's frame), never a traceback through ajet."""
+    policy = cfg.rollout.failed_episode_policy
     why = failure_lines(episodes) or [f"(no episode failed: failed_episode_policy {policy} dropped every group)"]
     return (f"{head}; the last step's episodes failed with:\n" + "\n".join(f"  {line}" for line in why)
             + f"\n(every episode and its traceback is in {exp_dir / 'trajectories.sqlite'}: ajet show {exp_dir})")
-
-
-def _read_datasets(cfg: AjetConfig) -> dict[str, list[Task]]:
-    """name -> tasks of every training dataset. In a multi-task run (`data.train`), each task id becomes
-    `name/task_id` (ids stay unique across datasets) and its metadata gets `dataset: name`.
-
-    Raises:
-        ConfigError: a task source is missing or malformed (see `ajet.tasks.load_tasks`).
-    """
-    from ajet.tasks import load_tasks
-
-    if cfg.data.train is None:
-        return {"train": load_tasks(cfg, "train")}
-    out = {}
-    for d in cfg.data.train:
-        tasks = load_tasks(cfg, "train", path=d.path)[: d.max_tasks]
-        out[d.name] = [replace(t, task_id=f"{d.name}/{t.task_id}", metadata={**t.metadata, "dataset": d.name})
-                       for t in tasks]
-    return out
 
 
 def _check_exp_dir(exp_dir: Path, resume: bool) -> None:
@@ -457,14 +536,6 @@ def _step_metrics(episodes: list[Episode], rollout_s: float, generated_tokens: i
     return m
 
 
-def _live_status(m: dict[str, Any], ep: Episode) -> str:
-    """The progress bar's status for `ajet serve` (empty for in-process rollouts)."""
-    if "serve/clients" not in m:
-        return ""
-    return (f"policy v{m['serve/policy_version']} | running {m['serve/running']} | abandoned {m['serve/abandoned']} "
-            f"| clients {m['serve/clients']} | last reward {ep.reward if ep.reward is not None else 'failed'}")
-
-
 def _sig3(x: float) -> str:
     """`x` to 3 significant figures: 0.4321 -> "0.432", 12.345 -> "12.3", 0 -> "0"; a number >= 1000 whole
     (1234.5 -> "1234", not "1.23e+03"); below 1e-4 with an exponent (0.0000123 -> "1.23e-05")."""
@@ -472,10 +543,10 @@ def _sig3(x: float) -> str:
     return f"{x:.0f}" if "e+" in text else text
 
 
-def _console_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:
-    """The one console line a finished step prints (counts, reward, merge, generation speed, timings), ending with
-    the run's time left `eta_s` (`ajet.progress.RunEta`; None: not shown). A step whose every episode failed says
-    so instead of a reward."""
+def _console_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None, extra: str = "") -> str:
+    """The one console line a finished step prints (counts, reward, merge, generation speed, timings, then the run
+    mode's `extra`, e.g. `ajet serve`'s clients), ending with the run's time left `eta_s` (`ajet.progress.RunEta`;
+    None: not shown). A step whose every episode failed says so instead of a reward."""
     reward = (f"reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f}" if m['rollout/failed'] < m['rollout/episodes']
               else "no episode succeeded: nothing to train on")
     return (f"step {step}/{total} | episodes {m['rollout/episodes']} ({m['rollout/failed']} failed) | "
@@ -483,7 +554,6 @@ def _console_line(step: int, total: int, m: dict[str, Any], eta_s: float | None 
             f"{m['tracker/samples']} ({m['tracker/merge_ratio']:.2f}x, {m['tracker/forks']} forks, tokens "
             f"{m['tracker/token_ratio']:.2f}x fewer) | gen {_sig3(m['rollout/tokens_per_s'])} tok/s | "
             f"update {m.get('train/update_s', 0):.1f}s | step {m['time/step_s']:.1f}s"
-            + (f" | clients {m['serve/clients']}, running {m['serve/running']}, abandoned {m['serve/abandoned']}"
-               if "serve/clients" in m else "")
+            + extra
             + (f" | ETA {fmt_duration(eta_s)}" if eta_s is not None else ""))
 

@@ -68,7 +68,7 @@ def _bare(engine, tmp_path):
 
 
 def _gateway(engine, tmp_path):
-    """`ajet gateway`'s front (no gate) over the proxy, as `ajet.gateway.gateway` assembles it."""
+    """`ajet gateway`'s front (no gate) over the proxy, as `ajet.commands.gateway.gateway` assembles it."""
     proxy = _proxy(engine)
     store = GatewayStore(tmp_path / "gateway.sqlite")
     book = SessionBook(proxy, store, idle_s=600, deadline_s=600, on_no_feedback="drop")

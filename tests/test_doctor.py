@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from ajet.doctor import diagnose
+from ajet.commands.doctor import diagnose
 from ajet.model import load_tokenizer
 from tests.test_tracker_failure_modes import QWEN3_STYLE
 

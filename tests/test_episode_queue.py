@@ -149,7 +149,7 @@ def test_collect_waits_for_complete_groups_while_clients_finish_in_threads():
 def test_multi_task_config_and_reproducible_mix(tmp_path):
     from ajet.config import load_config
     from ajet.errors import ConfigError
-    from ajet.trainer import _read_datasets
+    from ajet.tasks import read_datasets
 
     for name in ("math", "code"):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"query": f"{name} {i}"}) + "\n" for i in range(3)))
@@ -158,7 +158,7 @@ def test_multi_task_config_and_reproducible_mix(tmp_path):
         workflow: wf.py:W
         data: {train: [{name: math, path: math.jsonl, weight: 3}, {name: code, path: code.jsonl}]}
     """))
-    datasets = _read_datasets(load_config(conf))
+    datasets = read_datasets(load_config(conf))
     assert [t.task_id for t in datasets["code"]] == ["code/code-0", "code/code-1", "code/code-2"]
     assert datasets["math"][0].metadata == {"dataset": "math"}
     draws = [MultiTaskSampler(datasets, {"math": 3, "code": 1}, True, 7).next_batch(40) for _ in range(2)]

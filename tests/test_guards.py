@@ -13,6 +13,7 @@ from ajet.algorithm.guards import (NON_FINITE_LOGPROB, OUT_OF_VOCAB, STALE_POLIC
 from ajet.config import AjetConfig
 from ajet.episode import Episode
 from ajet.llm_call import LLMCall, SamplingParams
+from ajet.rollout import Rollout, RunMode
 from ajet.task import Task
 from ajet.trainer import run
 from ajet.tracker import merge_calls
@@ -82,7 +83,7 @@ def test_the_trainer_leaves_out_guarded_episodes_by_name_and_still_updates(tiny_
                      rollout={"num_repeat": 5}, algorithm={"lr": 1e-2},
                      trainer={"total_steps": 1, "tasks_per_step": 1, "tensorboard": False,
                               "exp_dir": str(tmp_path / "exp")})
-    exp = run(cfg, make_source=lambda ctx: _Source(ctx, len(tokenizer)))
+    exp = run(cfg, RunMode(lambda ctx: Rollout(_Source(ctx, len(tokenizer)))))
     (m,) = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     assert m["guards/out_of_vocab_token_episodes"] == 1 and m["guards/non_finite_logprob_episodes"] == 1
     assert m["guards/empty_loss_samples"] == 1 and m["guards/stale_policy_episodes"] == 0
@@ -124,7 +125,7 @@ def test_stale_policy_drop_leaves_the_stale_sample_out_and_flag_trains_it(tiny_m
                      algorithm={"lr": 1e-2, "guards": {"stale_policy": policy}},
                      trainer={"total_steps": 3, "tasks_per_step": 1, "tensorboard": False,
                               "exp_dir": str(tmp_path / "exp"), "async": {"max_staleness": 1}})
-    exp = run(cfg, make_source=lambda ctx: _StaleSource(ctx, len(tokenizer)))
+    exp = run(cfg, RunMode(lambda ctx: Rollout(_StaleSource(ctx, len(tokenizer)))))
     metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     assert [m["policy_version"] for m in metrics] == [1, 2, 3]
     assert [m["guards/stale_policy_episodes"] for m in metrics] == [0, 0, 1]

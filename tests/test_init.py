@@ -18,7 +18,7 @@ import yaml
 from ajet.cli import main
 from ajet.config import load_config
 from ajet.episode import Episode
-from ajet.init_project import InitError, init_project
+from ajet.commands.init import InitError, init_project
 from ajet.judges import load_judge
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer

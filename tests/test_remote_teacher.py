@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from transformers import AutoModelForCausalLM
 
-from ajet.remote_teacher import RemoteTeacher
+from ajet.backbones.debug.remote_teacher import RemoteTeacher
 from tests.local_servers import serving
 from tests.test_learning_signal import _backbone, _episodes, _on_policy
 

@@ -94,7 +94,7 @@ def test_sft_loss_decreases_and_the_checkpoint_loads(sft_run, tiny_model_dir):
 
 
 def test_without_min_reward_every_successful_episode_is_kept(tiny_experiment):
-    from ajet.sft import read_recorded
+    from ajet.commands.sft import read_recorded
 
     recorded = read_recorded(tiny_experiment)
     assert sorted((e.episode_id, e.attempt) for e in recorded) == \
@@ -150,7 +150,7 @@ def test_export_reads_back_with_datasets_as_recorded(tiny_experiment, tmp_path):
 
 
 def test_export_without_datasets_names_the_extra(tiny_experiment, tmp_path, monkeypatch):
-    from ajet.export import export_hf
+    from ajet.commands.export import export_hf
 
     monkeypatch.setitem(sys.modules, "datasets", None)   # `import datasets` raises ImportError
     with pytest.raises(AjetError, match=r"ajet\[datasets\]"):

@@ -1,7 +1,7 @@
 """`ajet export --format hf`: a finished run's recorded samples as a Hugging Face `datasets` folder.
 
 One row per sample (an episode forked into several samples gives several rows), from the same reader as
-`ajet sft` (`ajet.sft.read_recorded`: successful episodes, `min_reward` and `agent` filters, stored order):
+`ajet sft` (`ajet.commands.sft.read_recorded`: successful episodes, `min_reward` and `agent` filters, stored order):
 
     episode_id, attempt, step   where the sample comes from in the run's store (str, int, int)
     agent                       the sample's agent tag (str)
@@ -36,9 +36,9 @@ def rows(exp_dir: str | Path, min_reward: float | None = None, agent: str | None
     """The export's rows (columns in the module docstring), one per kept sample, in stored order.
 
     Raises:
-        ConfigError: `exp_dir` holds no recorded run (see `ajet.sft.read_recorded`).
+        ConfigError: `exp_dir` holds no recorded run (see `ajet.commands.sft.read_recorded`).
     """
-    from ajet.sft import read_recorded
+    from ajet.commands.sft import read_recorded
 
     out = []
     for e in read_recorded(exp_dir, min_reward, agent):

@@ -11,9 +11,9 @@ SQLite store. Nothing is re-tokenized or re-rendered; no call is generated.
     recorded = read_recorded(exp_dir, min_reward=1.0, agent=None)   # [RecordedEpisode], oldest first
     source = RecordedSource.from_context(ctx)                        # what `ajet sft` trains from
 
-The one training loop (`ajet.trainer.run`) runs SFT when the config has an `sft:` section: this source
-instead of the workflow, the backbone's update with the SFT objective. `ajet export` (ajet/export.py) writes
-the same samples as a Hugging Face `datasets` folder.
+The one training loop (`ajet.trainer.run`) runs SFT in `sft_mode()`: this source instead of the workflow (no
+datasets read, no generation), the backbone's update with the SFT objective (the config's `sft:` section).
+`ajet export` (ajet/commands/export.py) writes the same samples as a Hugging Face `datasets` folder.
 """
 
 from __future__ import annotations
@@ -28,11 +28,33 @@ from typing import TYPE_CHECKING, Any
 from ajet.errors import ConfigError
 
 if TYPE_CHECKING:
+    from ajet.config import AjetConfig
     from ajet.episode import Episode
-    from ajet.rollout import RolloutContext
+    from ajet.rollout import RolloutContext, RunMode
     from ajet.tracker.sample import Sample
 
 _PAGE = 500   # RunReader's largest page
+
+
+def sft_mode() -> RunMode:
+    """`ajet sft`'s run mode (`ajet.trainer.run(cfg, sft_mode())`, cfg with an `sft:` section): the recorded episodes
+    of `sft.from_dir` (`RecordedSource`), no datasets, their samples trained as stored (no staleness bound: they
+    carry another run's policy versions)."""
+    from ajet.rollout import Rollout, RunMode
+
+    return RunMode(lambda ctx: Rollout(RecordedSource.from_context(ctx), staleness_bound=False))
+
+
+def sft(cfg: AjetConfig) -> Path:
+    """`ajet sft`: fine-tune on the recorded samples of `cfg.sft.from_dir` (`sft_mode`); returns the experiment folder.
+
+    Raises:
+        ConfigError: the filters keep no recorded episode, or `sft.from_dir` holds no recorded run; AjetError
+            subclasses: what `ajet.trainer.run` raises.
+    """
+    from ajet.trainer import run
+
+    return run(cfg, sft_mode())
 
 
 @dataclass
@@ -141,7 +163,7 @@ def _from_store(exp_dir: Path) -> list[RecordedEpisode]:
 def _from_jsonl(path: Path) -> list[RecordedEpisode]:
     """Every successful episode of a `trajectories.jsonl` (one `{"step", **Episode.to_dict()}` per line; a torn
     last line is skipped), with the samples inside its record, else rebuilt from its calls."""
-    from ajet.viewer.run_reader import _rebuild_samples
+    from ajet.viewer.run_reader import rebuild_samples
 
     out = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -154,7 +176,7 @@ def _from_jsonl(path: Path) -> list[RecordedEpisode]:
             continue
         samples, source = record.get("samples") or [], "record"
         if not samples and record.get("calls"):
-            samples, source = _rebuild_samples(record), "rebuilt"
+            samples, source = rebuild_samples(record), "rebuilt"
         out.append(RecordedEpisode(record, record.get("attempt", 0), record.get("step", 0), float(reward), samples,
                                    source))
     return out
@@ -169,7 +191,7 @@ def _from_gateway(exp_dir: Path, stored: set[str]) -> list[RecordedEpisode]:
     "gateway". Best-of-N's unchosen candidates are not included."""
     from ajet.episode import Episode
     from ajet.gateway.store import GatewayStore
-    from ajet.llm_call import LLMCall, SamplingParams
+    from ajet.llm_call import LLMCall
     from ajet.task import Task
     from ajet.tracker import merge_calls
     from ajet.workflow import WorkflowOutput
@@ -185,7 +207,7 @@ def _from_gateway(exp_dir: Path, stored: set[str]) -> list[RecordedEpisode]:
     out = []
     for s in rated:
         last = s.feedback[-1]
-        calls = [LLMCall(**{**c, "sampling": SamplingParams(**c["sampling"])}) for c in s.calls]
+        calls = [LLMCall.from_dict(c) for c in s.calls]
         group_id = f"gateway-{s.session_id}"
         ep = Episode(s.session_id, Task(task_id=s.session_id, query=s.query,
                                         metadata={"session": s.session_id, "found_by": s.found_by}),

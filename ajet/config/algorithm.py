@@ -37,8 +37,8 @@ class DistillConfig(_Section):
 
     teacher: a local Hugging Face model folder with the student's vocabulary (scored under the rollout's
     temperature and top_p), or the base URL of an OpenAI-compatible server that returns prompt logprobs, e.g.
-    `http://10.0.0.2:8000/v1` for `vllm serve TEACHER` (`ajet.remote_teacher.RemoteTeacher`: temperature 1).
-    Debug backbone only."""
+    `http://10.0.0.2:8000/v1` for `vllm serve TEACHER` (`ajet.backbones.debug.remote_teacher.RemoteTeacher`:
+    temperature 1). Debug backbone only."""
 
     teacher: str = Field(description="a local Hugging Face model folder with the student's vocabulary, or the base "
                                      "URL of an OpenAI-compatible server that returns prompt logprobs (e.g. "

@@ -1,4 +1,4 @@
-"""The projects `ajet init --kind KIND` writes (ajet/init_project.py writes them), one module per kind.
+"""The projects `ajet init --kind KIND` writes (ajet/commands/init.py writes them), one module per kind.
 
 Each module holds `FILES`, {path relative to the project folder: text}, and `SUMMARY`, one line on what the
 project is. In the text, `{{project}}` is replaced by the project's name and `{{python}}` by the interpreter that

@@ -56,7 +56,7 @@ from ajet.proxy.prompt import PromptBuilder, PromptTooLong
 from ajet.proxy.schema import ChatCompletionRequest, short_repr
 from ajet.proxy.stream import cut_at_stop
 from ajet.proxy.strict import StrictTools
-from ajet.proxy.turn import (Choice, Episode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
+from ajet.proxy.turn import (Choice, OpenEpisode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
                              reject_unsupported, server_stopping)
 from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ClientGone, ProxyError, bearer, cut, json_response,
                              load_json, log_client_gone, printable, read_body, redacted_path)
@@ -155,7 +155,7 @@ class ProxyServer:
         self.retry_after_s = retry_after_s
         self.max_body_items = max_body_items
         self.port: int | None = None
-        self._episodes: dict[str, Episode] = {}   # token -> episode
+        self._episodes: dict[str, OpenEpisode] = {}   # token -> episode
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()   # recently closed tokens
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None    # the server's event loop, once started
@@ -168,12 +168,12 @@ class ProxyServer:
         # called on the event loop once a request's calls are recorded: on_recorded(episode, turn, choices,
         # others) (`ajet gateway` maps response ids to sessions and persists the calls); `others`: the
         # best-of-N candidates not answered (their calls are built, never in the episode); None: nothing is called
-        self.on_recorded: Callable[[Episode, Turn, list[Choice], list[Choice]], None] | None = None
+        self.on_recorded: Callable[[OpenEpisode, Turn, list[Choice], list[Choice]], None] | None = None
         # best-of-N (`ajet gateway`'s gateway.n): `best_of(episode) -> N` samples a request asking for one
         # choice N times (one engine batch), `await choose(episode, turn, prep, choices) -> index` picks the
         # one answered (a stream gets it once all N are sampled); None: every request samples its own `n`
-        self.best_of: Callable[[Episode], int] | None = None
-        self.choose: Callable[[Episode, Turn, Prepared, list[Choice]], Any] | None = None
+        self.best_of: Callable[[OpenEpisode], int] | None = None
+        self.choose: Callable[[OpenEpisode, Turn, Prepared, list[Choice]], Any] | None = None
         self.app = self._build_app()
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ class ProxyServer:
         """Register an episode; its calls are recorded until `close_episode`. `seed_key` names the episode in
         its calls' sampler seeds (see `call_seed`; default: `episode_id`)."""
         token = "ajet-" + secrets.token_urlsafe(24)
-        ep = Episode(episode_id, token, seed_key=seed_key or episode_id)
+        ep = OpenEpisode(episode_id, token, seed_key=seed_key or episode_id)
         with self._lock:
             self._episodes[token] = ep
         return EpisodeEndpoint(episode_id, f"{self.url}/ep/{token}/v1", token, ep.engine_wait)
@@ -275,14 +275,14 @@ class ProxyServer:
         return ep.calls
 
     @staticmethod
-    def _close_on_loop(ep: Episode) -> None:
+    def _close_on_loop(ep: OpenEpisode) -> None:
         """Mark `ep` closed and cancel its generations nobody waits for any more (on the event loop)."""
         ep.open = False
         for turn in list(ep.inflight):     # each generation still running, also one whose `turns` entry a
             turn.cancel()                  # second request with the same body took over
         ep.turns.clear()
 
-    def _episode(self, token: str | None) -> Episode:
+    def _episode(self, token: str | None) -> OpenEpisode:
         with self._lock:
             ep = self._episodes.get(token or "")
         if ep is None:
@@ -352,7 +352,7 @@ class ProxyServer:
                                   + ", ".join(sorted(self.accepted_models)), param="model", code="model_not_found")
 
     # ---- the request path (shared by every API) ---------------------------------------------------
-    async def _serve(self, api: Api, ep: Episode, request: Request, agent_tag: str = "default"):
+    async def _serve(self, api: Api, ep: OpenEpisode, request: Request, agent_tag: str = "default"):
         """Handle one model call for episode `ep` through `api` (see the module docstring for the steps).
 
         `agent_tag` names which agent of a multi-agent workflow called; token-in-token-out looks for the
@@ -415,14 +415,14 @@ class ProxyServer:
             if stream is None:                    # else the stream leaves the turn when it ends
                 turn.leave(gone)
 
-    async def _prepared(self, api: Api, ep: Episode, raw: bytes, *args) -> Prepared:
+    async def _prepared(self, api: Api, ep: OpenEpisode, raw: bytes, *args) -> Prepared:
         """`_prepare(api, ep, raw, *args)`: in the prepare pool, so that the event loop keeps serving other calls
         meanwhile, unless the body holds at most `INLINE_PREPARE_BYTES` bytes (then here, on the event loop)."""
         if len(raw) <= INLINE_PREPARE_BYTES:
             return self._prepare(api, ep, raw, *args)
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, self._prepare, api, ep, raw, *args)
 
-    def _prepare(self, api: Api, ep: Episode, raw: bytes, agent_tag: str, idempotency_key: str,
+    def _prepare(self, api: Api, ep: OpenEpisode, raw: bytes, agent_tag: str, idempotency_key: str,
                  retry: bool, route: dict[str, Any]) -> Prepared:
         """Everything a request needs before generation, run in the prepare pool (see `_prepared`):
         parse the body, turn it into the turn request (`api.parse`), its retry key and, unless it repeats
@@ -454,7 +454,7 @@ class ProxyServer:
             raise _context_exceeded(str(len(prep.prompt_ids)), self.max_model_len)
         return prep
 
-    def _start_turn(self, api: Api, ep: Episode, prep: Prepared, agent_tag: str, t0: float) -> Turn:
+    def _start_turn(self, api: Api, ep: OpenEpisode, prep: Prepared, agent_tag: str, t0: float) -> Turn:
         """Start generating the request's `n` choices in a task that records them when all are done, whether
         or not the client is still there."""
         req, messages, tools, prompt, prompt_ids, forced = (prep.req, prep.messages, prep.tools, prep.prompt,
@@ -554,11 +554,11 @@ class ProxyServer:
         """Completion ids to text, special tokens dropped (what the client is answered)."""
         return self.prompts.decode(ids)
 
-    async def _stored_response(self, api: Api, ep: Episode, request: Request, _agent_tag: str):
+    async def _stored_response(self, api: Api, ep: OpenEpisode, request: Request, _agent_tag: str):
         """`GET /v1/responses/{id}`: a response of this episode, as it was answered."""
         return json_response(api.stored(ep, request.path_params["response_id"]))
 
-    async def _count_tokens(self, api: Api, ep: Episode, request: Request, _agent_tag: str):
+    async def _count_tokens(self, api: Api, ep: OpenEpisode, request: Request, _agent_tag: str):
         """`POST /v1/messages/count_tokens` (`{"input_tokens": n}`), Gemini's `:countTokens` (`{"totalTokens": n}`):
         the prompt's length from the policy's own chat template and tokenizer (rendered in full, in the prepare
         pool)."""

@@ -102,7 +102,7 @@ class Turn:
             self.abandoned = True
             self.cancel(client_gone())
 
-    def settle(self, ep: Episode) -> None:
+    def settle(self, ep: OpenEpisode) -> None:
         """The generation task's done-callback (on the event loop): it leaves `ep.inflight`, its exception is
         retrieved whether or not a client still waits for it (a client that went away mid-stream leaves no
         "Task exception was never retrieved" behind), an unexpected one (a bug) is logged once with its
@@ -131,7 +131,7 @@ class Turn:
 
 
 @dataclass
-class Episode:
+class OpenEpisode:
     """The proxy's state of one open episode: its calls in arrival order, its generations by request key
     (a client's retry is answered from the first attempt's), rendered prompts by call id (a cache), and
     the Responses API's stored responses by id (for `previous_response_id` and `GET /v1/responses/{id}`) and

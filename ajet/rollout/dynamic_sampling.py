@@ -19,26 +19,29 @@ from ajet.algorithm.sampling import ZERO_STD_REASON, groups_with_signal, zero_st
 from ajet.errors import ConfigError
 from ajet.progress import active
 
+from ajet.rollout import RefillableSource
+
 if TYPE_CHECKING:
     from ajet.config import AjetConfig
     from ajet.episode import Episode
-    from ajet.rollout import RolloutSource
+    from ajet.proxy.server import ProxyServer
+    from ajet.rollout import RefillingSource
 
 
 class DynamicSampling:
-    """Wraps a `RolloutSource` that has `collect_more(step, num_tasks)`; every other attribute is the
-    wrapped source's.
+    """A `RolloutSource` over a `RefillableSource` (one that rolls out extra tasks: `collect_more`); `bind`,
+    `step_done`, `state_dict`, `load_state_dict` and `close` are the wrapped source's.
 
     Args:
         source: the rollout source.
         cfg: the experiment config (`trainer.tasks_per_step`, `algorithm.dynamic_sampling.max_oversample`,
             `rollout.failed_episode_policy`).
     Raises:
-        ConfigError: the source cannot roll out extra tasks (no `collect_more`).
+        ConfigError: the source is no `RefillableSource` (it cannot roll out extra tasks).
     """
 
-    def __init__(self, source: RolloutSource, cfg: AjetConfig):
-        if not callable(getattr(source, "collect_more", None)):
+    def __init__(self, source: RefillableSource, cfg: AjetConfig):
+        if not isinstance(source, RefillableSource):
             raise ConfigError(f"algorithm.dynamic_sampling needs a rollout source that can roll out extra tasks; "
                               f"{type(source).__name__} cannot: set algorithm.dynamic_sampling.enabled: false")
         self.source, self.tasks_per_step = source, cfg.trainer.tasks_per_step
@@ -58,8 +61,9 @@ class DynamicSampling:
         the first of the sampler's that give `tasks_per_step` groups with signal, or `tasks_per_step +
         max_oversample` tasks."""
         self.oversampled = 0
-        if getattr(self.source, "refills_while_running", False):
-            episodes = self.source.collect_refilling(step, self._refill)
+        if self.source.refills_while_running:
+            refilling: RefillingSource = self.source   # (declared by refills_while_running)
+            episodes = refilling.collect_refilling(step, self._refill)
         else:
             episodes = self.source.collect(step)
             while (n := self._refill(episodes)) > 0:
@@ -87,5 +91,17 @@ class DynamicSampling:
     def metrics(self) -> dict[str, Any]:
         return {**self.source.metrics(), "rollout/oversampled_tasks": self.oversampled}
 
-    def __getattr__(self, name: str) -> Any:   # bind, step_done, state_dict, workflow, ... : the source's
-        return getattr(self.source, name)
+    def bind(self, proxy: ProxyServer) -> None:
+        self.source.bind(proxy)
+
+    def step_done(self, step: int) -> None:
+        self.source.step_done(step)
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        return self.source.state_dict(step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+
+    def close(self) -> None:
+        self.source.close()

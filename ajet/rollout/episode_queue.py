@@ -321,6 +321,8 @@ class EpisodeQueue:
                                       "idle_s": round(now - c.last_seen, 1)} for cid, c in self._clients.items()}}
 
     # ---- the trainer's side -----------------------------------------------------------------------
+    refills_while_running = False   # (a `RefillableSource`: dynamic sampling asks `collect_more` after `collect`)
+
     def collect(self, step: int) -> list[Episode]:
         """Block until `tasks_per_step` groups are complete; take them (oldest first) and return their
         episodes `[tasks_per_step * num_repeat]`, grouped. Idle episodes are abandoned while waiting."""

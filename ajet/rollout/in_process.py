@@ -25,7 +25,7 @@ from ajet.errors import ConfigError
 from ajet.importing import load_object
 from ajet.judges import load_judge
 from ajet.proxy.server import ProxyServer
-from ajet.rollout import RolloutContext
+from ajet.rollout import Rollout, RolloutContext, RunMode
 from ajet.rollout.command import CommandWorkflow
 from ajet.rollout.episodes import Judge, group_ids, rollout
 from ajet.workflow import Workflow
@@ -47,6 +47,32 @@ def load_workflow(cfg) -> Workflow:
         return HarnessWorkflow(cfg.workflow, cfg.harnesses, cfg.config_dir)
     workflow_cls = load_object(cfg.workflow, cfg.config_dir)   # a built-in workflow may read its config section
     return workflow_cls.from_config(cfg) if hasattr(workflow_cls, "from_config") else workflow_cls()
+
+
+def in_process_mode() -> RunMode:
+    """`ajet --conf`'s run mode (`ajet.trainer.run`'s default): the config's training datasets, the workflow run
+    in this process (or on Ray actors), with dynamic sampling's refill when `algorithm.dynamic_sampling` is on."""
+    from ajet.tasks import read_datasets
+
+    return RunMode(setup_in_process, read_datasets)
+
+
+def setup_in_process(ctx: RolloutContext) -> Rollout:
+    """The `Rollout` of `in_process_mode`: an `InProcessRollout` (wrapped by `DynamicSampling` when enabled); the
+    held-out evaluation runs its workflow and judge.
+
+    Raises:
+        ConfigError: the config has an `sft:` section (fine-tuning on recorded samples is `ajet.commands.sft.sft_mode`), or
+            the workflow or judge cannot be loaded.
+    """
+    from ajet.rollout.dynamic_sampling import DynamicSampling
+
+    if ctx.cfg.sft is not None:
+        raise ConfigError("the config has an `sft:` section (fine-tuning on a finished run's recorded samples): run "
+                          "it with `ajet sft` (from Python: ajet.trainer.run(cfg, ajet.commands.sft.sft_mode()))")
+    source = InProcessRollout.from_context(ctx)
+    wrapped = DynamicSampling(source, ctx.cfg) if ctx.cfg.algorithm.dynamic_sampling.enabled else source
+    return Rollout(wrapped, workflow=source.workflow, judge=source.judge)
 
 
 class InProcessRollout:

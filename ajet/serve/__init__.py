@@ -3,29 +3,23 @@ the episodes that clients anywhere begin and finish (docs/serve.md).
 
     ajet serve --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8765] [--resume]
 
-The training loop is the one in ajet/trainer.py; this module only plugs in its rollout source, the
-`EpisodeQueue` (ajet/rollout/episode_queue.py), and mounts the episode API (api.py) beside the proxy's
-routes on the proxy's own uvicorn server.
+The training loop is the one in ajet/trainer.py, started by the command (ajet/commands/serve.py); this package
+holds its rollout source, `ServeSource`: the `EpisodeQueue` (ajet/rollout/episode_queue.py) with the episode API
+(api.py) mounted beside the proxy's routes on the proxy's own uvicorn server.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import sys
 import threading
-from pathlib import Path
 
-from ajet.config import AjetConfig
-from ajet.guard import Guard, allowed_hosts, server_secret
+from ajet.episode import Episode
+from ajet.guard import Guard, allowed_hosts
 from ajet.rollout import RolloutContext
 from ajet.rollout.episode_queue import EpisodeQueue
 
 
 LINGER_S = 30.0        # at most this long the finished server keeps answering clients not yet told, seconds
 CLIENT_ACTIVE_S = 10.0  # ... that were heard from this recently (twice a client's longest retry backoff), seconds
-INTERRUPTED_EXIT = 130  # the exit status after Ctrl-C (128 + SIGINT, as a shell reports it)
 
 
 class ServeSource(EpisodeQueue):
@@ -65,6 +59,20 @@ class ServeSource(EpisodeQueue):
             self.workers.start()
         return super().collect(step)
 
+    def live_status(self, ep: Episode) -> str:
+        """The progress bar's status after each finished episode: policy version, running, abandoned, clients,
+        the episode's reward."""
+        m = self.metrics()
+        return (f"policy v{m['serve/policy_version']} | running {m['serve/running']} | abandoned "
+                f"{m['serve/abandoned']} | clients {m['serve/clients']} | last reward "
+                f"{ep.reward if ep.reward is not None else 'failed'}")
+
+    @staticmethod
+    def step_line(m: dict) -> str:
+        """What a finished step's console line adds: the clients, running and abandoned episodes of `m` (the
+        step's metrics)."""
+        return f" | clients {m['serve/clients']}, running {m['serve/running']}, abandoned {m['serve/abandoned']}"
+
     def close(self) -> None:
         """Answer on before the server stops until every client heard from lately knows what happened, instead
         of finding the server gone: 410 `run_finished` after the last step, 503 `server_restarting` when the
@@ -80,59 +88,3 @@ class ServeSource(EpisodeQueue):
         if untold:
             self.ctx.console.print(f"stopping without telling {len(untold)} client(s) still busy after {LINGER_S:g}s: "
                                    + ", ".join(untold[:5]))
-
-
-def serve(cfg: AjetConfig) -> Path:
-    """Run `ajet serve` until `trainer.total_steps` steps are trained; returns the experiment folder.
-
-    Raises:
-        ConfigError: what `cfg.for_mode("serve")` refuses (ajet/config/experiment.py): a non-loopback `serve.host`
-            without a secret (`serve.secret` or AJET_SECRET), `serve.local_workers` without a `workflow`; or any
-            config problem `ajet.trainer.run` raises.
-        SystemExit: `INTERRUPTED_EXIT` after Ctrl-C, once the server has stopped (one line on stderr says where
-            the run is and how to continue it; no traceback).
-    """
-    from ajet.trainer import run
-
-    cfg = cfg.for_mode("serve")   # its checks, and proxy.host = serve.host (ajet/config/)
-    host = cfg.serve.host
-    secret, generated = server_secret(cfg.serve.secret)
-
-    interrupted = threading.Event()
-
-    def make_source(ctx: RolloutContext) -> ServeSource:
-        ctx.console.print(f"episode API secret: {secret if generated else '(from serve.secret / AJET_SECRET)'}; "
-                          f"clients: AJET_URL=http://{host}:<port shown below> AJET_SECRET=<secret>")
-        return ServeSource(ctx, secret, interrupted)
-
-    with _ctrl_c(interrupted):
-        try:
-            return run(cfg, make_source, port=cfg.serve.port)
-        except KeyboardInterrupt:
-            print(f"ajet serve: stopped by Ctrl-C; finished episodes are stored in {cfg.exp_path()}: continue with "
-                  "the same command and --resume", file=sys.stderr, flush=True)
-            raise SystemExit(INTERRUPTED_EXIT) from None
-
-
-@contextlib.contextmanager
-def _ctrl_c(interrupted: threading.Event):
-    """While serving: the first Ctrl-C (SIGINT) sets `interrupted` and raises KeyboardInterrupt (the server stops
-    without waiting for clients: `ServeSource.close`); a second one while it stops ends the process at once
-    (exit status `INTERRUPTED_EXIT`). Outside the main thread (no signal handler can be set there) nothing changes."""
-    def on_sigint(_signum, _frame):
-        if interrupted.is_set():
-            print("ajet serve: second Ctrl-C: exiting now", file=sys.stderr, flush=True)
-            os._exit(INTERRUPTED_EXIT)
-        interrupted.set()
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:          # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-

@@ -10,6 +10,7 @@ Exactly one of train_path / generator / env_service names the training tasks (th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ from ajet.tasks.jsonl import read_jsonl_tasks, row_to_task
 if TYPE_CHECKING:
     from ajet.config import AjetConfig
 
-__all__ = ["load_tasks", "read_jsonl_tasks", "row_to_task"]
+__all__ = ["load_tasks", "read_datasets", "read_jsonl_tasks", "row_to_task"]
 
 
 def load_tasks(cfg: AjetConfig, split: str, path: str | None = None) -> list[Task]:
@@ -54,6 +55,23 @@ def load_tasks(cfg: AjetConfig, split: str, path: str | None = None) -> list[Tas
         return read_env_service_tasks(d.env_service.url, d.env_service.env_type, split, limit)
     raise ConfigError(f"no {split} tasks: set data.{split}_path" + (", data.generator or data.env_service"
                                                                    if split == "val" else ""))
+
+
+def read_datasets(cfg: AjetConfig) -> dict[str, list[Task]]:
+    """name -> tasks of every training dataset. In a multi-task run (`data.train`), each task id becomes
+    `name/task_id` (ids stay unique across datasets) and its metadata gets `dataset: name`.
+
+    Raises:
+        ConfigError: a task source is missing or malformed (see `load_tasks`).
+    """
+    if cfg.data.train is None:
+        return {"train": load_tasks(cfg, "train")}
+    out = {}
+    for d in cfg.data.train:
+        tasks = load_tasks(cfg, "train", path=d.path)[: d.max_tasks]
+        out[d.name] = [replace(t, task_id=f"{d.name}/{t.task_id}", metadata={**t.metadata, "dataset": d.name})
+                       for t in tasks]
+    return out
 
 
 def task_source_name(cfg: AjetConfig, split: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from dataclasses import fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -242,7 +241,7 @@ class RunReader:
         if record.get("samples"):
             return record["samples"], "record"
         if record.get("error") is None and record.get("calls"):
-            return [{**s, "advantage": None} for s in _rebuild_samples(record)], "rebuilt"
+            return [{**s, "advantage": None} for s in rebuild_samples(record)], "rebuilt"
         return [], "none"
 
     def episode(self, episode_id: str, attempt: int | None = None) -> dict[str, Any]:
@@ -384,18 +383,12 @@ def _failure_line(error: str | None) -> str | None:
     return lines[-1][:300] if lines else error[:300]
 
 
-def _rebuild_samples(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Merge the record's calls again with the context tracker (for stores written before the samples
-    table); fields the `LLMCall` of this version does not know are dropped, missing ones take defaults."""
-    from ajet.llm_call import LLMCall, SamplingParams
+def rebuild_samples(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The samples (`Sample.to_dict()`) of a stored episode record (`Episode.to_dict()`), merged again from its calls
+    by the context tracker (for stores written before the samples table); the calls read by `LLMCall.from_dict`
+    (fields this version does not know are dropped, missing ones take defaults)."""
+    from ajet.llm_call import LLMCall
     from ajet.tracker import merge_calls
 
-    known = {f.name for f in fields(LLMCall)}
-    sp_known = {f.name for f in fields(SamplingParams)}
-    calls = []
-    for c in record.get("calls", []):
-        d = {k: v for k, v in c.items() if k in known}
-        sp = {k: (tuple(v) if k == "stop" else v) for k, v in (c.get("sampling") or {}).items() if k in sp_known}
-        d["sampling"] = SamplingParams(**sp)
-        calls.append(LLMCall(**d))
+    calls = [LLMCall.from_dict(c) for c in record.get("calls", [])]
     return [s.to_dict() for s in merge_calls(calls, record.get("group_id", ""))]

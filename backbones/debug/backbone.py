@@ -37,7 +37,7 @@ from ajet.config import AjetConfig
 from ajet.errors import ConfigError
 from ajet.heap import trim_free_memory
 from ajet.model import load_model, load_tokenizer, resolve_model_path
-from ajet.remote_teacher import RemoteTeacher
+from ajet.backbones.debug.remote_teacher import RemoteTeacher
 from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample
 
@@ -130,7 +130,7 @@ class DebugBackbone:
         adapters trained (optimizer_steps their sum); the engine's policy version moves once per update.
         With an `sft:` section the update is supervised instead: see `sft_update`.
         """
-        if self.cfg.sft is not None:   # fine-tuning on recorded traces (ajet/sft.py)
+        if self.cfg.sft is not None:   # fine-tuning on recorded traces (ajet/commands/sft.py)
             return self.sft_update(samples)
         t0 = time.perf_counter()
         trainable = [s for s in samples if s.num_loss_tokens > 0]

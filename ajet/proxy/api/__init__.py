@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from ajet.proxy.schema import ChatCompletionRequest
-    from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+    from ajet.proxy.turn import Choice, OpenEpisode, Prepared, Turn
 
 
 def validated_at(model: type[BaseModel], data: Any, where: str) -> Any:
@@ -65,12 +65,12 @@ class Api:
         self.proxy = proxy
         self.hosted_tools_left_out = 0   # tools only a hosted service can run (web search, ...), left out so far
 
-    def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, Any]:
+    def parse(self, data: dict[str, Any], ep: OpenEpisode) -> tuple[ChatCompletionRequest, Any]:
         """The turn request for JSON body `data`, and a context object for `body`/`events`. Raises
         ProxyError 400 naming the offending field (in this API's terms)."""
         raise NotImplementedError
 
-    def parse_request(self, data: dict[str, Any], ep: Episode, route: dict[str, Any],
+    def parse_request(self, data: dict[str, Any], ep: OpenEpisode, route: dict[str, Any],
                       **kw) -> tuple[ChatCompletionRequest, Any]:
         """`parse`, for an API whose request also lives in its path or query: `route` holds the request's
         `path`, `path_params` and `query` (the Gemini API's model and streaming)."""
@@ -80,7 +80,7 @@ class Api:
         """The answer of a token count of `n` tokens."""
         return {"input_tokens": n}
 
-    def recorded(self, ep: Episode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
+    def recorded(self, ep: OpenEpisode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
         """Called once the turn's calls are recorded (on the event loop)."""
 
     def body(self, turn: Turn, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:

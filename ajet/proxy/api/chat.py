@@ -14,7 +14,7 @@ from ajet.llm_call import TokenDelta
 from ajet.proxy.api import Api
 from ajet.proxy.schema import ChatCompletionRequest
 from ajet.proxy.stream import IncrementalContent, chunk, sse, tool_call_chunks
-from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+from ajet.proxy.turn import Choice, OpenEpisode, Prepared, Turn
 from ajet.proxy.wire import validated
 
 
@@ -25,7 +25,7 @@ class ChatApi(Api):
     id_prefix = "chatcmpl-"
     routes = (("/v1/chat/completions", "POST", "serve"), ("/v1/models", "GET", "models"))
 
-    def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, None]:
+    def parse(self, data: dict[str, Any], ep: OpenEpisode) -> tuple[ChatCompletionRequest, None]:
         return validated(ChatCompletionRequest, data), None
 
     def body(self, turn: Turn, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from starlette.responses import Response
 
 from ajet.proxy.api import Api
 from ajet.proxy.schema import ChatCompletionRequest, FunctionName, json_schema_object, short_repr
-from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+from ajet.proxy.turn import Choice, OpenEpisode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, json_response, validated
 
 # google.rpc.Code names by HTTP status (https://cloud.google.com/apis/design/errors)
@@ -233,7 +233,7 @@ class GeminiApi(Api):
         return {"totalTokens": n}
 
     # ---- request -> turn --------------------------------------------------------------------------
-    def parse_request(self, data: dict[str, Any], ep: Episode, route: dict[str, Any],
+    def parse_request(self, data: dict[str, Any], ep: OpenEpisode, route: dict[str, Any],
                       count_only: bool = False) -> tuple[ChatCompletionRequest, _Context]:
         """The turn for a body of `route` (`path_params` holds the model; a `:streamGenerateContent` path
         streams). `countTokens` may wrap the body in `generateContentRequest`."""
@@ -284,7 +284,7 @@ class GeminiApi(Api):
                              param=f"{at}generationConfig.candidateCount", code="unsupported_value")
         return turn, _Context(req, model, hosted)
 
-    def parse(self, data: dict[str, Any], ep: Episode, count_only: bool = False):
+    def parse(self, data: dict[str, Any], ep: OpenEpisode, count_only: bool = False):
         return self.parse_request(data, ep, {}, count_only)
 
     # ---- turn -> answer ---------------------------------------------------------------------------

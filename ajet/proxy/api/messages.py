@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from ajet.proxy.api import Api, validated_at
 from ajet.proxy.schema import ChatCompletionRequest, FunctionName, json_schema_object, short_repr
-from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+from ajet.proxy.turn import Choice, OpenEpisode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, validated
 
 
@@ -126,7 +126,7 @@ class MessagesApi(Api):
         return _event("error", err.anthropic_body())
 
     # ---- request -> turn --------------------------------------------------------------------------
-    def parse(self, data: dict[str, Any], ep: Episode, count_only: bool = False) -> tuple[ChatCompletionRequest, _Context]:
+    def parse(self, data: dict[str, Any], ep: OpenEpisode, count_only: bool = False) -> tuple[ChatCompletionRequest, _Context]:
         req: MessagesRequest = validated(MessagesRequest, data)
         if req.max_tokens is None and not count_only:
             raise ProxyError(400, "max_tokens: Field required", param="max_tokens", code="invalid_value")

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ajet.proxy.api import Api, validated_at
 from ajet.proxy.schema import ChatCompletionRequest, FunctionName, json_schema_object, short_repr
-from ajet.proxy.turn import Choice, Episode, Prepared, Turn
+from ajet.proxy.turn import Choice, OpenEpisode, Prepared, Turn
 from ajet.proxy.wire import ProxyError, validated
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class ResponsesApi(Api):
 
 
     # ---- request -> turn --------------------------------------------------------------------------
-    def parse(self, data: dict[str, Any], ep: Episode) -> tuple[ChatCompletionRequest, _Context]:
+    def parse(self, data: dict[str, Any], ep: OpenEpisode) -> tuple[ChatCompletionRequest, _Context]:
         req: ResponsesRequest = validated(ResponsesRequest, data)
         _reject(req)
         conversation: list[dict[str, Any]] = []
@@ -193,7 +193,7 @@ class ResponsesApi(Api):
         return validated(ChatCompletionRequest, chat), _Context(req, conversation, hosted)
 
     # ---- turn -> answer ---------------------------------------------------------------------------
-    def recorded(self, ep: Episode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
+    def recorded(self, ep: OpenEpisode, turn: Turn, prep: Prepared, choices: list[Choice]) -> None:
         """Keep the response (its body, and its conversation for `previous_response_id`), and its input and
         output items by id (for `item_reference`)."""
         (choice,) = choices
@@ -204,7 +204,7 @@ class ResponsesApi(Api):
             if isinstance(item, dict) and isinstance(item.get("id"), str) and item.get("type") != "item_reference":
                 ep.items[item["id"]] = item
 
-    def stored(self, ep: Episode, response_id: str) -> dict[str, Any]:
+    def stored(self, ep: OpenEpisode, response_id: str) -> dict[str, Any]:
         """The body of response `response_id` of episode `ep`. Raises ProxyError 404 if there is none."""
         stored = ep.responses.get(response_id)
         if stored is None:
@@ -339,7 +339,7 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _resolve_references(items: list[Any], ep: Episode) -> list[Any]:
+def _resolve_references(items: list[Any], ep: OpenEpisode) -> list[Any]:
     """`items` with each `{"type": "item_reference", "id"}` replaced by the item of that id: an output item of
     one of the episode's responses, or an input item with an id sent earlier in the episode (what clients that
     keep the default `store: true` send instead of the item). Raises ProxyError 400 `item_not_found` for an id
