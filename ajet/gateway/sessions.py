@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ajet.gateway.store import GatewayStore, StoredSession
-from ajet.llm_call import LLMCall, SamplingParams
+from ajet.llm_call import LLMCall
 from ajet.proxy.prompt import find_parent
 from ajet.task import Task
 from ajet.workflow import WorkflowOutput
@@ -191,7 +191,7 @@ class SessionBook:
         with self._lock:
             for sid, st in stored.items():
                 s = Session(sid, st.query, st.found_by, last_seen=st.opened_at,
-                            calls=[LLMCall(**{**c, "sampling": SamplingParams(**c["sampling"])}) for c in st.calls],
+                            calls=[LLMCall.from_dict(c) for c in st.calls],
                             responses=dict(st.responses))
                 if st.closed_at is None:
                     self.store.close_session(sid, "restart", now)
@@ -203,7 +203,7 @@ class SessionBook:
                 s.dropped, s.taken = st.dropped, sid in trained
                 s.picks = dict(st.picks)
                 s.candidates = [Candidate(c["episode_id"], c["response_id"], c["index"], c["score"],
-                                          LLMCall(**{**c["call"], "sampling": SamplingParams(**c["call"]["sampling"])}))
+                                          LLMCall.from_dict(c["call"]))
                                 for c in st.candidates]
                 self._sessions[sid] = s
                 for rid in s.responses:
