@@ -50,14 +50,15 @@ def attach(proxy, book: SessionBook, make_app) -> None:
 
 
 class GatewaySource:
-    """A `RolloutSource` (ajet/rollout/__init__.py) over the gateway's rated sessions.
+    """A `RolloutSource` (ajet/rollout/__init__.py) over the gateway's rated sessions, and the run's `UpdatePolicy`
+    (`attach`, `update`: through the evaluation gate).
 
     Args:
         ctx: the trainer's rollout context (config, store, attempt, record).
         book_factory: `proxy -> SessionBook`, called in `bind` (the book needs the proxy).
         make_app: `(proxy, book) -> ASGI app` that replaces `proxy.app`.
         gate: the evaluation gate and rollbacks (ajet/gateway/gate.py): the trainer gives it the backbone
-            (`attach_backbone`) and updates through it (`gated_update`); None: plain updates.
+            (`attach`) and updates through it (`update`); None: plain updates.
     """
 
     def __init__(self, ctx: RolloutContext, book_factory, make_app, gate: VersionGate | None = None):
@@ -104,12 +105,12 @@ class GatewaySource:
                 import logging
                 logging.getLogger(__name__).exception("gateway: reaping sessions failed")
 
-    def attach_backbone(self, backbone) -> None:
+    def attach(self, backbone) -> None:
         """The trainer's backbone, before the proxy starts (the gate updates, checkpoints and rolls it back)."""
         if self.gate is not None:
             self.gate.attach(backbone)
 
-    def gated_update(self, backbone, samples) -> dict[str, float]:
+    def update(self, backbone, samples) -> dict[str, float]:
         """The trainer's update: through the gate when there is one (evaluated before it serves; a served version's
         checkpoint keeps the episodes the update trains on: the step's, but those the trainer left out)."""
         if self.gate is None:
