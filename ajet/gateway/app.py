@@ -46,7 +46,7 @@ from ajet.gateway.gate import VersionGate
 from ajet.gateway.ops import RateLimiter, RequestMetrics
 from ajet.gateway.sessions import GatewayError, Session, SessionBook
 from ajet.proxy.server import RESPONSE_ID_HEADER, until_answered
-from ajet.proxy.turn import Episode as ProxyEpisode
+from ajet.proxy.turn import OpenEpisode
 from ajet.proxy.wire import ProxyError, json_response, load_json, log_client_gone, read_body, validated
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class GatewayApp:
             previous = data.get("previous_response_id")
             if isinstance(previous, str) and self.book.session_of_response(previous) is not None:
                 return None, None, previous
-            req, _ = api.parse_request(data, ProxyEpisode("gateway-peek", ""), route)
+            req, _ = api.parse_request(data, OpenEpisode("gateway-peek", ""), route)
         except Exception:  # noqa: BLE001 - any refusal is the proxy's to answer, in its words
             return None
         if self.book.n > 1 and (req.n or 1) > 1:
