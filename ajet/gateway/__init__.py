@@ -12,19 +12,16 @@
     store.py     gateway.sqlite: sessions, calls, responses, feedback (durable before the client hears back)
     source.py    rated sessions as episodes: the rollout source of the one training loop (ajet/trainer.py)
 
+The command (`gateway`, `gateway rollback`) that wires these into the training loop: ajet/commands/gateway.py.
+
 The config needs no task file: without one, `data` names `live_traffic` below (one placeholder task the trainer
 lists; no episode runs it). `data.val_path` still gives held-out validation (`trainer.val_freq`).
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Iterator
-
-from ajet.config import AjetConfig
-from ajet.errors import ConfigError
-from ajet.rollout import RolloutContext
 
 LIVE_TRAFFIC = "ajet.gateway:live_traffic"
 
@@ -47,108 +44,4 @@ def task_source_overrides(conf: str | Path) -> dict[str, Any]:
     return {} if named else {"data.generator": LIVE_TRAFFIC}
 
 
-def gateway(cfg: AjetConfig) -> Path:
-    """Serve the gateway and train on its rated sessions until `trainer.total_steps` updates; returns the
-    experiment folder.
-
-    Every request but /healthz must carry the secret: `gateway.secret`, else AJET_SECRET, else one generated and
-    printed at start (on a loopback host only).
-
-    Raises:
-        ConfigError: what `cfg.for_mode("gateway")` refuses (ajet/config/experiment.py): a non-loopback
-            `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1 without a `judge`;
-            `gateway.gate.mode: eval` without `data.val_path` or a `workflow`, `replay` without a `judge`;
-            `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
-            problem `ajet.trainer.run` raises.
-    """
-    from ajet import progress
-    from ajet.gateway.app import GatewayApp
-    from ajet.gateway.gate import LiveHold, VersionGate
-    from ajet.gateway.ops import RateLimiter
-    from ajet.gateway.sessions import SessionBook
-    from ajet.gateway.source import GatewaySource
-    from ajet.gateway.store import GatewayStore
-    from ajet.guard import allowed_hosts, server_secret
-    from ajet.judges import load_judge
-    from ajet.trainer import run
-
-    cfg = cfg.for_mode("gateway")   # its checks, and its defaults: adv_estimator, proxy.host (ajet/config/)
-    g = cfg.gateway
-    secret, generated = server_secret(g.secret)
-    hosts = allowed_hosts(g.host, g.allowed_hosts)
-    judge = load_judge(cfg) if g.on_no_feedback == "judge" or g.n > 1 else None
-
-    def make_source(ctx: RolloutContext) -> GatewaySource:
-        store = GatewayStore(ctx.cfg.exp_path() / "gateway.sqlite")
-        try:
-            gate = VersionGate(cfg, store, LiveHold(), ctx.console)
-        except BaseException:
-            store.close()
-            raise
-        if generated:                              # printed even with --quiet: no client can call without it
-            ctx.console.print(f"gateway secret: {secret} (generated: clients send it as their SDK's api key; set "
-                              "gateway.secret or AJET_SECRET to keep one across restarts)")
-        progress.note(ctx.console, (
-            f"gateway: secret required (every request but /healthz); rewards within [{g.reward_range[0]:g}, "
-            f"{g.reward_range[1]:g}]"
-            f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
-            f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
-            + (f"; best-of-{g.n}: the judge picks each answer" if g.n > 1 else "")
-            + (f"; gate: held-out {g.gate.metric} may drop at most {g.gate.max_drop:g} below the best served"
-               if g.gate.mode == "eval" else
-               f"; gate: {g.gate.metric} on a replay of the {g.gate.replay_sessions} latest rated sessions (judged) "
-               f"may drop at most {g.gate.max_drop:g}" if g.gate.mode == "replay" else
-               "; gate off: every update is served")))
-
-        def book(proxy) -> SessionBook:
-            return SessionBook(proxy, store, g.session_idle_s, g.feedback_deadline_s, g.on_no_feedback, judge,
-                               n=g.n, retention_s=None if g.retention_days is None else g.retention_days * 86400,
-                               reward_range=g.reward_range)
-
-        def app(proxy, book_):
-            limiter = None if g.rate_limit_rps is None else RateLimiter(
-                g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
-            return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate, hosts,
-                              max_queued=g.max_queued, decoding=cfg.rollout.max_batch_size // g.n)
-
-        return GatewaySource(ctx, book, app, gate)
-
-    return run(cfg, make_source, port=g.port)
-
-
-__all__ = ["gateway", "live_traffic", "task_source_overrides"]
-
-
-def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, wait_s: float = 30.0) -> int:
-    """`ajet gateway rollback --conf X [--exp-dir DIR] [--to V] [--wait S]`: record the wish in the experiment's
-    gateway.sqlite, wait up to `wait_s` for a running gateway to do it, and say what happened. Returns the exit
-    status: 0 done (or recorded for a gateway started later with --resume), 1 refused.
-
-    Raises:
-        ConfigError: no gateway.sqlite in the experiment folder, or `to` was never served there.
-    """
-    from ajet.config import load_config
-    from ajet.gateway.gate import request_rollback
-    from ajet.gateway.store import GatewayStore
-
-    overrides = {**task_source_overrides(conf), **({"trainer.exp_dir": exp_dir} if exp_dir else {})}
-    cfg = load_config(conf, overrides)
-    path = cfg.exp_path() / "gateway.sqlite"
-    if not path.is_file():
-        raise ConfigError(f"no gateway ran in {cfg.exp_path()} (no gateway.sqlite): pass the --exp-dir the gateway "
-                          "was started with")
-    store = GatewayStore(path)
-    try:
-        served = sorted({v["version"] for v in store.versions()})
-        if to is not None and to not in served:
-            raise ConfigError(f"--to {to}: that version was never served by this gateway (served: "
-                              f"{', '.join(map(str, served)) or 'none'})")
-        row = request_rollback(store, to, wait_s)
-    finally:
-        store.close()
-    if row["done_at"] is None:
-        print(f"rollback {row['id']} recorded in {path}: a running gateway does it within a second of its trainer "
-              f"being free; a gateway started later with --resume does it at start")
-        return 0
-    print(f"rollback {row['id']}: {row['message']}")
-    return 0 if row["ok"] else 1
+__all__ = ["LIVE_TRAFFIC", "live_traffic", "task_source_overrides"]
