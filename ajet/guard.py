@@ -1,5 +1,5 @@
 """What every ajet HTTP server checks before a request reaches its routes: the one place for the Host allow-list,
-JSON-only POSTs and the secret, shared by `ajet gateway`, `ajet serve` and `ajet view`.
+JSON-only POSTs and the secret, shared by the recording proxy, `ajet gateway`, `ajet serve` and `ajet view`.
 
     Host allow-list   a request whose `Host` header (port ignored) is not localhost, 127.0.0.1, [::1], the bind
                       host or an extra allowed name is refused with 403. A web page on attacker.example whose
@@ -12,8 +12,10 @@ JSON-only POSTs and the secret, shared by `ajet gateway`, `ajet serve` and `ajet
                       text/plain, application/x-www-form-urlencoded or multipart/form-data (or no type at all):
                       those never reach a route with a body. No ajet server answers CORS (no
                       Access-Control-Allow-* header, ever), so a page cannot read an answer or send JSON either.
-    secret            `secret_matches(given, secret)` in constant time; `api_key(scope)` is what a client's SDK
-                      sends as its api key (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key`, `?key=`).
+    secret            the one place that reads it: `server_secret(configured)` (the section's `secret`, else
+                      AJET_SECRET, else generated), `bearer_token(scope)` and `api_key(scope)` (what a client's
+                      SDK sends: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key`, `?key=`; the proxy's
+                      episode tokens too), `secret_matches(given, secret)` in constant time.
 
 `Guard` is the ASGI middleware doing the first two; `check(scope, ...)` raises `Refused` for servers that answer
 in an error shape of their own (the gateway's dialects).
@@ -125,14 +127,21 @@ def check(scope: dict[str, Any], allowed: list[str] | None, hint: str) -> None:
     check_json_post(scope)
 
 
+def bearer_token(scope: dict[str, Any]) -> str | None:
+    """The token of the request's `Authorization: Bearer <token>` header (scheme case-insensitive, the token
+    stripped); None without one. The one parser of that header for every ajet server."""
+    auth = Headers(scope=scope).get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+
 def api_key(scope: dict[str, Any]) -> str:
     """The api key the request carries: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or the query's
     `key` (what the OpenAI, Anthropic and Gemini SDKs send); "" when none."""
     headers = Headers(scope=scope)
-    auth = headers.get("authorization", "")
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    return ((auth[7:].strip() if auth.lower().startswith("bearer ") else None) or headers.get("x-api-key")
-            or headers.get("x-goog-api-key") or (query.get("key") or [""])[0] or "")
+    found = bearer_token(scope) or headers.get("x-api-key") or headers.get("x-goog-api-key")
+    if found:
+        return found
+    return (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key") or [""])[0]
 
 
 def configured_secret(configured: str | None) -> str | None:

@@ -81,11 +81,6 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(orjson.dumps(body), status, headers, media_type="application/json")
 
 
-def bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
-
-
 class ClientGone(ClientDisconnect):
     """The client closed its connection before its request body arrived in full (an agent killed or timed out
     mid-upload): there is nobody to answer. Not a server error: `log_client_gone` writes one warning line,

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ajet.guard import finite_number
+from ajet.guard import bearer_token, finite_number, secret_matches
 from ajet.proxy.wire import ClientGone, log_client_gone
 from ajet.rollout.episode_queue import TOKEN_HEADER, EpisodeApiError, EpisodeQueue
 
@@ -131,8 +131,7 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
 
     def guarded(handler: Callable) -> Callable:
         async def endpoint(request: Request):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {secret}".encode()):
+            if not secret_matches(bearer_token(request.scope) or "", secret):
                 return _error(401, "invalid_secret", "missing or wrong secret: send `Authorization: Bearer <secret>` "
                                                      "with the secret `ajet serve` printed (or serve.secret)")
             try:
@@ -231,7 +230,7 @@ def compose(proxy_app, api_app, on_activity: Callable[[str, int], None]):
         path = scope["path"]
         if path.startswith("/ajet/"):
             return await api_app(scope, receive, send)
-        token = _episode_token(path, scope.get("headers", ()))
+        token = _episode_token(scope)
         if token is None:
             return await proxy_app(scope, receive, send)
         on_activity(token, 0)
@@ -254,10 +253,8 @@ def compose(proxy_app, api_app, on_activity: Callable[[str, int], None]):
     return app
 
 
-def _episode_token(path: str, headers) -> str | None:
-    if path.startswith("/ep/"):
-        return path[4:].split("/", 1)[0] or None
-    for k, v in headers:
-        if k == b"authorization" and v[:7].lower() == b"bearer ":
-            return v[7:].decode("latin-1").strip()
-    return None
+def _episode_token(scope) -> str | None:
+    """The episode token of a proxy request: its `/ep/<token>/` path, else its `Authorization: Bearer`."""
+    if scope["path"].startswith("/ep/"):
+        return scope["path"][4:].split("/", 1)[0] or None
+    return bearer_token(scope)
