@@ -46,6 +46,7 @@ from starlette.routing import BaseRoute, Route
 from ajet.chat_template import TOOL_CALL_END, parse_tool_calls
 from ajet.engines.base import (Engine, EngineWait, reset_calling_agent, reset_queue_ticket, set_calling_agent,
                          set_queue_ticket)
+from ajet.guard import api_key
 from ajet.llm_call import Completion, LLMCall, SamplingParams, call_seed
 from ajet.proxy.api import Api
 from ajet.proxy.api.chat import ChatApi
@@ -58,8 +59,8 @@ from ajet.proxy.stream import cut_at_stop
 from ajet.proxy.strict import StrictTools
 from ajet.proxy.turn import (Choice, OpenEpisode, Prepared, Turn, episode_closed, forced_tool_call, parses_tools,
                              reject_unsupported, server_stopping)
-from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ClientGone, ProxyError, bearer, cut, json_response,
-                             load_json, log_client_gone, printable, read_body, redacted_path)
+from ajet.proxy.wire import (MAX_JSON_DEPTH, MAX_JSON_ITEMS, ClientGone, ProxyError, cut, json_response, load_json,
+                             log_client_gone, printable, read_body, redacted_path)
 
 log = logging.getLogger(__name__)
 
@@ -712,10 +713,9 @@ def freeze_heap_once() -> None:
 
 
 def _token(request: Request) -> str | None:
-    """The episode token of a bare `/v1/...` request: `Authorization: Bearer`, Anthropic's `x-api-key`, or
-    Google's `x-goog-api-key` / `?key=`."""
-    return (bearer(request) or request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
-            or request.query_params.get("key") or None)
+    """The episode token of a bare `/v1/...` request: its api key (`ajet.guard.api_key`: `Authorization: Bearer`,
+    Anthropic's `x-api-key`, or Google's `x-goog-api-key` / `?key=`)."""
+    return api_key(request.scope) or None
 
 
 def _route(request: Request) -> dict[str, Any]:
