@@ -189,7 +189,7 @@ def test_python_callers_of_trainer_run_and_eval_get_the_check(tmp_path):
     """`ajet.trainer.run` and `ajet eval` called from Python (no CLI) refuse a setting the backbone does not honour
     with the same one-line ConfigError, before anything is written (verl is not installed here: without the check
     the error would be the missing package, after the tasks and workflow load)."""
-    from ajet import eval as ajet_eval
+    from ajet.commands import eval as eval_command
     from ajet import trainer
 
     conf = _write(tmp_path, "algorithm: {distill: {teacher: /t}}")
@@ -198,7 +198,7 @@ def test_python_callers_of_trainer_run_and_eval_get_the_check(tmp_path):
     with pytest.raises(ConfigError, match="^" + re.escape(refused)):
         trainer.run(cfg)
     with pytest.raises(ConfigError, match="^" + re.escape(refused)):
-        ajet_eval.main(str(conf), data=str(tmp_path / "tasks.jsonl"), backbone="verl", out=str(tmp_path / "eval"))
+        eval_command.main(str(conf), data=str(tmp_path / "tasks.jsonl"), backbone="verl", out=str(tmp_path / "eval"))
     assert not (tmp_path / "exp").exists() and not (tmp_path / "eval").exists()
 
 
