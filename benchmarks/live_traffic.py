@@ -16,11 +16,15 @@ Updates go through the evaluation gate (`gateway.gate.mode: eval`): before a new
 tutorial's workflow and judge greedily on the first `--gate-tasks` problems of tasks/val.jsonl (held out: none is
 a training question) and is refused when its `--gate-metric` is more than `--max-drop` below the serving
 policy's. `--harmful` makes every update harmful (lr 1e-2 instead of `--lr`) to show that the gate refuses it and
-that no answer is ever sampled from it.
+that no answer is ever sampled from it. `--poison` tries to poison the gateway: before each feedback its user also
+posts a reward of 1e300 or NaN for the session (each must be a 400), and every update runs at lr 1e30, which makes
+the candidate's weights so large that its logits, and so its answers' logprobs, are not finite (a NaN-producing
+update): the gate must refuse each, and no answer may come from one.
 
     python benchmarks/live_traffic.py [--minutes 30] [--users 8] [--delay-scale 1] [--harmful]
     python benchmarks/live_traffic.py --minutes 3 --delay-scale 0.1          # a short smoke run
     python benchmarks/live_traffic.py --harmful --until-gate 1 ...           # until the gate has decided once
+    python benchmarks/live_traffic.py --poison --until-gate 1 ...            # 1e300 / NaN rewards, NaN updates
 
 After `--minutes` no new conversation starts; those in flight finish, feedback not yet due is not sent, and the
 gateway is killed with SIGKILL. The figures then come from the clients' own records and the gateway's
@@ -68,7 +72,7 @@ def write_config(run_dir: Path, args) -> Path:
     """The gateway's config (YAML, absolute paths) and its gate's held-out file, in `run_dir`."""
     val = [json.loads(line) for line in (TUTORIAL / "tasks" / "val.jsonl").read_text().splitlines() if line.strip()]
     (run_dir / "gate_val.jsonl").write_text("".join(json.dumps(t) + "\n" for t in val[:args.gate_tasks]))
-    lr = 1e-2 if args.harmful else args.lr
+    lr = _lr(args)
     wf = TUTORIAL / "math_workflow.py"
     conf = run_dir / "gateway.yaml"
     conf.write_text(textwrap.dedent(f"""
@@ -88,6 +92,14 @@ def write_config(run_dir: Path, args) -> Path:
           gate: {{mode: "{args.gate}", metric: {args.gate_metric}, max_drop: {args.max_drop}, keep_versions: 2}}
     """))
     return conf
+
+
+def _lr(args) -> float:
+    """The updates' learning rate: `--lr`, 1e-2 with `--harmful`, 1e30 with `--poison`."""
+    return 1e30 if args.poison else 1e-2 if args.harmful else args.lr
+
+
+POISON = (b"1e300", b"NaN")      # rewards a poisoner sends (raw JSON: NaN is not valid JSON, 1e300 is)
 
 
 class GatewayProcess:
@@ -132,6 +144,7 @@ class Population:
         self.convs: list[dict] = []
         self.acked: dict[str, float] = {}
         self.feedback_errors: list[str] = []
+        self.poison: list[tuple[str, int]] = []      # (the raw reward sent, the status answered)
         self.close_errors: list[str] = []
         self.failures: list[str] = []
         self.pending: set[asyncio.Task] = set()
@@ -233,6 +246,11 @@ class Population:
             self.unsent += 1
             return
         await asyncio.sleep(delay)
+        if self.args.poison:                      # a poisoned reward first: it must be refused (400)
+            raw = POISON[len(self.poison) % len(POISON)]
+            body = b'{"session_id": "' + session.encode() + b'", "reward": ' + raw + b"}"
+            r = await self.http.post("/v1/feedback", content=body, headers={"Content-Type": "application/json"})
+            self.poison.append((raw.decode(), r.status_code))
         r = await self.http.post("/v1/feedback", json={"session_id": session, "reward": reward})
         if r.status_code == 200:
             self.acked[session] = reward
@@ -284,6 +302,17 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
     ok_lat = [(e - s, any(s <= m <= e for m in moments)) for s, e, ok, _ in pop.calls if ok]
     during = [d for d, at_swap in ok_lat if at_swap]
     between = [d for d, at_swap in ok_lat if not at_swap]
+    # an update's span: its training (the step's train/update_s) up to its decision (gate row, or version served)
+    update_s = {}
+    metrics_path = db_path.parent / "metrics.jsonl"
+    if metrics_path.exists():
+        for line in metrics_path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("train/update_s") is not None:
+                update_s[row["step"]] = row["train/update_s"]
+    ends = {g["step"]: g["at"] for g in gate} | {v["step"]: v["at"] for v in served_rows if v["how"] != "start"}
+    spans = [(ends[k] - pop.t0 - update_s.get(k, 0.0), ends[k] - pop.t0) for k in ends]
+    in_update = [(e - s, any(s <= b and a <= e for a, b in spans)) for s, e, ok, _ in pop.calls if ok]
     done = [c for c in pop.convs if not c.get("failed")]
     win = args.window_min * 60
     windows = []
@@ -302,8 +331,11 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
             answered_by[v] = answered_by.get(v, 0) + 1
     served_versions = [v["version"] for v in served_rows]
     return {
-        "minutes": args.minutes, "users": args.users, "harmful": args.harmful,
-        "lr": 1e-2 if args.harmful else args.lr, "feedback": args.feedback,
+        "minutes": args.minutes, "users": args.users, "harmful": args.harmful, "poison": args.poison,
+        "lr": _lr(args), "feedback": args.feedback,
+        "poisoned_feedback_sent": len(pop.poison),
+        "poisoned_feedback_400": sum(1 for _, status in pop.poison if status == 400),
+        "poisoned_feedback_accepted": sum(1 for _, status in pop.poison if status == 200),
         "gateway_start_s": round(pop.t0 - t_gateway_start, 1),
         "conversations": len(done), "model_calls": len(pop.calls),
         "streamed_calls": sum(1 for c in pop.calls if c[3]),
@@ -315,6 +347,11 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
         "latency_p50_s": _pct([d for d, _ in ok_lat], 0.5), "latency_p99_s": _pct([d for d, _ in ok_lat], 0.99),
         "p99_during_swaps_s": _pct(during, 0.99), "calls_during_swaps": len(during),
         "p99_between_swaps_s": _pct(between, 0.99), "calls_between_swaps": len(between),
+        "p99_during_updates_s": _pct([d for d, u in in_update if u], 0.99),
+        "calls_during_updates": sum(1 for _, u in in_update if u),
+        "p99_outside_updates_s": _pct([d for d, u in in_update if not u], 0.99),
+        "calls_outside_updates": sum(1 for _, u in in_update if not u),
+        "updates": len(spans), "update_s": [round(b - a, 1) for a, b in spans],
         "swaps_served": sum(1 for v in served_rows if v["how"] != "start"),
         "swaps_accepted": sum(1 for g in gate if g["served"]), "swaps_refused": len(refused_steps),
         "gate": [{k: g[k] for k in ("step", "candidate_version", "serving_version", "serving_figure",
@@ -331,7 +368,7 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
 
 def print_report(r: dict) -> None:
     print(f"\n== live traffic: {r['minutes']:g} min, {r['users']} users, lr {r['lr']:g}"
-          f"{' (HARMFUL)' if r['harmful'] else ''}, feedback={r['feedback']} ==")
+          f"{' (HARMFUL)' if r['harmful'] else ''}{' (POISON)' if r['poison'] else ''}, feedback={r['feedback']} ==")
     print(f"gateway ready after {r['gateway_start_s']} s; {r['conversations']} conversations, {r['model_calls']} model "
           f"calls ({r['streamed_calls']} streamed), {r['silent_conversations']} conversations never answered")
     for w in r["windows"]:
@@ -344,6 +381,9 @@ def print_report(r: dict) -> None:
     print(f"latency p50 {r['latency_p50_s']:.2f} s, p99 {r['latency_p99_s']:.2f} s; p99 during swaps "
           f"{r['p99_during_swaps_s']:.2f} s ({r['calls_during_swaps']} calls), between swaps "
           f"{r['p99_between_swaps_s']:.2f} s ({r['calls_between_swaps']} calls)")
+    print(f"updates {r['updates']} (training s: {r['update_s']}); p99 of the calls overlapping an update "
+          f"{r['p99_during_updates_s']:.2f} s ({r['calls_during_updates']} calls), of the others "
+          f"{r['p99_outside_updates_s']:.2f} s ({r['calls_outside_updates']} calls)")
     print(f"weight swaps served {r['swaps_served']}; updates accepted by the gate {r['swaps_accepted']}, refused "
           f"{r['swaps_refused']}")
     for g in r["gate"]:
@@ -355,6 +395,9 @@ def print_report(r: dict) -> None:
     print(f"requests failed {r['requests_failed']} {r['failures'] or ''}")
     print(f"feedback acknowledged {r['feedback_acknowledged']}, lost {r['feedback_lost']}, refused "
           f"{r['feedback_refused']} {r['feedback_errors'] or ''}, not yet due at the end {r['feedback_not_due_at_end']}")
+    if r["poison"]:
+        print(f"poisoned rewards (1e300, NaN) sent {r['poisoned_feedback_sent']}: answered 400 "
+              f"{r['poisoned_feedback_400']}, accepted {r['poisoned_feedback_accepted']}")
     if r["metrics_non_200"]:
         print("non-200 in /metrics: " + "; ".join(r["metrics_non_200"]))
 
@@ -372,6 +415,8 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--harmful", action="store_true", help="every update at lr 1e-2: the gate must refuse it")
+    p.add_argument("--poison", action="store_true", help="1e300 and NaN rewards (each must be a 400) and every "
+                   "update at lr 1e30 (non-finite answers: the gate must refuse it)")
     p.add_argument("--num-repeat", type=int, default=4, help="rollout.num_repeat: sessions per group")
     p.add_argument("--tasks-per-step", type=int, default=4, help="trainer.tasks_per_step: groups per update")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -413,7 +458,8 @@ def main() -> int:
     print_report(r)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1, default=str))
-    return 0 if r["requests_failed"] == 0 and r["feedback_lost"] == 0 else 1
+    poisoned = r["poisoned_feedback_accepted"] > 0 or (args.poison and r["swaps_accepted"] > 0)
+    return 0 if r["requests_failed"] == 0 and r["feedback_lost"] == 0 and not poisoned else 1
 
 
 if __name__ == "__main__":

@@ -26,12 +26,21 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
     5. the decision is in gateway.sqlite (`gate`: step, both versions, both figures, served, reason) and
        counted in /metrics; the step's metrics get gate/* figures
 
+Serving while training (a backbone with `serve_while_training`, the debug backbone: `attach` turns it on): steps
+2-4 hold nothing. The update trains the trainer's copy of the weights while the engine serves its own; both
+evaluations run on `backbone.trainer_engine()` (an in-process engine over the trainer's copy: the serving weights
+before the update, the candidate after), beside the served engine; a candidate that passes is switched in by
+`backbone.publish()` (the rows in flight finish on the serving version first); a refused one is dropped by loading
+the serving checkpoint into the trainer's copy only. Rollbacks load into the trainer's copy, then switch. Backbones
+without it (verl, trinity) go as numbered above.
+
 With mode `replay` (ajet/gateway/replay.py) the evaluation of step 1 and 3 is a replay of the first request of
 the most recently rated sessions that the update did not train on, scored by the config's judge, instead of
 `data.val_path`; the set moves with the traffic, so the serving policy is evaluated on it at every update (step
 1), never taken from the record.
 
-Cost: live requests wait for the update plus one held-out evaluation (step 2 to 4), and each served version
+Cost (without serving while training): live requests wait for the update plus one held-out evaluation (step 2
+to 4), and each served version
 costs one checkpoint write (with `model.lora` the adapter only). With mode `off` step 2-4 are skipped: every update
 is served at once (requests in flight keep decoding across the swap) and checkpointed right after; an update that
 is not a new version
