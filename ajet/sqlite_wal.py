@@ -1,7 +1,10 @@
-"""Opening an append-only SQLite store: the one connection setup the trajectory store and the gateway store share."""
+"""Append-only SQLite stores: the one connection setup (`open_wal`) and the one base (`WalStore`: a connection,
+a write lock, one transaction per write) that the trajectory store (ajet/trajectory_store.py) and the gateway's
+store (ajet/gateway/store.py) share."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 
@@ -15,8 +18,10 @@ def open_wal(path: Path, schema: str) -> sqlite3.Connection:
     Args:
         path: the database file.
         schema: SQL script run once after opening.
+
     Returns:
         The open connection; the caller serialises writes (sqlite3 objects are not locked for it).
+
     Raises:
         sqlite3.Error: the file cannot be opened or written, or `schema` fails.
         OSError: the folder cannot be created.
@@ -27,3 +32,36 @@ def open_wal(path: Path, schema: str) -> sqlite3.Connection:
     db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable across process crashes
     db.executescript(schema)
     return db
+
+
+class WalStore:
+    """Base of an append-only SQLite store used from many threads: `open_wal(path, SCHEMA)`, one write lock, and
+    `_tx` committing a write as one transaction (durable when it returns). Reads take the lock only where they
+    must see a consistent set of rows.
+
+    Args:
+        path: the database file (created with its folder if missing).
+
+    Raises:
+        sqlite3.Error: the file cannot be opened or written.
+    """
+
+    SCHEMA = ""
+    """The subclass's `CREATE ... IF NOT EXISTS` script, run at every open."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._db = open_wal(self.path, self.SCHEMA)
+        self._write = threading.Lock()   # one transaction at a time: `ajet serve` and the gateway commit from
+        # many threads
+
+    def _tx(self, *statements: tuple[str, list[tuple]]) -> None:
+        """Run each (sql, rows) with `executemany`, all in one transaction under the write lock."""
+        with self._write, self._db:
+            self._db.execute("BEGIN")
+            for sql, rows in statements:
+                self._db.executemany(sql, rows)
+
+    def close(self) -> None:
+        """Close the connection (the store is unusable afterwards)."""
+        self._db.close()

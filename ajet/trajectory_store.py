@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
-from pathlib import Path
 from typing import Any, Iterable
 
-from ajet.sqlite_wal import open_wal
+from ajet.sqlite_wal import WalStore
 
 
 def finite_json(value: Any) -> Any:
@@ -85,19 +83,18 @@ CREATE TABLE IF NOT EXISTS not_trained (
 """
 
 
-class TrajectoryStore:
-    """Append-only SQLite store of episodes, calls, attempts and the trained-on ledger.
+class TrajectoryStore(WalStore):
+    """Append-only SQLite store of episodes, calls, attempts and the trained-on ledger (the connection, write lock
+    and transactions: `ajet.sqlite_wal.WalStore`).
 
     Args:
         path: the database file (created with its folder if missing).
+
     Raises:
         sqlite3.Error: the file cannot be opened or written.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._db = open_wal(self.path, _SCHEMA)
-        self._write = threading.Lock()   # one transaction at a time (`ajet serve` commits from many threads)
+    SCHEMA = _SCHEMA
 
     def begin_attempt(self, resumed_from_step: int) -> int:
         """Register a new start of the trainer and return its attempt number (0, 1, 2, ...: one more than
@@ -117,25 +114,21 @@ class TrajectoryStore:
             sqlite3.IntegrityError: the same (episode_id, attempt) was stored before.
         """
         calls = record.get("calls", [])
-        with self._write, self._db:  # one transaction
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             (record["episode_id"], step, attempt, record["task"]["task_id"], record.get("reward"),
-                              record.get("error"), dumps(record)))
-            self._db.executemany("INSERT INTO calls VALUES (?, ?, ?, ?, ?)",
-                                 [(c["call_id"], record["episode_id"], attempt, c["index"], dumps(c)) for c in calls])
+        self._tx(("INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?)",
+                  [(record["episode_id"], step, attempt, record["task"]["task_id"], record.get("reward"),
+                    record.get("error"), dumps(record))]),
+                 ("INSERT INTO calls VALUES (?, ?, ?, ?, ?)",
+                  [(c["call_id"], record["episode_id"], attempt, c["index"], dumps(c)) for c in calls]))
 
     def mark_trained(self, step: int, attempt: int, episodes: Iterable[tuple[str, int]],
                      not_trained: Iterable[tuple[str, int, str]] = ()) -> None:
         """Record, in one transaction, that the update of `step` run by `attempt` trained on `episodes`,
         given as (episode_id, the attempt that stored the episode), and left out `not_trained`, given as
         (episode_id, its attempt, reason)."""
-        with self._write, self._db:
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT INTO trained VALUES (?, ?, ?, ?)",
-                                 [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes])
-            self._db.executemany("INSERT INTO not_trained VALUES (?, ?, ?, ?, ?)",
-                                 [(eid, ep_attempt, step, attempt, why) for eid, ep_attempt, why in not_trained])
+        self._tx(("INSERT INTO trained VALUES (?, ?, ?, ?)",
+                  [(eid, ep_attempt, step, attempt) for eid, ep_attempt in episodes]),
+                 ("INSERT INTO not_trained VALUES (?, ?, ?, ?, ?)",
+                  [(eid, ep_attempt, step, attempt, why) for eid, ep_attempt, why in not_trained]))
 
     def add_samples(self, step: int, attempt: int, samples: list[dict[str, Any]]) -> None:
         """Commit the training samples built for `step` (each a `Sample.to_dict()` plus `trained`: whether the
@@ -145,9 +138,7 @@ class TrajectoryStore:
         for s in samples:
             i = index[s["episode_id"]] = index.get(s["episode_id"], -1) + 1
             rows.append((s["episode_id"], attempt, i, step, s.get("advantage"), dumps(s)))
-        with self._write, self._db:   # the lock every write takes: `ajet serve` commits episodes meanwhile
-            self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", rows)
+        self._tx(("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", rows))
 
     def episodes(self, step: int | None = None, attempt: int | None = None) -> list[dict[str, Any]]:
         """Stored episode records, in insertion order, optionally of one step and/or attempt."""
@@ -207,6 +198,3 @@ class TrajectoryStore:
         """(episodes, calls) stored."""
         return (self._db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0],
                 self._db.execute("SELECT COUNT(*) FROM calls").fetchone()[0])
-
-    def close(self) -> None:
-        self._db.close()

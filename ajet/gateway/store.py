@@ -37,13 +37,11 @@ A session's reward is its latest feedback row. Times are `time.time()` seconds. 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ajet.sqlite_wal import open_wal
+from ajet.sqlite_wal import WalStore
 from ajet.trajectory_store import dumps
 
 _SCHEMA = """
@@ -102,25 +100,18 @@ class StoredSession:
     picks: dict[str, dict[str, Any]] = field(default_factory=dict)   # response_id -> {"chosen", "scores"}
 
 
-class GatewayStore:
-    """Append-only SQLite store of sessions, their calls and responses, closes, feedback and drops.
+class GatewayStore(WalStore):
+    """Append-only SQLite store of sessions, their calls and responses, closes, feedback and drops (the
+    connection, write lock and transactions: `ajet.sqlite_wal.WalStore`, as the trajectory store's).
 
     Args:
         path: the database file (created with its folder if missing).
+
     Raises:
         sqlite3.Error: the file cannot be opened or written.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._db = open_wal(self.path, _SCHEMA)
-        self._write = threading.Lock()
-
-    def _tx(self, *statements: tuple[str, list[tuple]]) -> None:
-        with self._write, self._db:
-            self._db.execute("BEGIN")
-            for sql, rows in statements:
-                self._db.executemany(sql, rows)
+    SCHEMA = _SCHEMA
 
     def open_session(self, session_id: str, query: str, found_by: str, at: float | None = None) -> None:
         """Record a new session. Raises sqlite3.IntegrityError for an id stored before."""
@@ -252,6 +243,3 @@ class GatewayStore:
         with self._write:
             row = self._db.execute(f"SELECT {', '.join(keys)} FROM rollbacks WHERE id = ?", (rollback_id,)).fetchone()
         return None if row is None else dict(zip(keys, row))
-
-    def close(self) -> None:
-        self._db.close()
