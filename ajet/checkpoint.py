@@ -44,6 +44,7 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any], adap
             merged full weights beside it (`MERGED_WEIGHTS`) before the rename: the folder then holds the adapter,
             the optimizer state and the tokenizer (what `load_checkpoint` reads with `model.lora`), not a loadable
             full model. Without an adapter it changes nothing.
+
     Raises:
         OSError: the folder cannot be written.
     """

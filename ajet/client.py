@@ -108,6 +108,7 @@ class Episode(_EpisodeData):
 
         Returns:
             The server's answer, {"episode_id", "status"}.
+
         Raises:
             AjetClientError: the server refused it (a 400: non-finite reward, no reward and no judge, ...).
             EpisodeGone: the server no longer knows the episode (404/410: abandoned after `idle_timeout_s`
@@ -231,6 +232,7 @@ class _ClientBase:
         client_id: a name for this client in the server's status (default: host-pid-random).
         retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds.
         timeout_s: per-request timeout, seconds.
+
     Raises:
         ValueError: no URL given and AJET_URL unset.
     """
@@ -264,6 +266,7 @@ class AjetClient(_ClientBase):
         retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds (exponential
             backoff from 0.2 s, at most 5 s between tries, at most the server's `Retry-After`).
         timeout_s: per-request timeout, seconds.
+
     Raises:
         ValueError: no URL given and `AJET_URL` unset.
     """

@@ -23,6 +23,7 @@ def call_seed(run_seed: int, episode_key: str, call_index: int) -> int:
         episode_key: names the episode independently of the run attempt (the trainer uses
             "<group id>/r<repeat index>", so a resumed step's episodes sample as the first attempt's did).
         call_index: 0-based index of the request within the episode, in the order its requests started.
+
     Returns:
         a seed in [0, 2**63).
     """

@@ -25,6 +25,7 @@ class MetricsLogger:
         loggers: names from `TrainerConfig.loggers` ("console", "tensorboard", "jsonl", "wandb").
         run_config: the run's `AjetConfig` (wandb's run name and config).
         console: the run's console (default: `run_console(loggers)`).
+
     Raises:
         ImportError: "wandb" is asked for but not installed (the config check names the extra first).
     """

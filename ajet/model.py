@@ -77,6 +77,7 @@ def check_model_folder(folder: str | Path, require: str = "model") -> None:
     Args:
         folder: an existing folder. require: "model" (config.json, weight files and tokenizer files),
             "weights" (config.json and weight files) or "tokenizer" (tokenizer files only).
+
     Raises:
         ConfigError: a required part is missing; the message lists what the folder holds.
     """

@@ -33,6 +33,7 @@ def bind_port(host: str, port: int, hint: str) -> socket.socket:
     Args:
         host: an IPv4 address or name. port: 0..65535 (0: a free one). hint: how to choose another port, e.g.
             "--port N (serve.port)"; it ends the error's message.
+
     Raises:
         PortInUseError: the port is taken. OSError: any other bind failure (e.g. an address of no interface).
     """

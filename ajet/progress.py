@@ -202,6 +202,7 @@ class Reporter:
         enabled: False shows nothing (`--quiet`, `trainer.progress: false`).
         interval_s: seconds between two plain lines of a phase (> 0). Default: AJET_PROGRESS_INTERVAL_S, else 30.
         live: force the live display (True) or plain lines (False); default: whether `console` is a terminal.
+
     Raises:
         ValueError: `interval_s` is not > 0.
     """

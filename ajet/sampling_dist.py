@@ -21,6 +21,7 @@ def nucleus_keep(scaled_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tens
     Args:
         scaled_logits: `[..., vocab]` logits already divided by the temperature.
         top_p: `[...]` nucleus mass of each row, in (0, 1]; rows with top_p >= 1 keep every token.
+
     Returns:
         `[..., vocab]` bool, True for kept tokens: the most likely tokens, in order, up to and including
         the first one at which the cumulative probability reaches top_p (always at least one token).
@@ -40,9 +41,11 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: t
         logits: `[..., vocab]` raw model logits (any float dtype; computed in float32).
         temperature: `[...]` (or broadcastable, e.g. `[batch, 1]` for `[batch, seq, vocab]` logits) > 0.
         top_p: `[...]` like temperature, in (0, 1]; None or all >= 1 skips the truncation (no sort).
+
     Returns:
         `[..., vocab]` float32 logprobs; -inf outside the nucleus. Differentiable through the kept logits
         (the nucleus itself is chosen without gradient).
+
     Raises:
         ValueError: a temperature <= 0 (greedy calls must not be scored as a distribution).
     """

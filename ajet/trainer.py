@@ -53,6 +53,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
         cfg: the experiment.
         mode: what the command trains with (`ajet.rollout.RunMode`: datasets, rollout source, update policy, what
             follows the last step, port); default `ajet.rollout.in_process.in_process_mode()`.
+
     Raises:
         ConfigError: a setting `cfg.backbone` does not honour (`ajet.backbones.capabilities.check_supported`),
             before anything runs.
@@ -426,6 +427,7 @@ def _guard(episodes: list[Episode], vocab_size: int, policy_version: int,
         vocab_size: ids the trainer's tokenizer knows; policy_version: the weights the update starts from;
         max_staleness: updates a call may lag behind (None: no bound); a stale episode is only counted here
             (`guards/stale_policy_episodes`): its stale samples are dropped by `_drop_stale` (stale_policy "drop").
+
     Returns:
         (ids (`id()`) of the episodes dropped for their sampled tokens, the step's guards/* counts).
     """

@@ -145,6 +145,7 @@ class Workflow(abc.ABC):
 
         Returns:
             WorkflowOutput; its `reward` may be None when a judge is configured.
+
         Raises:
             Anything: an exception marks the episode failed (recorded with its traceback, not trained on).
         """

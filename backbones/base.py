@@ -62,6 +62,7 @@ class Backbone(Protocol):
         Returns:
             At least `update_s` (seconds the update took) and `optimizer_steps`; the loss figures the backbone
             measures (e.g. `pg_loss`, `clip_frac`, `grad_norm`), each a mean over the optimizer steps.
+
         Raises:
             RuntimeError: the workers failed (the step's samples are not lost: they are in the trajectory store).
             BackboneOutOfMemory: (verl) Ray's memory monitor killed a worker; the message says what to lower.
@@ -128,6 +129,7 @@ def load_backbone(name: str, cfg: AjetConfig | None = None) -> type:
     Args:
         cfg: when given, first refuse what backbone `name` does not honour of it (`capabilities.check_supported`),
             before any of the backbone's packages is imported.
+
     Raises:
         BackboneUnavailable: unknown name, or the backbone's package is not installed (names the extra).
         ConfigError: `cfg` sets what backbone `name` does not honour (naming the key and the backbones that do).

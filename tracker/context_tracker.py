@@ -29,6 +29,7 @@ def merge_calls(calls: list[LLMCall], group_id: str, group_by_agent_tag: bool = 
         calls: recorded calls of one episode.
         group_id: GRPO group key stamped on every sample (suffixed with ":<tag>" when group_by_agent_tag).
         train_greedy_calls: keep loss mask 1 on greedy tokens (the trainer then scores them at T=1).
+
     Returns:
         Samples, agent tags in first-call order, paths in insertion order. Each sample's flags hold
         `fork_reason` (why its first call left the other paths; absent for the first sample of a tag),

@@ -33,6 +33,7 @@ class Sample:
         advantage: the episode advantage (filled in by the algorithm; shared by all its samples).
         num_episode_samples: how many samples the episode produced (for per-episode loss weighting).
         flags: provenance notes, e.g. {"forked": "prefix_mismatch"}.
+
     Raises:
         ValueError: a per-token list whose length is not `response_len`.
     """

@@ -38,8 +38,10 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], eps: float = 1e
         group_ids: `[num_episodes]` group key of each episode (episodes of one task in one step).
         eps: added to the std so uniform-reward groups give 0, not NaN.
         norm_by_std: False drops the std division (one half of Dr. GRPO; the other is the loss aggregation).
+
     Returns:
         `[num_episodes]` advantages; 0 for groups of one episode (no baseline to compare with).
+
     Raises:
         ValueError: when the lengths differ.
     """
@@ -79,9 +81,11 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: list[str]) -> torch.Tensor
     Args:
         rewards: `[num_episodes]` scalar rewards.
         group_ids: `[num_episodes]` group key of each episode.
+
     Returns:
         `[num_episodes]` advantages; a group of one episode keeps its reward (A = r: no other episode to
         compare with, as verl's `compute_rloo_outcome_advantage`).
+
     Raises:
         ValueError: when the lengths differ.
     """
@@ -102,6 +106,7 @@ def whiten(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     Args:
         values: `[n]` one value per episode.
         counts: `[n]` how many times each value counts (its loss tokens; 0 leaves it out of the statistics).
+
     Returns:
         `[n]` whitened values; all 0 when fewer than 2 counted tokens (verl raises there; a step with one
         trained token has no batch statistic to learn from).
@@ -125,6 +130,7 @@ def reinforce_plus_plus_advantages(rewards: torch.Tensor, token_counts: torch.Te
     Args:
         rewards: `[num_episodes]` scalar rewards.
         token_counts: `[num_episodes]` loss tokens of each episode (verl whitens over tokens).
+
     Returns:
         `[num_episodes]` advantages (see `whiten`).
     """
@@ -137,8 +143,10 @@ def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, group_ids: li
     one episode has baseline 0 (verl's `compute_reinforce_plus_plus_baseline_outcome_advantage`).
 
     Args: as `rloo_advantages`, plus token_counts as `reinforce_plus_plus_advantages`.
+
     Returns:
         `[num_episodes]` advantages.
+
     Raises:
         ValueError: when the lengths differ.
     """
@@ -197,6 +205,7 @@ def assign_advantages(samples: list, rewards: dict[str, float], episode_groups: 
         episode_groups: episode_id -> the episode's GRPO group id (the task group, before any ":<tag>"
             suffix) for EVERY trainable episode of the step. None: only the episodes that have samples
             count (the baseline then ignores sample-less episodes).
+
     Raises:
         KeyError: a sample's episode has no reward.
         ValueError: an unknown adv_estimator.

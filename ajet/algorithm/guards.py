@@ -46,6 +46,7 @@ def sampled_token_reason(calls: list[LLMCall], vocab_size: int) -> str | None:
     Args:
         calls: the episode's recorded calls (`completion_ids`, `completion_logprobs`: `[completion_len]`).
         vocab_size: number of ids the trainer's tokenizer knows (valid ids are 0 .. vocab_size - 1).
+
     Returns:
         OUT_OF_VOCAB when a sampled id is outside [0, vocab_size); else NON_FINITE_LOGPROB when an engine
         logprob of a sampled token is NaN or +-inf; else None.

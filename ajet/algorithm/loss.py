@@ -52,9 +52,11 @@ def loss_token_weights(seq_ids: list, loss_tokens: list[int], loss_agg_mode: str
         loss_scale_factor: C for seq-mean-token-sum-norm; None uses `max_response_len` (verl uses the
             padded response length, which is constant when responses are padded to the generation budget).
         max_response_len: tokens; the fallback for C.
+
     Returns:
         `[num_samples]` one weight per sample, applied to each of its loss-masked tokens (it multiplies no
         token of a sample without one; with N = 0 every weight is 0, where verl's token-mean divides by 0).
+
     Raises:
         ValueError: an unknown mode, or seq-mean-token-sum-norm without a positive C.
     """
@@ -94,9 +96,11 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         loss_mask: `[batch, seq]` 1 where the token counts (0/1 or bool).
         loss_agg_mode: one of `LOSS_AGG_MODES` (defined in `loss_token_weights`).
         loss_scale_factor: C of seq-mean-token-sum-norm; None uses `loss_mask.shape[-1]` as verl does.
+
     Returns:
         a scalar tensor (differentiable through loss_mat); masked positions never contribute, even
         when they hold inf or NaN.
+
     Raises:
         ValueError: an unknown mode, or shapes that differ.
     """
@@ -133,9 +137,11 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
         ref_logprobs: `[batch, seq]` log pi_ref(token), needed when kl_coef > 0.
         clip_ratio_c: dual-clip bound (> 1; verl's default 3.0) on the loss of negative-advantage
             tokens; None disables it.
+
     Returns:
         (loss, stats): a scalar to call backward on, and detached floats, each a weighted sum over tokens
         (divide by `weight_sum` for a mean): pg_loss, kl, clip_frac, dual_clip_frac, ratio_mean, weight_sum.
+
     Raises:
         ValueError: kl_coef > 0 without ref_logprobs; clip_ratio_c <= 1.
     """
@@ -192,8 +198,10 @@ def truncated_is_weights(prox_logprobs: torch.Tensor, behaviour_logprobs: torch.
         behaviour_logprobs: `[batch, seq]` log pi_behaviour(token), the engine's.
         cap: the truncation C > 0 (verl's default threshold: 2.0).
         mask: `[batch, seq]` nonzero at the trained tokens.
+
     Returns:
         `[batch, seq]` detached weights in [0, cap]; 0 off the mask (whatever the logprobs hold there).
+
     Raises:
         ValueError: cap <= 0, or shapes that differ.
     """
@@ -225,6 +233,7 @@ def distill_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, teacher_log
         logprobs: `[batch, seq]` log pi_theta (requires grad); old_logprobs: `[batch, seq]` the engine's;
         teacher_logprobs: `[batch, seq]` the teacher's logprob of the same tokens under the same temperature
             and top_p; weights: `[batch, seq]` as `ppo_clip_loss` (0 where not trained).
+
     Returns:
         (loss, kl): the scalar to add (times a coefficient) and the detached weighted sum of kl_t.
     """
@@ -252,8 +261,10 @@ def sft_loss(logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         logprobs: `[batch, seq]` log pi_theta(token) at temperature 1 (requires grad).
         weights: `[batch, seq]` per-token weight, 0 where the loss mask is 0; positions of weight 0 contribute
             exactly 0 to the loss and its gradient, even when their logprobs are -inf or NaN.
+
     Returns:
         a scalar tensor to call backward on.
+
     Raises:
         ValueError: shapes that differ.
     """

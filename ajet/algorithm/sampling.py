@@ -30,6 +30,7 @@ def zero_std_groups(episodes: list[Episode]) -> list[str]:
     Args:
         episodes: finished episodes of one step, any order; failed ones (`not ep.ok`) count only in their
             group's size.
+
     Returns:
         group ids, each once.
     """

@@ -46,6 +46,7 @@ def render_files(kind: str, name: str, python: str) -> dict[str, str]:
     Args:
         kind: one of `kinds()`. name: the experiment name. python: the interpreter the programs ajet starts
             should run with (written as a quoted YAML string).
+
     Raises:
         InitError: an unknown kind.
     """
@@ -65,6 +66,7 @@ def init_project(directory: str | Path, kind: str = DEFAULT_KIND, force: bool = 
         directory: the project folder. kind: one of `kinds()`. force: write into a folder that is not empty
             (the template's files are overwritten, other files are left as they are).
         python: the interpreter written into command and harness configs (default: the one running this).
+
     Raises:
         InitError: an unknown kind, `directory` is a file, or it is not empty and `force` is false.
     """

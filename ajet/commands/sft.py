@@ -98,8 +98,10 @@ def read_recorded(exp_dir: str | Path, min_reward: float | None = None,
             gateway's `gateway.sqlite`.
         min_reward: keep episodes whose reward is at least this (None: every successful episode).
         agent: keep only the samples of this agent tag (None: every agent); an episode left with no sample is dropped.
+
     Returns:
         [RecordedEpisode], possibly empty.
+
     Raises:
         ConfigError: `exp_dir` holds none of the three files.
     """

@@ -330,6 +330,7 @@ class HFEngine:
         Returns:
             `weight_switch_s` (seconds from the call to the new weights serving) and `weight_copy_s` (of that, the
             `apply` itself; the rest is the rows in flight finishing).
+
         Raises:
             RuntimeError: the engine is shut down (or stopped before the switch).
             Exception: whatever `apply` raised (the old weights stay served, `policy_version` unchanged).

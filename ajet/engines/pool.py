@@ -36,6 +36,7 @@ class ServerPool:
         affinity_tokens: how many opening prompt tokens identify a conversation (tokens).
         max_conversations: sticky entries kept (least recently used dropped first).
         retry_down_s: how long a server that could not be connected to gets no calls, seconds.
+
     Raises:
         ValueError: no engines.
 

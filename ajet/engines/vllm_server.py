@@ -60,6 +60,7 @@ def find_vllm_python(configured: str | None = None) -> str:
     existing `.venvs/vllm/bin/python` in the working folder or in ajet's source checkout.
 
     Returns: its path, as given (a venv's python must not be resolved through its symlink).
+
     Raises:
         EngineUnavailable: the python named does not exist, none was found, or it cannot import vLLM.
     """
@@ -171,6 +172,7 @@ class VLLMServer:
         """Start the server and wait until /health answers 200.
 
         Returns: its OpenAI base URL, "http://127.0.0.1:<port>/v1".
+
         Raises:
             EngineUnavailable: no python with vLLM; the server exited, or did not answer within
                 `start_timeout_s` (it is stopped then); the message holds the last lines of its log.

@@ -220,6 +220,7 @@ class SessionBook:
             header: the `X-Ajet-Session` value, or None.
             messages, tools: the request in the proxy's wire form (None when it could not be parsed: the proxy
                 answers its 400 in a session of its own).
+
         Raises:
             GatewayError: 400 `invalid_session` for a header that is not 1-200 printable ASCII characters,
                 409 `session_closed` for a header naming a closed session.

@@ -54,6 +54,7 @@ class HarnessWorkflow(Workflow):
     Args:
         conf: the `workflow:` section. extra: the config's own `harnesses:` (added to the built-in ones).
         config_dir: the config file's folder (relative `repo` paths of tasks resolve here).
+
     Raises:
         ConfigError: an unknown harness name.
     """

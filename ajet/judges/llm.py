@@ -82,6 +82,7 @@ class LLMJudge:
         cfg: the experiment config; its `llm_judge` section (see `ajet.config.LLMJudgeConfig`) says which
             endpoint, model, rubric (a file path, relative to the config's folder, or the text) and score
             scale. With `base_url` None the frozen initial policy is started on first use (`FrozenPolicy`).
+
     Raises:
         openai.APIError: (when judging) the judge's endpoint failed after 2 retries; the episode fails.
         OSError: (when judging with the frozen policy) its model cannot be loaded.

@@ -39,6 +39,7 @@ class RewardModelJudge:
 
     Args:
         cfg: the config; its `reward_model` section names the endpoint.
+
     Raises:
         ConfigError: `reward_model.base_url` is not set.
     """

@@ -44,6 +44,7 @@ async def run_within(aw: Awaitable[T], timeout_s: float, wait: EngineWait | None
 
     Returns:
         what `aw` returns.
+
     Raises:
         EpisodeTimeout: the limit was reached (`aw` is cancelled and awaited first).
         whatever `aw` raises.

@@ -36,6 +36,7 @@ class DynamicSampling:
         source: the rollout source.
         cfg: the experiment config (`trainer.tasks_per_step`, `algorithm.dynamic_sampling.max_oversample`,
             `rollout.failed_episode_policy`).
+
     Raises:
         ConfigError: the source is no `RefillableSource` (it cannot roll out extra tasks).
     """

@@ -46,6 +46,7 @@ class RayRollout:
         num_workers: actors in the pool (each a separate process; one CPU each).
         address: None starts a local Ray (`ray.init()`); "auto" or "HOST:PORT" joins an existing cluster.
         episodes_per_worker: workflows one actor runs at once.
+
     Raises:
         ImportError: with the install hint, when `ray` is not installed.
     """
@@ -76,6 +77,7 @@ class RayRollout:
 
         Returns:
             `[len(tasks) * num_repeat]` episodes, as `ajet.rollout.episodes.new_episodes` names and groups them.
+
         Raises:
             ConfigError: `tools` (MCP servers) given: their sessions live in the trainer process.
         """

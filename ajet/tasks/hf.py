@@ -32,6 +32,7 @@ def read_hf_tasks(path: str | Path, split: str = "train", columns: dict[str, str
         columns: ajet field (`query`, `answer`, `task_id`) -> column name; fields not named keep their
             own names (a row needs `query` or GSM8K's `question`).
         max_tasks: read at most this many rows.
+
     Raises:
         ConfigError: missing path, unknown suffix, unknown split, a mapped column not in the dataset.
     """

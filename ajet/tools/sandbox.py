@@ -153,8 +153,10 @@ async def run_python_async(code: str, timeout_s: float = 5.0, memory_mb: int = 5
         isolation: "auto" (bwrap when it works, else "none" and the result says so), "bwrap" (required),
             or "none" (limits only).
         env: extra environment variables for the code (added to the allow-list; nothing is inherited).
+
     Returns:
         SandboxResult; never raises for anything the code does.
+
     Raises:
         SandboxUnavailable: isolation="bwrap" and bubblewrap does not work here.
         ValueError: a `files` path that leaves the working directory.

@@ -169,8 +169,10 @@ async def run_in_workdir(argv: list[str], workdir: str | Path, home: str | Path,
         isolation: "auto", "bwrap" (required), or "none".
         read_only: host folders the program needs (its install), bound read-only at their own paths.
         bridge_folder: a `ProxyBridge` folder: the program's loopback port BRIDGE_PORT reaches the proxy.
+
     Returns:
         SandboxResult (never raises for what the program does).
+
     Raises:
         SandboxUnavailable: isolation="bwrap" and bubblewrap does not work here.
     """

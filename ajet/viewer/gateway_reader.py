@@ -49,6 +49,7 @@ class GatewayReader:
         Args:
             windows: how many equal time windows the feedback series has (between the first and the last
                 feedback; fewer when there are fewer distinct times).
+
         Returns:
             versions: every served version, oldest first (version, step, how, figure, at: unix seconds);
             gate: every gate decision (step, candidate_version, serving_version, metric, serving_figure,

@@ -63,6 +63,7 @@ class RunReader:
 
     Args:
         exp_dir: the folder a run writes (`trainer.exp_dir`).
+
     Raises:
         AjetError: the folder has no `trajectories.sqlite` (the message names the folder).
     """
@@ -166,10 +167,12 @@ class RunReader:
             q: case-insensitive text in the task, output, error or any call's messages.
             order: a key of `ORDERS`.
             offset, limit: the page (limit <= 500).
+
         Returns:
             {"total": matching episodes, "offset", "limit", "episodes": [row, ...]} where a row holds
             episode_id, attempt, step, task_id, group_id, repeat_index, reward, advantage, duration_s, calls,
             samples, agent_tags [str], fork_reasons [str], failure (last line of the error) or None.
+
         Raises:
             ValueError: unknown `order` or a limit outside 1..500.
         """
@@ -295,6 +298,7 @@ class RunReader:
             "fork_at": position where this sample leaves an earlier one of the episode (None for the
             first), "advantage", "reward", "trained", "flags", "temperature", "agent_tag", "tokenizer"
             (None, or why token text is unavailable)}.
+
         Raises:
             NotFound: no such episode or sample index.
         """

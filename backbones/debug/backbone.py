@@ -765,6 +765,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         share_prefixes: pack sequences that share a prefix (a GRPO group's prompt) into rows of at most this many
             tokens, the prefix run once per row (`backbones/debug/shared_prefix.py`); the same values up to float
             rounding. None, or a model `supports_packing` refuses: one row per sequence.
+
     Returns:
         (logprobs, entropy): `[batch, seq]` each; position t holds the value for token t (predicted from
         position t-1); position 0 and unscored positions hold 0. A token outside its nucleus gets -inf.

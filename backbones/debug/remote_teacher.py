@@ -50,8 +50,10 @@ class RemoteTeacher:
 
         Args:
             input_ids: `[seq]` the whole sequence (prompt + response ids); start: the first position scored (>= 1).
+
         Returns:
             `[seq - start]` logprobs.
+
         Raises:
             ValueError: `start` outside [1, seq].
             RuntimeError: the server answered an error, or no `prompt_logprobs` (it does not speak vLLM's extension),

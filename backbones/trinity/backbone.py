@@ -44,6 +44,7 @@ class TrinityBackbone:
             Trinity's `cluster.gpu_per_node` there (default 1) is the number of FSDP ranks (data parallel; on CPU
             one Ray worker process each, gloo). Each step's rows are padded to a multiple of it
             (`pad_experiences`).
+
     Raises:
         ConfigError: an ajet setting this backbone cannot honour, or a `trinity:` key Trinity's config lacks.
         BackboneUnavailable: Ray could not start Trinity's workers.

@@ -26,6 +26,7 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
         checkpoint_root: Trinity's `checkpoint_root_dir` (its checkpoints go under it).
         world_size: FSDP ranks (Trinity's "GPUs" of the one node).
         on_cpu: add the CPU settings of `backbones.trinity.cpu.cpu_trainer_config`.
+
     Raises:
         ConfigError: an ajet setting this backbone does not honour (its declaration in
             `ajet.backbones.capabilities`), or a micro-batch setting it cannot train (the message says what to change).

@@ -37,6 +37,7 @@ def micro_batch_share(data, loss_agg_mode: str) -> float:
         data: verl's micro-batch `TensorDict` (rows x jagged tokens; `loss_mask` [rows, tokens]) with the
             engine's non-tensor `dp_size`, `batch_num_tokens` (tokens) and `global_batch_size` (rows).
         loss_agg_mode: one of `SHARED_MODES`.
+
     Raises:
         ValueError: a mode without a share (`seq-mean-token-sum-norm`), or a step with no loss token.
     """

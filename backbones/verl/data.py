@@ -37,9 +37,11 @@ def verl_batch_tensors(samples: list[Sample], pad_id: int) -> dict[str, torch.Te
     Args:
         samples: ajet samples with `advantage` set (one row each, in order).
         pad_id: the tokenizer's pad token id.
+
     Returns:
         {name: tensor}: ids and masks int64, logprobs and advantages float32; shapes `[B, P]`, `[B, R]`,
         `[B, P+R]` with P / R the longest prompt / response.
+
     Raises:
         ValueError: no samples, or a sample whose per-token lists disagree in length.
     """
@@ -116,6 +118,7 @@ def to_data_proto(samples: list[Sample], pad_id: int, meta_info: dict[str, Any] 
         samples: ajet samples with `advantage` set.
         pad_id: the tokenizer's pad token id.
         meta_info: extra entries for `DataProto.meta_info` (e.g. global_token_num, micro_batch_size).
+
     Returns:
         `DataProto` with `batch` = `verl_batch_tensors`, `non_tensor_batch` = `verl_non_tensors` and
         `meta_info["temperature"]` = `batch_temperature`.
