@@ -14,8 +14,9 @@
 
 The command (`gateway`, `gateway rollback`) that wires these into the training loop: ajet/commands/gateway.py.
 
-The config needs no task file: without one, `data` names `live_traffic` below (one placeholder task the trainer
-lists; no episode runs it). `data.val_path` still gives held-out validation (`trainer.val_freq`).
+The config needs no task file: without one, `data` names `live_traffic` below (a placeholder that only satisfies
+the config's one-task-source rule: the gateway's run mode reads no dataset, and no episode runs it).
+`data.val_path` still gives held-out validation (`trainer.val_freq`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ LIVE_TRAFFIC = "ajet.gateway:live_traffic"
 
 def live_traffic(split: str) -> Iterator[dict[str, Any]]:
     """The gateway's stand-in task source (`data.generator` when the config names none): one placeholder task,
-    so that the trainer's dataset bookkeeping holds; the gateway's episodes are its sessions."""
+    so that the config names a task source; it is never read (the gateway's episodes are its sessions)."""
     yield {"task_id": "live", "query": "(live traffic: every session is its own task)"}
 
 
