@@ -29,7 +29,8 @@ LIVE_TRAFFIC = "ajet.gateway:live_traffic"
 
 def live_traffic(split: str) -> Iterator[dict[str, Any]]:
     """The gateway's stand-in task source (`data.generator` when the config names none): one placeholder task,
-    so that the config names a task source; it is never read (the gateway's episodes are its sessions)."""
+    so that the config names a task source; the gateway's run mode reads no training dataset (its episodes are
+    its sessions)."""
     yield {"task_id": "live", "query": "(live traffic: every session is its own task)"}
 
 
