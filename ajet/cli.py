@@ -211,14 +211,16 @@ def _show_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args: argparse.Namespace, **extra):
+def _load(args: argparse.Namespace, mode: str = "train", **extra):
+    """The config of `args.conf` with the run flags applied, checked for command `mode` (train, serve, gateway: see
+    `AjetConfig.mode`) and for what the chosen backbone honours."""
     from ajet.backbones.capabilities import check_supported
     from ajet.config import load_config
 
     overrides = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
                  "trainer.seed": args.seed, "rollout.ray_workers": args.with_ray,
                  "trainer.resume": args.resume or None, **extra}
-    cfg = load_config(args.conf, {k: v for k, v in overrides.items() if v is not None})
+    cfg = load_config(args.conf, {k: v for k, v in overrides.items() if v is not None}, mode=mode)
     check_supported(cfg)   # a setting the chosen backbone does not honour: a ConfigError, before its packages load
     return cfg
 
@@ -323,7 +325,7 @@ def _train(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ajet.commands.serve import serve
 
-    cfg = _load(args, **{"serve.host": args.host, "serve.port": args.port})
+    cfg = _load(args, "serve", **{"serve.host": args.host, "serve.port": args.port})
     with _server_port(cfg.serve.host, cfg.serve.port, "serve"):
         serve(cfg)
     return 0
@@ -333,7 +335,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from ajet.commands.gateway import gateway
     from ajet.gateway import task_source_overrides
 
-    cfg = _load(args, **{"gateway.host": args.host, "gateway.port": args.port}, **task_source_overrides(args.conf))
+    cfg = _load(args, "gateway", **{"gateway.host": args.host, "gateway.port": args.port},
+                **task_source_overrides(args.conf))
     with _server_port(cfg.gateway.host, cfg.gateway.port, "gateway"):
         gateway(cfg)
     return 0

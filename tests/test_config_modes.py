@@ -85,3 +85,18 @@ def test_serve_local_workers_need_a_workflow_and_sft_needs_its_own_folder(tmp_pa
         load_config(conf, mode="serve")
     with pytest.raises(ConfigError, match="is also this run's experiment folder: give the SFT run its own"):
         load_config(_conf(tmp_path), {"sft.from_dir": str(tmp_path / "run"), "trainer.exp_dir": str(tmp_path / "run")})
+
+
+def test_the_cli_loads_the_config_for_its_command(tmp_path, capsys, monkeypatch):
+    """`ajet serve` / `ajet gateway` refuse what their mode refuses in one line naming the file, before anything
+    runs; the same file trains (`ajet --conf` would get past the config)."""
+    from ajet.cli import main
+
+    monkeypatch.delenv("AJET_SECRET", raising=False)
+    conf = _conf(tmp_path, "serve: {host: 10.1.2.3}\ngateway: {host: 10.1.2.3}")
+    for command in ("serve", "gateway"):
+        rc = main([command, "--conf", str(conf), "--exp-dir", str(tmp_path / "exp")])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{conf}:\n{command}.host '10.1.2.3' is reachable from other machines" in err, err
+        assert "Traceback" not in err and not (tmp_path / "exp").exists()
+    assert load_config(conf).serve.host == "10.1.2.3"
