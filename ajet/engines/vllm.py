@@ -129,9 +129,9 @@ class VLLMEngine:
         self._in_flight = 0          # generate calls admitted and not finished
         self._syncing = False        # a sync waits for (or holds) the servers: new calls wait
         self._served_dir: Path | None = None
-        # adapters: the versions loaded on every server (not yet unloaded), their calls in flight, the superseded
-        # ones waiting for their calls to finish, and the thread that unloads them
-        self._loaded: list[_AdapterSet] = []         # loaded on every server, not yet unloaded; the last is current
+        # adapters: each load not yet unloaded (the last is current; the others drain), every name ever loaded, and
+        # the thread that unloads drained loads
+        self._loaded: list[_AdapterSet] = []
         self._used: set[str] = set()                 # every name this engine has loaded
         self._unloader = ThreadPoolExecutor(1, thread_name_prefix="ajet-lora-unload") if self.adapters else None
 
@@ -228,9 +228,9 @@ class VLLMEngine:
         tmp.rename(folder)
         t1 = time.perf_counter()
         loaded = _AdapterSet(version, names, folder)
+        self._used.update(names.values())
         for adapter, name in names.items():
             for url in self.base_urls:
-                self._used.add(name)
                 post_json(f"{url}/load_lora_adapter", {"lora_name": name, "lora_path": str(folder / adapter)},
                           self.timeout_s, _LORA_HINT)
         t2 = time.perf_counter()
@@ -245,8 +245,8 @@ class VLLMEngine:
         return dict(self.last_sync)
 
     def _unload(self, loaded: _AdapterSet, servers: bool = True) -> None:
-        """Unload `loaded`'s adapters from every server (unless not `servers`) and remove their folder (in the
-        unloader thread; a failure is logged, not raised: the adapter then stays loaded, named by no call)."""
+        """Unload `loaded`'s adapters from every server (with `servers`) and remove their folder (in the unloader
+        thread; a failure is logged, not raised: the adapter then stays loaded, named by no call)."""
         for name in loaded.names.values() if servers else ():
             for url in self.base_urls:
                 try:
