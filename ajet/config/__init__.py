@@ -13,7 +13,7 @@ vLLM), `experiment` (`AjetConfig`, the root) and `loading` (YAML files to an `Aj
 from ajet.config.algorithm import AlgorithmConfig, DistillConfig, DynamicSamplingConfig, GuardsConfig
 from ajet.config.data import DataConfig, DatasetConfig, EnvServiceSource
 from ajet.config.engine import EngineConfig
-from ajet.config.experiment import AjetConfig
+from ajet.config.experiment import AjetConfig, Mode
 from ajet.config.loading import load_config, resolve_path
 from ajet.config.model import AGENT_NAME, AgentConfig, LoraConfig, ModelConfig
 from ajet.config.rollout import ProxyConfig, RolloutConfig
@@ -29,6 +29,6 @@ __all__ = [
     "ConfigError", "DataConfig", "DatasetConfig", "DistillConfig", "DynamicSamplingConfig", "EngineConfig",
     "EnvServiceSource", "EvalConfig", "GatewayConfig", "GatewayGateConfig", "GuardsConfig", "HarnessSandboxConfig",
     "HarnessSpec", "HarnessWorkflowConfig", "LLMJudgeConfig", "LoggerName", "LoraConfig", "McpServerConfig",
-    "ModelConfig", "ProxyConfig", "RewardModelConfig", "RolloutConfig", "ServeConfig", "SftConfig", "ToolAgentConfig",
+    "Mode", "ModelConfig", "ProxyConfig", "RewardModelConfig", "RolloutConfig", "ServeConfig", "SftConfig", "ToolAgentConfig",
     "ToolsConfig", "TrainerConfig", "load_config", "resolve_path",
 ]

@@ -164,9 +164,10 @@ class AjetConfig(_Section):
         d = self.data
         if self.trainer.val_freq and not (d.val_path or d.generator or d.env_service) and self.mode != "eval":
             raise ValueError("trainer.val_freq is set but data.val_path is not: name the held-out task file")
-        if self.sft is not None and Path(self.sft.from_dir).expanduser().resolve() == self.exp_path().resolve():
-            raise ValueError(f"sft.from_dir {Path(self.sft.from_dir).expanduser().resolve()} is also this run's "
-                             f"experiment folder: give the SFT run its own (--exp-dir or trainer.exp_dir)")
+        from_dir = None if self.sft is None else Path(self.sft.from_dir).expanduser().resolve()
+        if from_dir is not None and from_dir == self.exp_path().resolve():
+            raise ValueError(f"sft.from_dir {from_dir} is also this run's experiment folder: give the SFT run its own "
+                             f"(--exp-dir or trainer.exp_dir)")
         return self
 
     @model_validator(mode="after")
@@ -174,19 +175,16 @@ class AjetConfig(_Section):
         """Mode serve and gateway: what their servers need of the config (ValueError naming the keys)."""
         from ajet.guard import configured_secret, is_loopback
 
-        if self.mode == "serve":
-            s = self.serve
-            if not is_loopback(s.host) and configured_secret(s.secret) is None:
-                raise ValueError(f"serve.host {s.host!r} is reachable from other machines: set serve.secret (or "
-                                 f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
-            if s.local_workers and self.workflow is None:
-                raise ValueError("serve.local_workers needs a `workflow` (a class or {command: [...]}) to run")
+        server = {"serve": self.serve, "gateway": self.gateway}.get(self.mode)
+        if server is not None and not is_loopback(server.host) and configured_secret(server.secret) is None:
+            raise ValueError(f"{self.mode}.host {server.host!r} is reachable from other machines: set "
+                             f"{self.mode}.secret (or AJET_SECRET) to a long random string first, or keep the "
+                             f"default host 127.0.0.1")
+        if self.mode == "serve" and self.serve.local_workers and self.workflow is None:
+            raise ValueError("serve.local_workers needs a `workflow` (a class or {command: [...]}) to run")
         if self.mode != "gateway":
             return self
         g = self.gateway
-        if not is_loopback(g.host) and configured_secret(g.secret) is None:
-            raise ValueError(f"gateway.host {g.host!r} is reachable from other machines: set gateway.secret (or "
-                             f"AJET_SECRET) to a long random string first, or keep the default host 127.0.0.1")
         if g.n > 1 and not self.judge:
             raise ValueError(f"gateway.n is {g.n} (best-of-N) but the config names no `judge` to choose the answer: "
                              "add one (e.g. judge: ajet.judges.llm:LLMJudge) or set gateway.n: 1")
