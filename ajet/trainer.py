@@ -67,8 +67,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     from ajet.backbones import load_backbone
     from ajet.backbones.capabilities import check_supported
     from ajet.eval import Validator
-    from ajet.metrics_log import alert_console, run_console
-    from ajet.progress import RunEta, configure, note, quiet
+    from ajet.metrics_log import alert_console
+    from ajet.progress import RunEta, note, quiet
     from ajet.rollout import RolloutContext
     from ajet.rollout.in_process import in_process_mode
     from ajet.trajectory_store import TrajectoryStore
@@ -77,7 +77,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     check_supported(cfg)   # a setting the backbone does not honour: refused before anything runs or is written
     exp_dir = cfg.exp_path()
     _check_exp_dir(exp_dir, cfg.trainer.resume)
-    random.seed(cfg.trainer.seed), torch.manual_seed(cfg.trainer.seed)
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
     datasets = mode.read_datasets(cfg)
     backbone_cls = load_backbone(cfg.backbone)
 
@@ -88,8 +89,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     store_path = exp_dir / "trajectories.sqlite"
     store = TrajectoryStore(store_path) if store_path.exists() else None   # (only a resumed run has one)
     attempt = store.begin_attempt(resumed_step) if store is not None else 0   # a new store's first attempt is 0
-    console = run_console(cfg.trainer.active_loggers())
-    configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)   # ajet/progress.py
+    console = _console(cfg)
     progress: list[Callable[..., None]] = [lambda status=None: None]
     collecting = [first_step]                     # the step whose progress bar is shown
     rollout: Rollout | None = None
@@ -165,6 +165,16 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     finally:
         _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log)
     return exp_dir
+
+
+def _console(cfg: AjetConfig) -> Any:
+    """The run's rich console (`trainer.loggers`), with the progress display configured on it (ajet/progress.py)."""
+    from ajet.metrics_log import run_console
+    from ajet.progress import configure
+
+    console = run_console(cfg.trainer.active_loggers())
+    configure(console, cfg.trainer.progress, cfg.trainer.progress_interval_s)
+    return console
 
 
 def _start_line(cfg: AjetConfig, datasets: dict[str, list[Any]], exp_dir: Path) -> str:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from ajet.algorithm.sampling import ZERO_STD_REASON, groups_with_signal, zero_std_groups
 from ajet.errors import ConfigError
 from ajet.progress import active
-
 from ajet.rollout import RefillableSource
 
 if TYPE_CHECKING:
