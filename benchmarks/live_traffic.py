@@ -448,7 +448,11 @@ def main() -> int:
         pop = Population(gw.url, tasks, args)
         print(f"gateway on {gw.url}; {args.users} users for {args.minutes:g} min", flush=True)
         asyncio.run(pop.run(args.minutes * 60))
-        metrics_text = httpx.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {SECRET}"}, timeout=120).text
+        try:
+            metrics_text = httpx.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {SECRET}"},
+                                     timeout=120).text
+        except httpx.HTTPError as exc:      # the gateway is gone (its log says why): the clients' figures stand
+            print(f"/metrics could not be read: {type(exc).__name__}: {exc}; gateway exit status {gw.proc.poll()}")
     finally:
         gw.kill()
     (run_dir / "clients.json").write_text(json.dumps(

@@ -143,9 +143,12 @@ class DebugBackbone:
         try:
             with self._weights_held():   # every adapter moves between the same two decode steps
                 # every stored prefix was computed by the weights this update replaces, so none is reused after it
-                # (the cache skips other versions' entries): free their memory (up to its budget) before training
-                if isinstance(self.engine, HFEngine) and not self.serves_while_training:
-                    self.engine.prefix_cache.clear()
+                # (the cache skips other versions' entries): free their memory (up to its budget) before training;
+                # serving while training too, so that the update's memory does not come on top of it (the served
+                # engine stores prefixes again meanwhile; it is held only between two of its decode steps)
+                if isinstance(self.engine, HFEngine):
+                    with self.engine.weights_lock if self.serves_while_training else nullcontext():
+                        self.engine.prefix_cache.clear()
                 # and hand back what the engine's thread freed (its malloc arena keeps it otherwise: ajet/heap.py),
                 # so that the update's activations do not come on top of it
                 trim_free_memory()
