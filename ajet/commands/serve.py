@@ -56,13 +56,13 @@ def serve(cfg: AjetConfig) -> Path:
 def serve_mode(cfg: AjetConfig, make_source) -> RunMode:
     """`ajet serve`'s run mode: the config's datasets handed out to clients by `make_source(ctx)`'s `ServeSource`
     (wrapped by `DynamicSampling` when enabled), on `serve.port`, its status on the progress bar and step lines."""
-    from ajet.rollout.dynamic_sampling import DynamicSampling
+    from ajet.rollout.dynamic_sampling import with_dynamic_sampling
     from ajet.tasks import read_datasets
 
     def setup(ctx: RolloutContext) -> Rollout:
         source = make_source(ctx)
-        wrapped = DynamicSampling(source, ctx.cfg) if ctx.cfg.algorithm.dynamic_sampling.enabled else source
-        return Rollout(wrapped, live_status=source.live_status, step_line=source.step_line)
+        return Rollout(with_dynamic_sampling(source, ctx.cfg), live_status=source.live_status,
+                       step_line=source.step_line)
 
     return RunMode(setup, read_datasets, port=cfg.serve.port, server=True)
 

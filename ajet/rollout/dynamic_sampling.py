@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ajet.config import AjetConfig
     from ajet.episode import Episode
     from ajet.proxy.server import ProxyServer
-    from ajet.rollout import RefillingSource
+    from ajet.rollout import RefillingSource, RolloutSource
 
 
 class DynamicSampling:
@@ -105,3 +105,12 @@ class DynamicSampling:
 
     def close(self) -> None:
         self.source.close()
+
+
+def with_dynamic_sampling(source: RefillableSource, cfg: AjetConfig) -> RolloutSource:
+    """`source` wrapped by `DynamicSampling` when `algorithm.dynamic_sampling.enabled`, else `source` itself.
+
+    Raises:
+        ConfigError: dynamic sampling is on and `source` cannot roll out extra tasks.
+    """
+    return DynamicSampling(source, cfg) if cfg.algorithm.dynamic_sampling.enabled else source

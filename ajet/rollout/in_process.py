@@ -65,14 +65,13 @@ def setup_in_process(ctx: RolloutContext) -> Rollout:
         ConfigError: the config has an `sft:` section (fine-tuning on recorded samples is `ajet.commands.sft.sft_mode`), or
             the workflow or judge cannot be loaded.
     """
-    from ajet.rollout.dynamic_sampling import DynamicSampling
+    from ajet.rollout.dynamic_sampling import with_dynamic_sampling
 
     if ctx.cfg.sft is not None:
         raise ConfigError("the config has an `sft:` section (fine-tuning on a finished run's recorded samples): run "
                           "it with `ajet sft` (from Python: ajet.trainer.run(cfg, ajet.commands.sft.sft_mode()))")
     source = InProcessRollout.from_context(ctx)
-    wrapped = DynamicSampling(source, ctx.cfg) if ctx.cfg.algorithm.dynamic_sampling.enabled else source
-    return Rollout(wrapped, workflow=source.workflow, judge=source.judge)
+    return Rollout(with_dynamic_sampling(source, ctx.cfg), workflow=source.workflow, judge=source.judge)
 
 
 class InProcessRollout:
