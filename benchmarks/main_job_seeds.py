@@ -221,15 +221,16 @@ def _first_expression(calls: list[dict]) -> str | None:
     return None
 
 
-def dynamics(exp_dir: Path) -> list[dict]:
+def dynamics(exp_dir: Path, right_answer: float = 1.0) -> list[dict]:
     """Per training step of a finished run, from `metrics.jsonl` and `trajectories.sqlite`: the mean reward, the
     entropy of the sampling distribution at the trained tokens (`train/entropy`, nats), the share of the step's GRPO
     groups with no signal (`rollout/zero_std_groups` over the groups rolled out, extra tasks included), the extra
     tasks, the training episodes' valid and grounded calls per episode (`workflow/*`), the most common form of the
     episodes' first `calculate` call (`call_form`) with its share of the episodes, and the mean advantage of the
     trained episodes whose first call's form has a number the question does not give ("foreign") against those whose
-    form uses two or more of the question's numbers and no other ("question's numbers"); None where there is nothing
-    to average."""
+    form uses two or more of the question's numbers and no other ("question's numbers"), and the share of the
+    step's advantage mass (sum of |A| over trained episodes) that went to episodes without the right answer (reward
+    below `right_answer`: the tutorial's 1 for the right number); None where there is nothing to average."""
     import sqlite3
     from collections import Counter, defaultdict
 
@@ -243,10 +244,12 @@ def dynamics(exp_dir: Path) -> list[dict]:
         calls[eid].append(json.loads(rec))
     adv = dict(con.execute("select episode_id, avg(advantage) from samples group by episode_id"))
     episodes: dict[int, list[tuple[str, str | None]]] = defaultdict(list)   # step -> (episode id, first call's form)
-    for eid, step, rec in con.execute("select episode_id, step, record from episodes"):
+    rewards: dict[str, float] = {}
+    for eid, step, reward, rec in con.execute("select episode_id, step, reward, record from episodes"):
         expression = _first_expression(calls.get(eid, []))
         query = json.loads(rec)["task"]["query"]
         episodes[step].append((eid, None if expression is None else call_form(expression, query)))
+        rewards[eid] = reward if reward is not None else 0.0
     con.close()
 
     def mean(xs: list[float]) -> float | None:
@@ -261,13 +264,17 @@ def dynamics(exp_dir: Path) -> list[dict]:
         own = [adv[e] for e, f in episodes.get(step, []) if f and e in adv and not re.search(r"\d", f)
                and f.count("N") >= 2]
         groups = r.get("rollout/episodes", 0) / n_repeat
+        trained = [e for e, _ in episodes.get(step, []) if e in adv]
+        mass = sum(abs(adv[e]) for e in trained)
+        wrong_mass = sum(abs(adv[e]) for e in trained if rewards[e] < right_answer)
         out.append({"step": step, "reward_mean": r["reward/mean"], "entropy": r.get("train/entropy"),
                     "no_signal_share": r.get("rollout/zero_std_groups", 0) / groups if groups else None,
                     "oversampled": r.get("rollout/oversampled_tasks"),
                     "valid_calls": r.get("workflow/valid_tool_calls"),
                     "grounded_calls": r.get("workflow/grounded_tool_calls"),
                     "top_form": top, "top_form_share": top_n / len(episodes[step]) if episodes.get(step) else None,
-                    "adv_foreign": mean(foreign), "adv_own": mean(own), "n_foreign": len(foreign), "n_own": len(own)})
+                    "adv_foreign": mean(foreign), "adv_own": mean(own), "n_foreign": len(foreign), "n_own": len(own),
+                    "wrong_answer_adv_share": wrong_mass / mass if mass else None})
     return out
 
 
@@ -277,12 +284,14 @@ def dynamics_table(steps: list[dict]) -> list[str]:
         return "-" if x is None else format(x, spec)
 
     lines = ["| step | reward | entropy | groups without signal | extra tasks | valid / grounded calls | commonest "
-             "first call (share) | advantage: foreign number (n) / question's numbers (n) |", "|---" * 8 + "|"]
+             "first call (share) | advantage: foreign number (n) / question's numbers (n) | share of \\|advantage\\| "
+             "on wrong answers |", "|---" * 9 + "|"]
     for d in steps:
         lines.append(f"| {d['step']} | {f(d['reward_mean'], '.3f')} | {f(d['entropy'], '.3f')} | "
                      f"{f(d['no_signal_share'], '.2f')} | {f(d['oversampled'], '.0f')} | {f(d['valid_calls'], '.2f')} / "
                      f"{f(d['grounded_calls'], '.2f')} | `{d['top_form']}` ({f(d['top_form_share'], '.2f')}) | "
-                     f"{f(d['adv_foreign'], '+.3f')} ({d['n_foreign']}) / {f(d['adv_own'], '+.3f')} ({d['n_own']}) |")
+                     f"{f(d['adv_foreign'], '+.3f')} ({d['n_foreign']}) / {f(d['adv_own'], '+.3f')} ({d['n_own']}) | "
+                     f"{f(d['wrong_answer_adv_share'], '.2f')} |")
     return lines
 
 

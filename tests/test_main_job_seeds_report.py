@@ -129,11 +129,13 @@ def test_dynamics_per_step_from_metrics_and_the_store(tmp_path):
         return json.dumps({"response_message": {"tool_calls": [{"function": {
             "name": "calculate", "arguments": json.dumps({"expression": expression})}}]}})
 
-    episodes = [("e1", 1, "3 * 5", 0.5), ("e2", 1, "3 * 7", 1.5), ("e3", 1, "5 + 7", -1.0), ("e4", 1, "5 + 7", -1.0),
-                ("e0", 1, "3*5", None),                    # a dropped group's episode: a form, no advantage
-                ("e5", 2, "3 * 5", None)]
-    for eid, step, expression, advantage in episodes:
-        con.execute("insert into episodes values (?, ?, 0, 't', 0, null, ?)", (eid, step, json.dumps({"task": {"query": q}})))
+    episodes = [("e1", 1, "3 * 5", 0.5, 0.1), ("e2", 1, "3 * 7", 1.5, 1.1), ("e3", 1, "5 + 7", -1.0, 0.2),
+                ("e4", 1, "5 + 7", -1.0, 0.0),
+                ("e0", 1, "3*5", None, 0.1),               # a dropped group's episode: a form, no advantage
+                ("e5", 2, "3 * 5", None, 0.1)]
+    for eid, step, expression, advantage, reward in episodes:
+        con.execute("insert into episodes values (?, ?, 0, 't', ?, null, ?)",
+                    (eid, step, reward, json.dumps({"task": {"query": q}})))
         con.execute("insert into calls values (?, ?, 0, 0, ?)", (eid + "c", eid, call(expression)))
         if advantage is not None:
             con.execute("insert into samples values (?, 0, 0, ?, ?, '{}')", (eid, step, advantage))
@@ -145,5 +147,7 @@ def test_dynamics_per_step_from_metrics_and_the_store(tmp_path):
     assert (s1["top_form"], s1["top_form_share"]) == ("3*N", 0.6)           # 3*N 3 of 5 episodes, N+N 2
     assert s1["adv_foreign"] == pytest.approx(1.0) and s1["n_foreign"] == 2    # (0.5 + 1.5) / 2
     assert s1["adv_own"] == pytest.approx(-1.0) and s1["n_own"] == 2
+    assert s1["wrong_answer_adv_share"] == pytest.approx(2.5 / 4.0)          # |0.5| + |-1| + |-1| of 0.5 + 1.5 + 1 + 1
     assert s2["no_signal_share"] == 0.0 and s2["adv_foreign"] is None and s2["top_form"] == "3*N"
+    assert s2["wrong_answer_adv_share"] is None
     assert s2["top_form_share"] == 1.0 and s2["valid_calls"] is None
