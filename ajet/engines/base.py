@@ -52,6 +52,17 @@ class Engine(Protocol):
         """
         ...
 
+    def raise_if_failed(self) -> None:
+        """Raise when generation cannot go on (a server the engine started has stopped); return otherwise.
+
+        The trainer calls it after each step's rollout, so that a run whose engine died stops there with one
+        line naming the cause. An engine that starts no server of its own has nothing to check (a no-op).
+
+        Raises:
+            EngineUnavailable: the engine's server stopped (its address, exit status and log).
+        """
+        ...
+
 
 class EngineWait:
     """How long one episode's calls have waited in the engine's queue: the total time, seconds, during which at

@@ -359,6 +359,9 @@ class HFEngine:
         """Requests being decoded now (rows of the running batch; a snapshot, from any thread)."""
         return len(self._rows)
 
+    def raise_if_failed(self) -> None:
+        """Nothing to check: the engine generates in this process and starts no server (see `Engine`)."""
+
     def close(self) -> None:
         """Stop the worker thread; requests in flight or queued fail with RuntimeError."""
         self._closed = True
