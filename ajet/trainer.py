@@ -141,8 +141,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
             kill_point("stored", step)
             rollout_s = time.perf_counter() - t0
             usable = _usable(cfg, step, episodes, alerts, seen_errors, exp_dir)
-            if (check_engine := getattr(backbone.engine, "raise_if_failed", None)) is not None:
-                check_engine()        # a vLLM server that died stops the run here, in one line naming its log
+            backbone.engine.raise_if_failed()   # a vLLM server that died stops the run here, in one line naming its log
             failed_in_a_row = 0 if usable else failed_in_a_row + 1
             trained_steps += bool(usable)
             if failed_in_a_row >= cfg.trainer.max_failed_steps:

@@ -115,6 +115,15 @@ class ServerPool:
                 self.in_flight[i] -= 1
                 self.served[i] += 1
 
+    def raise_if_failed(self) -> None:
+        """Check each server's engine (`Engine.raise_if_failed`).
+
+        Raises:
+            EngineUnavailable: the first engine whose server stopped.
+        """
+        for e in self.engines:
+            e.raise_if_failed()
+
     async def aclose(self) -> None:
         """Close every server's client sessions."""
         for e in self.engines:

@@ -196,6 +196,9 @@ class RemoteEngine:
                 "distribution (temperature and top_p applied), which the trainer scores")
         self._mode_checked = True
 
+    def raise_if_failed(self) -> None:
+        """Nothing to check: the server was started outside this engine, which only calls it (see `Engine`)."""
+
     async def aclose(self) -> None:
         """Close the HTTP sessions: this loop's, and those of other loops still running (the proxy's thread) or
         stopped but not closed; a closed loop closed its session as it ended (see the class docstring)."""
