@@ -27,6 +27,7 @@ import torch
 
 from ajet import progress
 from ajet.agent_adapters import adapter_names, adapter_router
+from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, sft_loss, truncated_is_weights
 from ajet.engines.in_process import HFEngine
@@ -196,7 +197,7 @@ class DebugBackbone:
         under `weights_lock`; returns `update`'s figures but update_s."""
         alg = self.cfg.algorithm
         episodes = sorted({s.episode_id for s in trainable})
-        one_step = alg.ppo_epochs == 1 and _split(episodes, alg.mini_batches) == [episodes]
+        one_step = alg.ppo_epochs == 1 and split_mini_batches(episodes, alg.mini_batches) == [episodes]
         totals: dict[str, float] = {}
         steps = 0
         # with one optimizer step the first forward sees the rollout weights; else measure them first
@@ -204,10 +205,10 @@ class DebugBackbone:
         self._prox = self._proximal_logprobs(trainable) if self.is_cap is not None and not one_step else None
         self.model.train()
         # the progress display (ajet/progress.py): mini-batches done / total; closed also when a step raises
-        with progress.phase("update", alg.ppo_epochs * len(_split(episodes, alg.mini_batches))) as bar:
+        with progress.phase("update", alg.ppo_epochs * len(split_mini_batches(episodes, alg.mini_batches))) as bar:
             for epoch in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
-                for mb_eps in _split(episodes, alg.mini_batches):
+                for mb_eps in split_mini_batches(episodes, alg.mini_batches):
                     bar.advance(0, epoch=epoch + 1)
                     chosen = set(mb_eps)
                     stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen])
@@ -254,7 +255,7 @@ class DebugBackbone:
             self.model.train()
             for _ in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
-                for mb_eps in _split(episodes, alg.mini_batches):
+                for mb_eps in split_mini_batches(episodes, alg.mini_batches):
                     chosen = set(mb_eps)
                     mb = [s for s in trainable if s.episode_id in chosen]
                     weights = loss_token_weights(list(range(len(mb))), [s.num_loss_tokens for s in mb], "token-mean")
@@ -888,8 +889,3 @@ def _chunks(units: list[tuple[list, int]], max_tokens: int) -> list[list]:
     if cur:
         chunks.append([it for m in cur for it in m])
     return chunks
-
-
-def _split(items: list, n: int) -> list[list]:
-    n = max(1, min(n, len(items)))
-    return [items[i::n] for i in range(n)]

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ajet import progress
+from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
 from ajet.engines.pool import ServerPool
@@ -199,8 +200,6 @@ class VerlBackbone:
         Raises:
             BackboneOutOfMemory: Ray's memory monitor killed a worker during the update (not a raw
                 `ray.exceptions.OutOfMemoryError`): the message says what to lower."""
-        from ajet.backbones.debug.backbone import _split
-
         alg = self.cfg.algorithm
         t0 = time.perf_counter()
         trainable = [s for s in samples if s.num_loss_tokens > 0]
@@ -210,11 +209,11 @@ class VerlBackbone:
         sums: dict[str, float] = {}
         steps = skipped = 0
         where = f"verl's actor update (policy version {self.engine.policy_version}, {len(trainable)} samples)"
-        total = alg.ppo_epochs * len(_split(episodes, alg.mini_batches))   # mini-batches, on the progress display
+        total = alg.ppo_epochs * len(split_mini_batches(episodes, alg.mini_batches))   # mini-batches, on the progress display
         with self._weights_lock(), explain_ray_oom(where, self._oom_advice()), progress.phase("update", total) as bar:
             for epoch in range(alg.ppo_epochs):
                 self._rng.shuffle(episodes)
-                for mb_eps in _split(episodes, alg.mini_batches):
+                for mb_eps in split_mini_batches(episodes, alg.mini_batches):
                     bar.advance(0, epoch=epoch + 1)
                     chosen = set(mb_eps)
                     stats = self._optimizer_step([s for s in trainable if s.episode_id in chosen], len(chosen))
