@@ -302,14 +302,15 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
     ok_lat = [(e - s, any(s <= m <= e for m in moments)) for s, e, ok, _ in pop.calls if ok]
     during = [d for d, at_swap in ok_lat if at_swap]
     between = [d for d, at_swap in ok_lat if not at_swap]
-    # an update's span: its training (the step's train/update_s) up to its decision (gate row, or version served)
+    # an update's span: its training and switch (the step's train/update_s + train/weight_switch_s) up to its
+    # decision (gate row, or version served)
     update_s = {}
     metrics_path = db_path.parent / "metrics.jsonl"
     if metrics_path.exists():
         for line in metrics_path.read_text().splitlines():
             row = json.loads(line)
             if row.get("train/update_s") is not None:
-                update_s[row["step"]] = row["train/update_s"]
+                update_s[row["step"]] = row["train/update_s"] + (row.get("train/weight_switch_s") or 0.0)
     ends = {g["step"]: g["at"] for g in gate} | {v["step"]: v["at"] for v in served_rows if v["how"] != "start"}
     spans = [(ends[k] - pop.t0 - update_s.get(k, 0.0), ends[k] - pop.t0) for k in ends]
     in_update = [(e - s, any(s <= b and a <= e for a, b in spans)) for s, e, ok, _ in pop.calls if ok]

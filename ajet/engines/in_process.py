@@ -134,6 +134,9 @@ class _Request:
         _post(self.loop, _resolve, self.future, None, exc)
 
 
+_WAKE = object()   # a queue item that only wakes the worker
+
+
 class _Switch:
     """A weight switch waiting in the engine's queue (`HFEngine.switch_weights`): `apply` runs on the worker once
     every row admitted before it has finished; `done` is set after, with `error` when it raised or the engine
@@ -255,9 +258,10 @@ class HFEngine:
         self.generated_tokens = 0
         self.prefilled_tokens = 0
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self._queue: queue.Queue[_Request | _Switch | None] = queue.Queue()
+        self._queue: queue.Queue[_Request | _Switch | object | None] = queue.Queue()
         self._switch: _Switch | None = None   # a weight switch taken from the queue: no admission until it is done
         self._pending_switches = 0
+        self._drop_prefixes = threading.Event()   # `drop_prefixes` asked: the worker clears before its next step
         self._generator = torch.Generator(device="cpu").manual_seed(0)
         self._rng_lock = threading.Lock()      # the generator's draws against `rng_state` from another thread
         self._closed = False
@@ -349,6 +353,13 @@ class HFEngine:
         end = time.perf_counter()
         return {"weight_switch_s": end - sw.queued_at, "weight_copy_s": end - (sw.drained_at or end)}
 
+    def drop_prefixes(self) -> None:
+        """Free the cached prefixes without waiting: the worker clears `prefix_cache` before its next step (at
+        once when idle). Serving while training, the update asks it so that its own memory does not come on top
+        of them; it never waits for a decode step."""
+        self._drop_prefixes.set()
+        self._queue.put(_WAKE)
+
     @property
     def pending_switches(self) -> int:
         """Weight switches asked for and not yet done (queued, or waiting for the rows in flight to finish)."""
@@ -373,6 +384,10 @@ class HFEngine:
         holding = False
         stopping = False
         while not stopping:
+            if self._drop_prefixes.is_set():
+                self._drop_prefixes.clear()
+                self.prefix_cache.clear()
+                trim_free_memory()
             if holding and self.weights_lock.wanted():   # an update waits: let it in between two decode steps
                 self._release()
                 holding = False
@@ -411,7 +426,7 @@ class HFEngine:
             self._switch.fail(RuntimeError("engine is shut down"))
         while not self._queue.empty():
             req = self._queue.get_nowait()
-            if req is not None:
+            if req is not None and req is not _WAKE:
                 req.fail(RuntimeError("engine is shut down"))
 
     def _do_switch(self) -> None:
@@ -442,6 +457,8 @@ class HFEngine:
             first = self._queue.get()
             if first is None:
                 return [], True
+            if first is _WAKE:                    # only wakes the worker (e.g. `drop_prefixes`)
+                return [], False
             if isinstance(first, _Switch):        # a weight switch: admit nothing until it is done
                 self._switch = first
                 return [], False
@@ -455,6 +472,8 @@ class HFEngine:
                 if nxt is None:
                     self._queue.put(None)          # seen again on the next call: stop after this step
                     break
+                if nxt is _WAKE:
+                    continue
                 if isinstance(nxt, _Switch):
                     self._switch = nxt
                     break
@@ -467,6 +486,8 @@ class HFEngine:
                 break
             if nxt is None:
                 return taken, True
+            if nxt is _WAKE:
+                continue
             if isinstance(nxt, _Switch):
                 self._switch = nxt
                 break

@@ -20,7 +20,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss,
 from ajet.engines.in_process import HFEngine
 from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters, base_state_dict, load_adapters,
                                                 save_adapters, with_role_adapters)
+from ajet.backbones.debug.serving import ServeWhileTraining
 from ajet.backbones.debug.shared_prefix import pack, pack_rows, supports_packing
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
@@ -43,7 +44,7 @@ from ajet.sampling_dist import entropy, processed_logprobs
 from ajet.tracker.sample import Sample
 
 
-class DebugBackbone:
+class DebugBackbone(ServeWhileTraining):
     """Single-process backbone. See `ajet.backbones.base.Backbone` for the protocol.
 
     Args:
@@ -146,10 +147,11 @@ class DebugBackbone:
                 # every stored prefix was computed by the weights this update replaces, so none is reused after it
                 # (the cache skips other versions' entries): free their memory (up to its budget) before training;
                 # serving while training too, so that the update's memory does not come on top of it (the served
-                # engine stores prefixes again meanwhile; it is held only between two of its decode steps)
-                if isinstance(self.engine, HFEngine):
-                    with self.engine.weights_lock if self.serves_while_training else nullcontext():
-                        self.engine.prefix_cache.clear()
+                # engine's worker clears them before its next step and stores new ones meanwhile)
+                if isinstance(self.engine, HFEngine) and self.serves_while_training:
+                    self.engine.drop_prefixes()
+                elif isinstance(self.engine, HFEngine):
+                    self.engine.prefix_cache.clear()
                 # and hand back what the engine's thread freed (its malloc arena keeps it otherwise: ajet/heap.py),
                 # so that the update's activations do not come on top of it
                 trim_free_memory()
@@ -289,86 +291,6 @@ class DebugBackbone:
                 "sft_tokens": float(sum(s.num_loss_tokens for s in trainable)), "optimizer_steps": float(len(losses)),
                 NONFINITE_SKIPPED: float(skipped),
                 **synced, "update_s": time.perf_counter() - t0}
-
-    # ---- serving while training ----------------------------------------------------------------------
-    def serve_while_training(self) -> None:
-        """From now on the engine keeps serving while the update trains (the gateway, docs/gateway.md): the update
-        trains `self.model`, the trainer's copy, and leaves the result as `candidate_version`; nothing is served
-        until `publish()` (or dropped by `load_checkpoint(path, serve=False)`).
-
-        In-process engine: the engine serves `served_model`, a second copy of the trained parameters made here
-        (the whole model; with LoRA or `agents:` only the adapters, the frozen base weights are shared, read-only),
-        and `publish` copies the trained weights into it between two decode steps (`HFEngine.switch_weights`: the
-        rows in flight finish on the version they started with first). vLLM engine: the server already holds its
-        own weights; `publish` syncs them (`sync_weights`/`sync_adapters`: new calls wait, calls in flight finish).
-        Call it before the engine serves anything. Idempotent."""
-        if self.serves_while_training:
-            return
-        if isinstance(self.engine, HFEngine):
-            trained = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
-            shared = {id(p): p for p in self.model.parameters() if id(p) not in trained} if self.lora else {}
-            served = copy.deepcopy(self.model, memo=dict(shared)).eval()
-            for p in served.parameters():
-                if id(p) not in shared:
-                    p.requires_grad_(False)
-            with self.engine.weights_lock:
-                self.engine.model = served
-            self.served_model = served
-        self.serves_while_training = True
-
-    def publish(self) -> dict[str, float]:
-        """Serve the candidate the last update trained (`candidate_version`), with serving while training; returns
-        the switch's figures for the step's metrics (`weight_switch_s`, `weight_copy_s`; vLLM's sync figures), {}
-        when there is no candidate."""
-        version, self.candidate_version = self.candidate_version, None
-        if version is None:
-            return {}
-        return self._serve(version)
-
-    @contextmanager
-    def trainer_engine(self):
-        """An in-process engine over the trainer's copy of the weights (`self.model`), for evaluating the candidate,
-        or before an update the serving weights, beside the served engine, which keeps answering. Its policy
-        version is the candidate's (else the served one); its cached prefixes are dropped on entry and exit. Only
-        with serving while training (the served engine's weights are another object), on the trainer thread,
-        between updates."""
-        if not self.serves_while_training:
-            raise RuntimeError("trainer_engine() needs serve_while_training(): the engine serves the trained weights")
-        if self._trainer_engine is None:
-            self._trainer_engine = engine_for(self.model, self.tokenizer, self.cfg, self.adapter_for)
-        engine = self._trainer_engine
-        engine.policy_version = self.engine.policy_version if self.candidate_version is None else self.candidate_version
-        with engine.weights_lock:
-            engine.prefix_cache.clear()
-        try:
-            yield engine
-        finally:
-            with engine.weights_lock:
-                engine.prefix_cache.clear()
-
-    def _weights_held(self):
-        """The engine's `weights_lock` when it serves the weights the trainer changes; nothing when it serves its
-        own copy (serving while training)."""
-        return nullcontext() if self.serves_while_training else self.engine.weights_lock
-
-    def _trained(self, version: int) -> dict[str, float]:
-        """After an update: serve it as `version` at once, or with serving while training keep it as the candidate
-        (`publish` serves it)."""
-        if self.serves_while_training:
-            self.candidate_version = version
-            return {}
-        return self._publish_weights(version)
-
-    def _serve(self, version: int) -> dict[str, float]:
-        """Serve the trainer's weights as `version`: copied into the served copy by a switch of the in-process
-        engine, else `_publish_weights`."""
-        if isinstance(self.engine, HFEngine) and self.served_model is not self.model:
-            names = None
-            if self.lora:     # only the adapters train: the base weights are shared with the served copy
-                trained = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
-                names = {n for n, p in self.model.named_parameters() if id(p) in trained}
-            return self.engine.switch_weights(lambda: copy_parameters(self.served_model, self.model, names), version)
-        return self._publish_weights(version)
 
     def _publish_weights(self, version: int) -> dict[str, float]:
         """Serve the weights the update just trained as policy `version`: the in-process engine generates with them
@@ -703,16 +625,6 @@ def _with_lora(model, lora):
 
     return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=lora.target_modules,
                                             lora_dropout=lora.dropout, task_type="CAUSAL_LM"))
-
-
-@torch.no_grad()
-def copy_parameters(dst, src, names: set[str] | None = None) -> None:
-    """Copy `src`'s parameters into `dst`'s, in place, by name (`dst` a deep copy of `src`: same names and
-    shapes); `names`: only these (None: all). Raises KeyError for a name `dst` lacks."""
-    dst_params = dict(dst.named_parameters())
-    for name, p in src.named_parameters():
-        if names is None or name in names:
-            dst_params[name].copy_(p)
 
 
 @torch.no_grad()
