@@ -29,7 +29,7 @@ from tests.backbone_conformance.venvs import venv_python  # noqa: F401
 from tests.test_vllm_engine import START_LIMIT_S, model_path, vllm_python  # noqa: F401  (model_path: a fixture)
 
 RANK = 8
-PROMPTS = ["Once upon a time", "The capital of France is", "6 times 7 is"]
+PROMPTS = ["Once upon a time", "6 times 7 is"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def _randomize(model, seed: int, adapter: str = "default") -> dict[str, torch.Te
     with torch.no_grad():
         for name, p in model.named_parameters():
             if f"lora_B.{adapter}." in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
 
 
@@ -120,8 +120,8 @@ def _write(model, names=("default",)):
 
 
 class _Loop:
-    """An event loop on its own thread (a proxy's), which `hold()` blocks until `release()`: the calls running on
-    it stay in flight (admitted, not finished) for as long as it is held."""
+    """An event loop on its own thread (a proxy's), which `block()` (called on it) blocks until `release()`: the
+    calls running on it stay in flight (admitted, not finished) for as long as it is blocked."""
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
@@ -130,11 +130,6 @@ class _Loop:
 
     def submit(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def hold(self) -> None:
-        """Block the loop (from another thread); returns once it is blocked."""
-        self.loop.call_soon_threadsafe(self.block)
-        assert self._held.wait(600)
 
     def block(self) -> None:
         """Block the loop (called on it) until `release`."""
@@ -150,19 +145,23 @@ class _Loop:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def _start_calls(engine: VLLMEngine, loop: _Loop, prompts, n_tokens: int = 24):
-    """One plain call and one stream per prompt, greedy, on `loop`; returns their futures once every call is
-    admitted and every stream has its first tokens."""
+def _start_calls(engine: VLLMEngine, loop: _Loop, prompts, n_tokens: int, hold: bool = False):
+    """One plain call and one stream per prompt, greedy, on `loop`; returns their futures once every stream has its
+    first tokens. With `hold`, the stream whose first tokens come last blocks the loop right then (`_Loop.block`):
+    that stream at least cannot finish until `loop.release()`."""
     firsts = [threading.Event() for _ in prompts]
+
+    def first_tokens(delta, event):
+        event.set()
+        if hold and all(e.is_set() for e in firsts) and not loop._held.is_set():
+            loop.block()
+
     futures = []
     for p, first in zip(prompts, firsts):
-        futures.append(loop.submit(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=n_tokens))))
+        futures.append(loop.submit(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=2 * n_tokens))))
         futures.append(loop.submit(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=n_tokens),
-                                                   on_tokens=lambda delta, e=first: e.set())))
-    assert all(e.wait(600) for e in firsts)
-    deadline = time.monotonic() + 600
-    while engine._in_flight < len(futures) and time.monotonic() < deadline:
-        time.sleep(0.01)
+                                                   on_tokens=lambda delta, e=first: first_tokens(delta, e))))
+    assert loop._held.wait(600) if hold else all(e.wait(600) for e in firsts)
     return futures
 
 
@@ -176,11 +175,10 @@ def test_a_lora_swap_with_calls_and_streams_in_flight(server, hf, prompts, tmp_p
         v0 = _randomize(model, 1)
         engine.sync_adapters(_write(model), 0)
         v1 = _randomize(model, 2)
-        in_flight = _start_calls(engine, old_loop, prompts)
-        old_loop.hold()                         # the calls not finished now cannot finish before the load below
-        unfinished = sum(not f.done() for f in in_flight)
+        in_flight = _start_calls(engine, old_loop, prompts, n_tokens=12, hold=True)
+        unfinished = sum(not f.done() for f in in_flight)   # these cannot finish before the load below
         figures = engine.sync_adapters(_write(model), 1)
-        after = _start_calls(engine, new_loop, prompts, n_tokens=8)
+        after = _start_calls(engine, new_loop, prompts, n_tokens=6)
         old_loop.release()
         old = [f.result(600) for f in in_flight]
         new = [f.result(600) for f in after]
@@ -188,7 +186,7 @@ def test_a_lora_swap_with_calls_and_streams_in_flight(server, hf, prompts, tmp_p
         old_loop.close(engine)
         new_loop.close(engine)
         engine.close()
-    assert unfinished >= 3          # the streams at least (they had their first tokens of 24)
+    assert unfinished >= 1          # the stream holding the loop at least
     assert figures["weight_sync_s"] >= figures["weight_save_s"] + figures["weight_reload_s"] > 0
     ps = [p for p in prompts for _ in range(2)]           # each prompt: a plain call, then a stream
     assert [c.policy_version for c in old] == [0] * len(old) and [c.policy_version for c in new] == [1] * len(new)
@@ -206,7 +204,7 @@ def test_b_an_old_version_is_unloaded_once_its_calls_have_finished(server, hf, p
         _randomize(model, 3)
         engine.sync_adapters(_write(model), 0)
         name0, name1 = engine.served_name("default", 0), engine.served_name("default", 1)
-        stream = loop.submit(engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=48),
+        stream = loop.submit(engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=32),
                                              on_tokens=lambda delta: loop.block()))    # held at its first tokens
         assert loop._held.wait(600)
         engine.sync_adapters(_write(model), 1)
