@@ -212,8 +212,8 @@ def _show_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace, mode: str = "train", **extra):
-    """The config of `args.conf` with the run flags applied, checked for command `mode` (train, serve, gateway: see
-    `AjetConfig.mode`) and for what the chosen backbone honours."""
+    """The config of `args.conf` with the run flags applied, checked for command `mode` (train, serve, gateway,
+    sft: see `AjetConfig.mode`) and for what the chosen backbone honours."""
     from ajet.backbones.capabilities import check_supported
     from ajet.config import load_config
 
@@ -333,10 +333,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _gateway(args: argparse.Namespace) -> int:
     from ajet.commands.gateway import gateway
-    from ajet.gateway import task_source_overrides
 
-    cfg = _load(args, "gateway", **{"gateway.host": args.host, "gateway.port": args.port},
-                **task_source_overrides(args.conf))
+    cfg = _load(args, "gateway", **{"gateway.host": args.host, "gateway.port": args.port})
     with _server_port(cfg.gateway.host, cfg.gateway.port, "gateway"):
         gateway(cfg)
     return 0
@@ -354,11 +352,10 @@ def _server_port(host: str, port: int, section: str):
 
 def _sft(args: argparse.Namespace) -> int:
     from ajet.commands.sft import sft
-    from ajet.gateway import task_source_overrides
 
-    # nothing is generated: a config without a task source (a gateway's) gets the gateway's placeholder
-    sft(_load(args, **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward, "sft.agent": args.agent},
-              **task_source_overrides(args.conf)))
+    # nothing is generated: mode sft needs no task source (a gateway's config has none)
+    sft(_load(args, "sft", **{"sft.from_dir": args.from_dir, "sft.min_reward": args.min_reward,
+                              "sft.agent": args.agent}))
     return 0
 
 

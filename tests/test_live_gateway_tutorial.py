@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from ajet.config import load_config
-from ajet.gateway import LIVE_TRAFFIC, task_source_overrides
+from ajet.errors import ConfigError
 from ajet.judges.math_answer import extract_final_number
 from tests.test_gateway import SECRET, Gateway
 
@@ -24,9 +25,15 @@ TUTORIAL = ROOT / "tutorial" / "example_live_gateway"
 
 def test_the_tutorial_config_loads_as_a_gateway_config():
     conf = TUTORIAL / "gateway.yaml"
-    overrides = task_source_overrides(conf)
-    assert overrides == {"data.generator": LIVE_TRAFFIC}                # no task file: live traffic
-    cfg = load_config(conf, overrides)
+    assert "data" not in yaml.safe_load(conf.read_text())                # no task file: live traffic
+    cfg = load_config(conf, mode="gateway")
+    assert cfg.data.task_sources() == []
+    for mode in ("train", "serve", "eval"):                             # the modes that read tasks need one
+        with pytest.raises(ConfigError, match="missing required key `data`"):
+            load_config(conf, mode=mode)
+        with pytest.raises(ConfigError, match=r"name exactly one task source: .* \(got none\)"):
+            load_config(conf, {"data.shuffle": False}, mode=mode)
+    assert load_config(conf, {"data.shuffle": False}, mode="sft").data.task_sources() == []
     assert cfg.model.path == "smollm2-135m-instruct"                    # the embedded real model
     assert (cfg.gateway.port, cfg.gateway.on_no_feedback, cfg.gateway.n) == (8766, "drop", 1)
     assert cfg.trainer.total_steps >= 10_000                            # a long-running gateway

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
-from ajet.gateway import task_source_overrides
 from ajet.rollout import Rollout, RolloutContext, RunMode
 
 
@@ -101,8 +100,7 @@ def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, 
     from ajet.gateway.gate import request_rollback
     from ajet.gateway.store import GatewayStore
 
-    overrides = {**task_source_overrides(conf), **({"trainer.exp_dir": exp_dir} if exp_dir else {})}
-    cfg = load_config(conf, overrides)
+    cfg = load_config(conf, {"trainer.exp_dir": exp_dir} if exp_dir else {}, mode="gateway")
     path = cfg.exp_path() / "gateway.sqlite"
     if not path.is_file():
         raise ConfigError(f"no gateway ran in {cfg.exp_path()} (no gateway.sqlite): pass the --exp-dir the gateway "

@@ -28,8 +28,12 @@ class EnvServiceSource(_Section):
     env_type: str = Field(description="the environment type asked of the service (its `env_type` parameter)")
 
 
+NO_TASK_SOURCE = "name exactly one task source: train_path, train (several datasets), generator or env_service"
+"""What a config with no task source, or several, is told (the modes that read tasks need exactly one)."""
+
+
 class DataConfig(_Section):
-    """Where tasks come from (ajet/tasks/). Exactly one of:
+    """Where tasks come from (ajet/tasks/). Exactly one of (modes gateway and sft read no tasks: none there):
 
     train_path: a JSONL file (GSM8K rows or {task_id, query, answer}), a json/csv/parquet/arrow file or a
         `save_to_disk` folder (Hugging Face `datasets`; `split`/`val_split` pick a DatasetDict split,
@@ -72,10 +76,10 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        given = [k for k in ("train_path", "train", "generator", "env_service") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError(f"name exactly one task source: train_path, train (several datasets), generator or "
-                             f"env_service (got {', '.join(given) or 'none'})")
+        """At most one task source (none at all is refused by `AjetConfig` in the modes that read tasks)."""
+        given = self.task_sources()
+        if len(given) > 1:
+            raise ValueError(f"{NO_TASK_SOURCE} (got {', '.join(given)})")
         names = [d.name for d in self.train or []]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names in `data.train` must differ, got {names}")
@@ -83,6 +87,10 @@ class DataConfig(_Section):
         if bad:
             raise ValueError(f"data.columns keys must be ajet fields query, answer, task_id; got {bad}")
         return self
+
+    def task_sources(self) -> list[str]:
+        """The task source keys set: `train_path`, `train`, `generator`, `env_service` (a valid config: at most one)."""
+        return [k for k in ("train_path", "train", "generator", "env_service") if getattr(self, k)]
 
     def datasets(self) -> list[DatasetConfig]:
         """The training datasets: `train`, or one named "train" for the other sources (its `path` is

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ajet.config.algorithm import AlgorithmConfig
 from ajet.config.base import _Section
-from ajet.config.data import DataConfig
+from ajet.config.data import NO_TASK_SOURCE, DataConfig
 from ajet.config.engine import EngineConfig
 from ajet.config.model import AGENT_NAME, AgentConfig, ModelConfig
 from ajet.config.rollout import ProxyConfig, RolloutConfig
@@ -20,8 +20,11 @@ from ajet.config.workflow import (CommandWorkflowConfig, HarnessSpec, HarnessWor
                                   RewardModelConfig)
 from ajet.errors import ConfigError
 
-Mode = Literal["train", "eval", "serve", "gateway"]
+Mode = Literal["train", "eval", "serve", "gateway", "sft"]
 """The commands a config is checked for (`AjetConfig.mode`)."""
+
+TASK_MODES = ("train", "eval", "serve")
+"""The modes that read tasks: their config names one task source (`data`); gateway and sft read none."""
 
 
 class AjetConfig(_Section):
@@ -97,9 +100,10 @@ class AjetConfig(_Section):
                                     "set by `load_config`; relative paths (workflow, judge, task files) resolve "
                                     "against it first, then against the working directory. None: built in code")
     mode: Mode = Field("train", exclude=True, description="not a YAML key: the command the config is checked for "
-                       "(`load_config(..., mode=)`, `for_mode`): `train` (and `ajet sft`), `eval`, `serve` or "
-                       "`gateway`; the checks and defaults only a command needs apply in its mode (e.g. a "
-                       "non-loopback `gateway.host` without a secret is refused in mode gateway only)")
+                       "(`load_config(..., mode=)`, `for_mode`): `train`, `eval`, `serve`, `gateway` or `sft`; "
+                       "the checks and defaults only a command needs apply in its mode (e.g. a non-loopback "
+                       "`gateway.host` without a secret is refused in mode gateway only; a task source is needed "
+                       "in the modes that read tasks, TASK_MODES)")
 
     @field_validator("agents")
     @classmethod
@@ -126,6 +130,14 @@ class AjetConfig(_Section):
             raise ValueError("agents: fine-tuning on recorded traces (`sft:`) trains one policy; remove `agents` "
                              "or `sft`")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_optional(cls, data: Any) -> Any:
+        """Modes that read no tasks (gateway, sft): a config without `data` gets an empty section (no task source)."""
+        if isinstance(data, dict) and data.get("mode", "train") not in TASK_MODES and data.get("data") is None:
+            return {**data, "data": {}}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -172,9 +184,12 @@ class AjetConfig(_Section):
 
     @model_validator(mode="after")
     def _check_mode(self) -> AjetConfig:
-        """Mode serve and gateway: what their servers need of the config (ValueError naming the keys)."""
+        """The modes that read tasks (TASK_MODES): one task source; mode serve and gateway: what their servers need
+        of the config (ValueError naming the keys)."""
         from ajet.guard import configured_secret, is_loopback
 
+        if self.mode in TASK_MODES and not self.data.task_sources():
+            raise ValueError(f"data: {NO_TASK_SOURCE} (got none)")
         server = {"serve": self.serve, "gateway": self.gateway}.get(self.mode)
         if server is not None and not is_loopback(server.host) and configured_secret(server.secret) is None:
             raise ValueError(f"{self.mode}.host {server.host!r} is reachable from other machines: set "

@@ -19,7 +19,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode:
     Args:
         path: the YAML file.
         overrides: dotted keys applied before validation, e.g. {"trainer.exp_dir": "/tmp/x"}.
-        mode: the command the config is checked for (`AjetConfig.mode`): train, eval, serve or gateway.
+        mode: the command the config is checked for (`AjetConfig.mode`): train, eval, serve, gateway or sft.
 
     Returns:
         The validated config, its `config_dir` the file's folder.

@@ -14,36 +14,6 @@
 
 The command (`gateway`, `gateway rollback`) that wires these into the training loop: ajet/commands/gateway.py.
 
-The config needs no task file: without one, `data` names `live_traffic` below (a placeholder that only satisfies
-the config's one-task-source rule: the gateway's run mode reads no dataset, and no episode runs it).
-`data.val_path` still gives held-out validation (`trainer.val_freq`).
+The config needs no task file (mode gateway reads no tasks: its episodes are its sessions); `data.val_path`
+still gives held-out validation (`trainer.val_freq`) and the gate's evaluation set.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-from typing import Any, Iterator
-
-LIVE_TRAFFIC = "ajet.gateway:live_traffic"
-
-
-def live_traffic(split: str) -> Iterator[dict[str, Any]]:
-    """The gateway's stand-in task source (`data.generator` when the config names none): one placeholder task,
-    so that the config names a task source; the gateway's run mode reads no training dataset (its episodes are
-    its sessions)."""
-    yield {"task_id": "live", "query": "(live traffic: every session is its own task)"}
-
-
-def task_source_overrides(conf: str | Path) -> dict[str, Any]:
-    """`{"data.generator": LIVE_TRAFFIC}` when the YAML file names no training task source, else {}."""
-    import yaml
-
-    try:
-        data = (yaml.safe_load(Path(conf).read_text()) or {}).get("data") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        return {}                                 # load_config reports the problem
-    named = isinstance(data, dict) and any(data.get(k) for k in ("train_path", "train", "generator", "env_service"))
-    return {} if named else {"data.generator": LIVE_TRAFFIC}
-
-
-__all__ = ["LIVE_TRAFFIC", "live_traffic", "task_source_overrides"]
