@@ -445,3 +445,20 @@ def test_a_server_started_on_cpu_may_take_an_hour_per_model_step(tmp_path, monke
     assert server.environment()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "3600"
     monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "120")
     assert server.environment()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "120"
+
+
+def test_a_sync_to_a_server_that_has_stopped_says_so_in_one_line(tmp_path):
+    """The server ajet started died (its worker OOM-killed during an update): the weight sync raises
+    EngineUnavailable naming the stop and the log's last line, not a connection error's traceback."""
+    from types import SimpleNamespace
+
+    from ajet.engines.vllm_server import free_port
+
+    log = tmp_path / "vllm.log"
+    log.write_text("Worker proc VllmWorker-0 died unexpectedly (exit code: -9)\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    server = SimpleNamespace(process=dead, alive=lambda: False, log_path=log)
+    engine = VLLMEngine([f"http://127.0.0.1:{free_port()}/v1"], "m", tmp_path / "weights", server=server)
+    with pytest.raises(EngineUnavailable, match=r"stopped during the run .*VllmWorker-0 died unexpectedly"):
+        engine.sync_weights({"w": torch.zeros(2)}, 1)

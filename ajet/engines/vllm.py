@@ -231,8 +231,8 @@ class VLLMEngine:
         self._used.update(names.values())
         for adapter, name in names.items():
             for url in self.base_urls:
-                post_json(f"{url}/load_lora_adapter", {"lora_name": name, "lora_path": str(folder / adapter)},
-                          self.timeout_s, _LORA_HINT)
+                self._post(f"{url}/load_lora_adapter", {"lora_name": name, "lora_path": str(folder / adapter)},
+                           _LORA_HINT)
         t2 = time.perf_counter()
         with self._gate:
             old = self._loaded[-1] if self._loaded else None
@@ -270,6 +270,7 @@ class VLLMEngine:
         Raises:
             RuntimeError: a server refused or failed the reload (its answer in the message); the servers may
                 then hold different weights: the run should stop.
+            EngineUnavailable: the server ajet started has stopped (its exit status and log tail).
             OSError: the weights folder cannot be written.
         """
         t0 = time.perf_counter()
@@ -281,9 +282,9 @@ class VLLMEngine:
             t1 = time.perf_counter()
             for url in self.base_urls:
                 root = url.removesuffix("/v1")
-                post_json(f"{root}/collective_rpc", {"method": "reload_weights",
-                                                     "kwargs": {"weights_path": str(folder)}}, self.timeout_s)
-                post_json(f"{root}/reset_prefix_cache", None, self.timeout_s)
+                self._post(f"{root}/collective_rpc", {"method": "reload_weights",
+                                                      "kwargs": {"weights_path": str(folder)}})
+                self._post(f"{root}/reset_prefix_cache", None)
             t2 = time.perf_counter()
             old, self._served_dir = self._served_dir, folder
             if old is not None and old != folder:
@@ -296,6 +297,15 @@ class VLLMEngine:
         self.last_sync = {"weight_sync_s": time.perf_counter() - t0, "weight_save_s": t1 - t0,
                           "weight_reload_s": t2 - t1}
         return dict(self.last_sync)
+
+    def _post(self, url: str, body: dict | None, *hint_404: str) -> object:
+        """`post_json` to one of the servers; when it fails because the server ajet started has stopped (an OOM kill
+        of its worker during an update, seen on the 2-core CPU), `raise_if_failed`'s one line instead."""
+        try:
+            return post_json(url, body, self.timeout_s, *hint_404)
+        except RuntimeError:
+            self.raise_if_failed()
+            raise
 
     def raise_if_failed(self) -> None:
         """Raise when generation cannot go on: the server this engine started has stopped (killed or crashed). The
