@@ -38,7 +38,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 
@@ -223,6 +223,60 @@ def _retry_wait(resp: httpx.Response | httpx.TransportError, attempt: int, deadl
     return min(0.2 * 2 ** attempt, 5.0, cap)
 
 
+class _Retry:
+    """One API call's retry policy (`_retry_wait`), for both clients: the deadline is fixed when the call starts
+    (`retry_for_s` seconds from then), the tries are counted; the clients differ only in how they send and wait."""
+
+    def __init__(self, retry_for_s: float, done_codes: tuple[str, ...]):
+        self.deadline, self.attempt, self.done_codes = time.monotonic() + retry_for_s, 0, done_codes
+
+    def after(self, resp: httpx.Response | httpx.TransportError) -> dict[str, Any] | float:
+        """The answer's JSON when this try succeeded, else the seconds to wait before the next try.
+
+        Raises:
+            httpx.TransportError, AjetClientError: as `_retry_wait`.
+        """
+        out = _retry_wait(resp, self.attempt, self.deadline, self.done_codes)
+        self.attempt += 1
+        return out
+
+
+class _EpisodeBlock:
+    """`client.episode(...)`: `with` (an `AjetClient`'s) or `async with` (an `AsyncAjetClient`'s). Entering begins
+    the episode; leaving it unfinished fails it: with the block's traceback when an exception left it (the
+    exception goes on; the fail call's own errors are dropped), else saying that `finish` was never called."""
+
+    def __init__(self, client: AjetClient | AsyncAjetClient, task: dict[str, Any] | None, group_id: str | None,
+                 dataset: str | None):
+        self.client, self.args, self.ep = client, (task, group_id, dataset), None
+
+    def _left(self, exc: BaseException | None) -> tuple[str, contextlib.AbstractContextManager] | None:
+        """How to fail the episode the block left (the reason, and what surrounds the fail call), or None."""
+        if self.ep.finished:
+            return None
+        if exc is None:
+            return "the client left the episode block without calling finish()", contextlib.nullcontext()
+        return "".join(traceback.format_exception(exc)), contextlib.suppress(AjetClientError, httpx.TransportError)
+
+    def __enter__(self) -> Episode:
+        self.ep = self.client.begin(*self.args)
+        return self.ep
+
+    def __exit__(self, et, exc: BaseException | None, tb) -> None:
+        if (left := self._left(exc)) is not None:
+            with left[1]:
+                self.ep.fail(left[0])
+
+    async def __aenter__(self) -> AsyncEpisode:
+        self.ep = await self.client.begin(*self.args)
+        return self.ep
+
+    async def __aexit__(self, et, exc: BaseException | None, tb) -> None:
+        if (left := self._left(exc)) is not None:
+            with left[1]:
+                await self.ep.fail(left[0])
+
+
 class _ClientBase:
     """Settings shared by both clients.
 
@@ -250,9 +304,28 @@ class _ClientBase:
         headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
         self._http = self._HTTP(base_url=self.url, headers=headers, timeout=timeout_s)
 
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, done_codes: tuple[str, ...],
+                 token: str | None) -> tuple[_Retry, dict[str, Any]]:
+        """One API call's retry policy and the keyword arguments of each try's `request` (with the episode's
+        `token`, for calls on one episode)."""
+        headers = {TOKEN_HEADER: token} if token else None
+        return _Retry(self.retry_for_s, done_codes), {"method": method, "url": path, "json": body, "headers": headers}
+
+    def _end_args(self, episode_id: str, token: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`_call`'s arguments for ending an episode (`how`: "finish" or "abort"); a retried end that the server
+        already took counts as done."""
+        return {"method": "POST", "path": f"{API}/episodes/{episode_id}/{how}", "body": body,
+                "done_codes": ("episode_already_finished",), "token": token}
+
     def _begin_body(self, task, group_id, dataset) -> dict[str, Any]:
         body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
         return {k: v for k, v in body.items() if v is not None}
+
+    def _episode(self, data: dict[str, Any], cls: type[Episode]) -> Episode:
+        """The episode `begin` got (`data`: the server's answer) as a `cls`, bound to this client."""
+        ep = cls(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
+        ep._client = self
+        return ep
 
 
 class AjetClient(_ClientBase):
@@ -275,22 +348,18 @@ class AjetClient(_ClientBase):
               done_codes: tuple[str, ...] = (), token: str | None = None) -> dict[str, Any]:
         """One API call (with the episode's `token`, for calls on one episode), retried on connection errors
         and 502/503/504 (see `_retry_wait`)."""
-        deadline, attempt = time.monotonic() + self.retry_for_s, 0
-        headers = {TOKEN_HEADER: token} if token else None
+        retry, request = self._request(method, path, body, done_codes, token)
         while True:
             try:
-                resp = self._http.request(method, path, json=body, headers=headers)
+                resp = self._http.request(**request)
             except httpx.TransportError as exc:
                 resp = exc
-            wait = _retry_wait(resp, attempt, deadline, done_codes)
-            if isinstance(wait, dict):
+            if isinstance(wait := retry.after(resp), dict):
                 return wait
-            attempt += 1
             time.sleep(wait)
 
     def _end(self, episode_id: str, token: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
-                          done_codes=("episode_already_finished",), token=token)
+        return self._call(**self._end_args(episode_id, token, how, body))
 
     def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
               dataset: str | None = None) -> Episode:
@@ -303,30 +372,17 @@ class AjetClient(_ClientBase):
                 wrong secret or an unknown `dataset`).
             httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
-        data = self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
-        ep = Episode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
-        ep._client = self
-        return ep
+        return self._episode(self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset)), Episode)
 
-    @contextlib.contextmanager
     def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
-                dataset: str | None = None) -> Iterator[Episode]:
+                dataset: str | None = None) -> contextlib.AbstractContextManager[Episode]:
         """`with client.episode() as ep:` begin; an exception in the block (or no `finish`) fails the episode
         (the exception is re-raised).
 
         Raises:
             RunFinished, AjetClientError, httpx.TransportError: as `begin`.
         """
-        ep = self.begin(task, group_id, dataset)
-        try:
-            yield ep
-        except BaseException:
-            if not ep.finished:
-                with contextlib.suppress(AjetClientError, httpx.TransportError):
-                    ep.fail(traceback.format_exc())
-            raise
-        if not ep.finished:
-            ep.fail("the client left the episode block without calling finish()")
+        return _EpisodeBlock(self, task, group_id, dataset)
 
     def status(self) -> dict[str, Any]:
         """The run's status: policy_version, step, total_steps, finished, episodes (running, finished,
@@ -356,43 +412,28 @@ class AsyncAjetClient(_ClientBase):
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
                     done_codes: tuple[str, ...] = (), token: str | None = None) -> dict[str, Any]:
-        deadline, attempt = time.monotonic() + self.retry_for_s, 0
-        headers = {TOKEN_HEADER: token} if token else None
+        retry, request = self._request(method, path, body, done_codes, token)
         while True:
             try:
-                resp = await self._http.request(method, path, json=body, headers=headers)
+                resp = await self._http.request(**request)
             except httpx.TransportError as exc:
                 resp = exc
-            wait = _retry_wait(resp, attempt, deadline, done_codes)
-            if isinstance(wait, dict):
+            if isinstance(wait := retry.after(resp), dict):
                 return wait
-            attempt += 1
             await asyncio.sleep(wait)
 
     async def _end(self, episode_id: str, token: str, how: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", f"{API}/episodes/{episode_id}/{how}", body,
-                                done_codes=("episode_already_finished",), token=token)
+        return await self._call(**self._end_args(episode_id, token, how, body))
 
     async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
                     dataset: str | None = None) -> AsyncEpisode:
         data = await self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
-        ep = AsyncEpisode(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
-        ep._client = self
-        return ep
+        return self._episode(data, AsyncEpisode)
 
-    @contextlib.asynccontextmanager
-    async def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
-                      dataset: str | None = None) -> AsyncIterator[AsyncEpisode]:
-        ep = await self.begin(task, group_id, dataset)
-        try:
-            yield ep
-        except BaseException:
-            if not ep.finished:
-                with contextlib.suppress(AjetClientError, httpx.TransportError):
-                    await ep.fail(traceback.format_exc())
-            raise
-        if not ep.finished:
-            await ep.fail("the client left the episode block without calling finish()")
+    def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
+                dataset: str | None = None) -> contextlib.AbstractAsyncContextManager[AsyncEpisode]:
+        """`async with client.episode() as ep:` (as `AjetClient.episode`)."""
+        return _EpisodeBlock(self, task, group_id, dataset)
 
     async def status(self) -> dict[str, Any]:
         return await self._call("GET", f"{API}/status")

@@ -7,6 +7,7 @@ only the test moves, so that the outcome does not depend on the machine's load."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import socket
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from ajet.client import AjetClient, RunFinished
+from ajet.client import AjetClient, AsyncAjetClient, RunFinished
 from ajet.llm_call import SamplingParams
 from ajet.metrics_log import MetricsLogger
 from ajet.proxy.server import ProxyServer
@@ -156,6 +157,36 @@ def test_only_the_client_that_began_an_episode_can_end_it(tokenizer):
             assert ep.finish(reward=0.5)["status"] == "finished"
         client.close()
         assert [e.reward for e in stored] == [1.0, 0.5] and len(stored[1].calls) == 1
+
+
+
+def test_both_clients_fail_the_episode_their_block_leaves_unfinished(tokenizer):
+    """`AjetClient.episode()` and `AsyncAjetClient.episode()`: an exception in the block fails the episode with the
+    block's traceback and goes on; a block left without `finish` fails it saying so; a finished one stays as is."""
+    with served(tokenizer) as (queue, http, stored):
+        client = AjetClient(str(http.base_url), secret=SECRET)
+        with pytest.raises(ZeroDivisionError):
+            with client.episode():
+                raise ZeroDivisionError("sync block")
+        with client.episode():
+            pass
+        client.close()
+
+        async def clients_block() -> None:
+            async with AsyncAjetClient(str(http.base_url), secret=SECRET) as aclient:
+                with pytest.raises(KeyError):
+                    async with aclient.episode():
+                        raise KeyError("async block")
+                async with aclient.episode():
+                    pass
+                async with aclient.episode() as ep:
+                    await ep.finish(reward=0.25)
+
+        asyncio.run(clients_block())
+    assert [e.reward for e in stored] == [None, None, None, None, 0.25]
+    assert "ZeroDivisionError: sync block" in stored[0].error and "Traceback" in stored[0].error
+    assert "KeyError: 'async block'" in stored[2].error and "Traceback" in stored[2].error
+    assert all(stored[i].error.endswith("the client left the episode block without calling finish()") for i in (1, 3))
 
 
 def test_a_stalled_upload_does_not_keep_its_episode_alive(tokenizer):
