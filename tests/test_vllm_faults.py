@@ -239,10 +239,10 @@ def test_an_episode_timeout_aborts_its_call_in_vllm(server, tokenizer):  # noqa:
         before = _metrics(server["url"])
         asyncio.run(run_episode(_OneLongCall(), episode, proxy, None, timeout_s=5.0))
         left_at = _metrics(server["url"])["generated"]
+        assert episode.error is not None and episode.error.startswith("TimeoutError"), episode.error
+        _assert_aborted(server["url"], before, left_at)      # with the proxy still up (its stop ends every call)
     finally:
         proxy.stop()
-    assert episode.error is not None and episode.error.startswith("TimeoutError"), episode.error
-    _assert_aborted(server["url"], before, left_at)
 
 
 def test_calls_go_to_another_server_when_one_refuses_connections(server, tokenizer, tmp_path):  # noqa: F811

@@ -172,7 +172,8 @@ class RemoteEngine:
                             break
         except (OSError, asyncio.TimeoutError, self._errors()) as exc:
             if isinstance(exc, self._connect_errors()):
-                raise ServerUnreachable(f"{self.url} cannot be reached: {type(exc).__name__}: {_cut(str(exc))}") from exc
+                raise ServerUnreachable(
+                    f"{self.url} cannot be reached: {type(exc).__name__}: {_cut(str(exc))}") from exc
             raise RuntimeError(f"{self.url} failed: {type(exc).__name__}: {_cut(str(exc))}") from exc
         if error is not None:
             _raise_for_status(*error, self.url)
