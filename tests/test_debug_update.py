@@ -183,3 +183,13 @@ def test_an_update_frees_the_prefix_cache_it_makes_stale_and_only_such_an_update
     backbone.update([_sample("d", [5, 6, 7], [8, 9], [1, 1], adv=1.0)])
     assert backbone.engine.policy_version == v0 + 1
     assert len(cache) == 0 and cache.nbytes == 0    # every entry was the old weights': freed before training
+
+
+def test_an_epochs_episodes_are_dealt_round_robin_into_mini_batches():
+    """`algorithm.mini_batches` n: episode i goes to mini-batch i mod k, k = n capped by the episode count."""
+    from ajet.algorithm.batching import split_mini_batches
+
+    assert split_mini_batches(["a", "b", "c", "d", "e"], 2) == [["a", "c", "e"], ["b", "d"]]
+    assert split_mini_batches(["a", "b"], 4) == [["a"], ["b"]]              # never an empty mini-batch
+    assert split_mini_batches(["a", "b", "c"], 1) == [["a", "b", "c"]]
+    assert split_mini_batches([], 3) == [[]]
