@@ -28,7 +28,7 @@ class EnvServiceSource(_Section):
     env_type: str = Field(description="the environment type asked of the service (its `env_type` parameter)")
 
 
-NO_TASK_SOURCE = "name exactly one task source: train_path, train (several datasets), generator or env_service"
+ONE_TASK_SOURCE = "name exactly one task source: train_path, train (several datasets), generator or env_service"
 """What a config with no task source, or several, is told (the modes that read tasks need exactly one)."""
 
 
@@ -79,7 +79,7 @@ class DataConfig(_Section):
         """At most one task source (none at all is refused by `AjetConfig` in the modes that read tasks)."""
         given = self.task_sources()
         if len(given) > 1:
-            raise ValueError(f"{NO_TASK_SOURCE} (got {', '.join(given)})")
+            raise ValueError(f"{ONE_TASK_SOURCE} (got {', '.join(given)})")
         names = [d.name for d in self.train or []]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names in `data.train` must differ, got {names}")

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ajet.config.algorithm import AlgorithmConfig
 from ajet.config.base import _Section
-from ajet.config.data import NO_TASK_SOURCE, DataConfig
+from ajet.config.data import ONE_TASK_SOURCE, DataConfig
 from ajet.config.engine import EngineConfig
 from ajet.config.model import AGENT_NAME, AgentConfig, ModelConfig
 from ajet.config.rollout import ProxyConfig, RolloutConfig
@@ -189,7 +189,7 @@ class AjetConfig(_Section):
         from ajet.guard import configured_secret, is_loopback
 
         if self.mode in TASK_MODES and not self.data.task_sources():
-            raise ValueError(f"data: {NO_TASK_SOURCE} (got none)")
+            raise ValueError(f"data: {ONE_TASK_SOURCE} (got none)")
         server = {"serve": self.serve, "gateway": self.gateway}.get(self.mode)
         if server is not None and not is_loopback(server.host) and configured_secret(server.secret) is None:
             raise ValueError(f"{self.mode}.host {server.host!r} is reachable from other machines: set "
