@@ -17,9 +17,10 @@ tutorial's workflow and judge greedily on the first `--gate-tasks` problems of t
 a training question) and is refused when its `--gate-metric` is more than `--max-drop` below the serving
 policy's. `--harmful` makes every update harmful (lr 1e-2 instead of `--lr`) to show that the gate refuses it and
 that no answer is ever sampled from it. `--poison` tries to poison the gateway: before each feedback its user also
-posts a reward of 1e300 or NaN for the session (each must be a 400), and every update runs at lr 1e30, which makes
-the candidate's weights so large that its logits, and so its answers' logprobs, are not finite (a NaN-producing
-update): the gate must refuse each, and no answer may come from one.
+posts a reward of 1e300 or NaN for the session (each must be a 400), every other session is then rated 10 (the top of
+the default `gateway.reward_range`, accepted) so that the groups' rewards differ and updates move the weights, and
+every update runs at lr 1e30, which makes the candidate's weights so large that its logits, and so its answers'
+logprobs, are not finite (a NaN-producing update): the gate must refuse each, and no answer may come from one.
 
     python benchmarks/live_traffic.py [--minutes 30] [--users 8] [--delay-scale 1] [--harmful]
     python benchmarks/live_traffic.py --minutes 3 --delay-scale 0.1          # a short smoke run
@@ -251,6 +252,8 @@ class Population:
             body = b'{"session_id": "' + session.encode() + b'", "reward": ' + raw + b"}"
             r = await self.http.post("/v1/feedback", content=body, headers={"Content-Type": "application/json"})
             self.poison.append((raw.decode(), r.status_code))
+            if len(self.poison) % 2:              # and the range's top on every other session: updates move
+                reward = 10.0
         r = await self.http.post("/v1/feedback", json={"session_id": session, "reward": reward})
         if r.status_code == 200:
             self.acked[session] = reward
