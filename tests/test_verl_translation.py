@@ -198,7 +198,7 @@ def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
     assert rollout_choice(_cfg(tmp_path, ""), cuda=True) == "vllm"
     assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref.rollout.name: sglang}\n"), cuda=True) == "sglang"
     assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref.rollout.name: ajet}\n"), cuda=True) == "ajet"
-    with pytest.raises(ConfigError, match=r"rollout\.name=vllm: vllm needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match=r"rollout\.name=vllm: verl.s vllm rollout needs a CUDA GPU"):
         rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: vllm}}}\n"), cuda=False)
     with pytest.raises(ConfigError, match=r"model\.lora with the verl backbone's ajet rollout"):
         verl_overrides(_cfg(tmp_path, "model: {path: /x, lora: {rank: 4}}\n"), cuda=False)

@@ -34,8 +34,9 @@ def rollout_choice(cfg: AjetConfig, cuda: bool) -> str:
     if name not in ("ajet", "vllm", "sglang"):
         raise ConfigError(f"actor_rollout_ref.rollout.name={name!r}: choose ajet, vllm or sglang")
     if name != "ajet" and not cuda:
-        raise ConfigError(f"actor_rollout_ref.rollout.name={name}: {name} needs a CUDA GPU (it cannot sample on "
-                          f"CPU); remove the key to use ajet's own engine on this machine")
+        raise ConfigError(f"actor_rollout_ref.rollout.name={name}: verl's {name} rollout needs a CUDA GPU (on CPU it "
+                          f"stops before its first weight sync: docs/backbones.md); remove the key to use ajet's "
+                          f"own engine on this machine")
     return name
 
 
