@@ -339,9 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         candidates = {c[0]: parse_overrides(c[1:]) for c in args.candidate}
     except ValueError as exc:
         p.error(f"--set/--candidate: {exc}")
-    if "shipped" in candidates or len(candidates) < len(args.candidate) or any("=" in n or "/" in n for n in candidates):
-        p.error("--candidate: each needs its own name (not 'shipped', no '=' or '/') before its KEY=VALUE fields")
+    if ("shipped" in candidates or len(candidates) < len(args.candidate) or any("=" in n or "/" in n for n in candidates)
+            or any(len(c) < 2 for c in args.candidate)):
+        p.error("--candidate: each needs its own name (not 'shipped', no '=' or '/') and then one or more KEY=VALUE "
+                "fields (e.g. --candidate lr1e-5 algorithm.lr=1.0e-5)")
     conf = args.conf.resolve()
+    if not conf.is_file():
+        p.error(f"--conf: {args.conf} is not a file (the job's YAML)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     configs: dict[str, Path] = {}                      # config name -> its YAML

@@ -87,13 +87,18 @@ def test_overrides_set_nested_fields_and_seed_ranges_expand():
     assert parse_seeds("0-3,7,2") == [0, 1, 2, 3, 7]
 
 
-def test_a_bad_override_is_one_line_naming_it(tmp_path):
+@pytest.mark.parametrize("args, says", [(["--set", "algorithm.lr"], "'algorithm.lr' is not KEY=VALUE"),
+                                        (["--candidate", "lr"], "then one or more KEY=VALUE fields")])
+def test_a_bad_override_is_one_line_naming_it(tmp_path, args, says):
     out = tmp_path / "stderr.txt"
     with open(out, "w") as err:
-        rc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "main_job_seeds.py"), "--no-sft", "--set",
-                             "algorithm.lr", "--out", str(tmp_path / "o")], stdout=err, stderr=err, timeout=120).returncode
+        # a config that does not exist: should the check under test let the arguments through, the run is refused
+        # for it before anything starts (a different message: the test fails, and no job runs)
+        rc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "main_job_seeds.py"), "--no-sft", *args,
+                             "--conf", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "o")],
+                            stdout=err, stderr=err, timeout=120).returncode
     text = out.read_text()
-    assert rc == 2 and "'algorithm.lr' is not KEY=VALUE" in text and "Traceback" not in text
+    assert rc == 2 and says in text and "Traceback" not in text
     assert not (tmp_path / "o").exists()                                          # nothing started
 
 
