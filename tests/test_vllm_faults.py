@@ -191,14 +191,15 @@ def _proxy(server, tokenizer, client: str = "aiohttp") -> ProxyServer:  # noqa: 
 
 
 def _assert_aborted(url: str, before: dict[str, float], left_at: float) -> None:
-    """vLLM stops decoding the call: nothing left running, and far fewer tokens than the call asked for (an
-    orphan would run on to `LONG` tokens before its request ends)."""
+    """vLLM stops decoding the call: nothing left running, fewer tokens than the call asked for, and at most `SLACK`
+    of them after `left_at` (the counter when the client left or the episode's time was up): an orphan request
+    would run on to `LONG` tokens."""
     _wait(lambda: _metrics(url)["running"] == 0, "vLLM still runs the call")
     generated = _metrics(url)["generated"] - before["generated"]
     print(f"vLLM generated {generated:.0f} of the call's {LONG} tokens, {left_at - before['generated']:.0f} of them "
           "before its client left")                                              # shown by pytest -rP
-    assert 0 < generated < LONG / 2, f"vLLM generated {generated} tokens of a {LONG}-token call"
-    assert generated - (left_at - before["generated"]) <= SLACK, generated
+    assert 0 < generated < LONG, f"vLLM generated {generated} tokens of a {LONG}-token call"
+    assert generated - (left_at - before["generated"]) <= SLACK, (generated, left_at - before["generated"])
 
 
 @pytest.mark.parametrize("stream,client", [(False, "aiohttp"), (True, "aiohttp"), (False, "httpx")],
@@ -231,13 +232,14 @@ class _OneLongCall(Workflow):
 
 
 def test_an_episode_timeout_aborts_its_call_in_vllm(server, tokenizer):  # noqa: F811
-    """`rollout.episode_timeout_s` reached while the episode's call decodes (5 s into a call that would take a
-    minute or more): the episode fails with the timeout, and vLLM aborts the call."""
+    """`rollout.episode_timeout_s` reached while the episode's call decodes (20 s into a call of 1800 tokens, more
+    than a minute of decoding here; 20 s so that a loaded machine has sent it to vLLM by then): the episode fails
+    with the timeout, and vLLM aborts the call (at most `SLACK` tokens after the limit)."""
     proxy = _proxy(server, tokenizer)
     try:
         (episode,) = new_episodes([Task("t0", "Go.", "1")], 1, step=1)
         before = _metrics(server["url"])
-        asyncio.run(run_episode(_OneLongCall(), episode, proxy, None, timeout_s=5.0))
+        asyncio.run(run_episode(_OneLongCall(), episode, proxy, None, timeout_s=20.0))
         left_at = _metrics(server["url"])["generated"]
         assert episode.error is not None and episode.error.startswith("TimeoutError"), episode.error
         _assert_aborted(server["url"], before, left_at)      # with the proxy still up (its stop ends every call)
