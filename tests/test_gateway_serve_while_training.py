@@ -20,7 +20,8 @@ from contextlib import contextmanager
 import httpx
 import torch
 
-from ajet.backbones.debug.backbone import DebugBackbone, engine_for
+from ajet.backbones.debug.backbone import DebugBackbone
+from ajet.engines.in_process import engine_for
 from ajet.config import AjetConfig
 from ajet.gateway.app import GatewayApp
 from ajet.gateway.gate import LiveHold, VersionGate

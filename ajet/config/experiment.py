@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ajet.config.algorithm import AlgorithmConfig
-from ajet.config.base import _Section
+from ajet.config.base import _Section, describe
 from ajet.config.data import ONE_TASK_SOURCE, DataConfig
 from ajet.config.engine import EngineConfig
 from ajet.config.model import AGENT_NAME, AgentConfig, ModelConfig
@@ -228,8 +228,6 @@ class AjetConfig(_Section):
         Raises:
             ConfigError: what `mode` refuses of the config, one line per problem naming the keys.
         """
-        from ajet.config.loading import describe
-
         if mode == self.mode:
             return self
         data = self.model_dump(by_alias=True, exclude_unset=True, round_trip=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from ajet.config.base import describe
 from ajet.config.experiment import AjetConfig, Mode
 from ajet.errors import ConfigError
 
@@ -121,12 +122,3 @@ def _key_paths(key: str, model: type[BaseModel] = AjetConfig, prefix: str = "") 
     return paths
 
 
-def describe(err: dict[str, Any]) -> str:
-    """One line for one of pydantic's validation errors: the dotted key, the message and the value given (a check
-    across sections: its own message, which names the keys)."""
-    key = ".".join(str(p) for p in err["loc"])
-    if err["type"] == "missing":
-        return f"missing required key `{key}`"
-    if not key:   # a check across sections (its message names the keys), e.g. `agents`
-        return str(err["msg"]).removeprefix("Value error, ")
-    return f"`{key}`: {err['msg']} (got {err.get('input')!r})"

@@ -60,7 +60,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers import DynamicCache
@@ -71,6 +71,9 @@ from ajet.engines.base import QueueTicket, TokenCallback, calling_agent, queue_t
 from ajet.heap import trim_free_memory
 from ajet.llm_call import Completion, SamplingParams, TokenDelta
 from ajet.sampling_dist import processed_logprobs
+
+if TYPE_CHECKING:
+    from ajet.config import AjetConfig
 
 
 class WeightsLock:
@@ -706,3 +709,18 @@ def _cache_kwarg(model) -> str:
     older transformers). A PEFT wrapper is looked through to its base model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def engine_for(model, tokenizer, cfg: AjetConfig, adapter_for=None) -> HFEngine:
+    """The in-process engine serving `model` (also the verl backbone's engine on CPU): stops at the tokenizer's
+    EOS and the generation config's, batch and length limits from `cfg`, seeded with `trainer.seed`; with
+    `adapter_for` (agent tag -> adapter name, `ajet.agent_adapters.adapter_router`) each call is served with its
+    role's LoRA adapter."""
+    eos = {tokenizer.eos_token_id}
+    if model.generation_config is not None and model.generation_config.eos_token_id is not None:
+        g = model.generation_config.eos_token_id
+        eos |= set(g if isinstance(g, list) else [g])
+    engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch_size=cfg.rollout.max_batch_size,
+                      max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode, adapter_for=adapter_for)
+    engine.seed(cfg.trainer.seed)
+    return engine

@@ -30,7 +30,7 @@ from ajet.agent_adapters import adapter_names, adapter_router
 from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.algorithm.loss import distill_loss, loss_token_weights, ppo_clip_loss, sft_loss, truncated_is_weights
-from ajet.engines.in_process import HFEngine
+from ajet.engines.in_process import HFEngine, engine_for
 from ajet.backbones.debug.role_adapters import (ADAPTERS_DIR, adapter_parameters, base_state_dict, load_adapters,
                                                 save_adapters, with_role_adapters)
 from ajet.backbones.debug.serving import ServeWhileTraining
@@ -585,21 +585,6 @@ def _load_teacher(cfg: AjetConfig, student):
         raise ConfigError(f"algorithm.distill.teacher {path!r} has a vocabulary of {tv} ids, the student {sv}: the "
                           f"teacher must share the student's tokenizer")
     return teacher
-
-
-def engine_for(model, tokenizer, cfg: AjetConfig, adapter_for=None) -> HFEngine:
-    """The in-process engine serving `model` (also the verl backbone's engine on CPU): stops at the tokenizer's
-    EOS and the generation config's, batch and length limits from `cfg`, seeded with `trainer.seed`; with
-    `adapter_for` (agent tag -> adapter name, `ajet.agent_adapters.adapter_router`) each call is served with its
-    role's LoRA adapter."""
-    eos = {tokenizer.eos_token_id}
-    if model.generation_config is not None and model.generation_config.eos_token_id is not None:
-        g = model.generation_config.eos_token_id
-        eos |= set(g if isinstance(g, list) else [g])
-    engine = HFEngine(model, sorted(eos), tokenizer.pad_token_id, max_batch_size=cfg.rollout.max_batch_size,
-                      max_model_len=cfg.model.max_model_len, decode_fn=tokenizer.decode, adapter_for=adapter_for)
-    engine.seed(cfg.trainer.seed)
-    return engine
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -20,7 +20,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ajet.engines.in_process import HFEngine
+from ajet.engines.in_process import HFEngine, engine_for
 
 
 class ServeWhileTraining:
@@ -77,8 +77,6 @@ class ServeWhileTraining:
         if not self.serves_while_training:
             raise RuntimeError("trainer_engine() needs serve_while_training(): the engine serves the trained weights")
         if self._trainer_engine is None:
-            from ajet.backbones.debug.backbone import engine_for   # (the backbone's module imports this one)
-
             self._trainer_engine = engine_for(self.model, self.tokenizer, self.cfg, self.adapter_for)
         engine = self._trainer_engine
         engine.policy_version = self.engine.policy_version if self.candidate_version is None else self.candidate_version

@@ -142,7 +142,7 @@ class VerlBackbone:
         import ray
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-        from ajet.backbones.debug.backbone import engine_for
+        from ajet.engines.in_process import engine_for
         from ajet.backbones.verl.weights import AjetActorWorker
         from ajet.model import load_model
 
