@@ -453,48 +453,37 @@ class HFEngine:
 
     def _take_new(self) -> tuple[list[_Request], bool]:
         """Requests to admit before the next step (as many as free rows allow) and whether to stop. Idle: block
-        for the first, then gather what arrives within `batch_wait_s`. Busy: only what is already queued."""
+        for the first, then gather what arrives within `batch_wait_s`. Busy: only what is already queued. A weight
+        switch (`_Switch`) ends the gathering: nothing more is admitted until it is done."""
         free = self.max_batch_size - len(self._rows)
+        idle = not self._rows
         taken: list[_Request] = []
-        if not self._rows:
-            first = self._queue.get()
-            if first is None:
-                return [], True
-            if first is _WAKE:                    # only wakes the worker (e.g. `drop_prefixes`)
-                return [], False
-            if isinstance(first, _Switch):        # a weight switch: admit nothing until it is done
-                self._switch = first
-                return [], False
-            taken.append(first)
-            deadline = time.perf_counter() + self.batch_wait_s
-            while len(taken) < free:
-                try:
-                    nxt = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)          # seen again on the next call: stop after this step
-                    break
-                if nxt is _WAKE:
-                    continue
-                if isinstance(nxt, _Switch):
-                    self._switch = nxt
-                    break
-                taken.append(nxt)
-            return taken, False
+        deadline = 0.0
         while len(taken) < free:
             try:
-                nxt = self._queue.get_nowait()
+                if not idle:
+                    nxt = self._queue.get_nowait()
+                elif not taken:
+                    nxt = self._queue.get()              # idle: wait for the first
+                else:
+                    nxt = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
             except queue.Empty:
                 break
             if nxt is None:
+                if idle and taken:
+                    self._queue.put(None)                # seen again on the next call: stop after this step
+                    break
                 return taken, True
-            if nxt is _WAKE:
+            if nxt is _WAKE:                             # only wakes the worker (e.g. `drop_prefixes`)
+                if idle and not taken:
+                    return [], False
                 continue
             if isinstance(nxt, _Switch):
                 self._switch = nxt
                 break
             taken.append(nxt)
+            if idle and len(taken) == 1:
+                deadline = time.perf_counter() + self.batch_wait_s
         return taken, False
 
     def _drop_cancelled(self) -> None:
