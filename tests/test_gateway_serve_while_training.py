@@ -172,6 +172,20 @@ def test_a_stream_across_a_switch_finishes_on_the_version_it_started_with(tiny_m
     assert after_call["completion_ids"] == v1 and after_call["policy_version"] == 1
 
 
+def _answered_while_update_held(url, gate, held, answered, handle, what):
+    """Start an update of one sample in a thread, wait until `held` says it is held (in `what`), send one chat
+    request, then let the update go on (`answered`) and remove the hook `handle`; returns (response, updated)."""
+    updater, updated = _in_thread(gate.update, _samples(1.0), 1)
+    _wait(held, what)
+    r = _chat(url, "What is 2 plus 2?")
+    answered.set()
+    updater.join(BOUND_S)
+    handle.remove()
+    assert r.status_code == 200 and r.headers["x-ajet-policy-version"] == "0", r.text
+    assert not updater.is_alive() and "error" not in updated, updated
+    return r, updated
+
+
 def test_requests_are_answered_while_the_update_is_inside_backward(tiny_model_dir, tmp_path):
     cfg = _cfg(tiny_model_dir, tmp_path)
     with live_gateway(cfg, tmp_path) as (url, bb, gate):
@@ -183,14 +197,7 @@ def test_requests_are_answered_while_the_update_is_inside_backward(tiny_model_di
                 seen.append(answered.wait(BOUND_S))       # the update stays inside backward until then
             return grad
         handle = bb.model.get_output_embeddings().weight.register_hook(hold_backward)
-        updater, updated = _in_thread(gate.update, _samples(1.0), 1)
-        _wait(in_backward, "the update's backward pass")
-        r = _chat(url, "What is 2 plus 2?")
-        answered.set()
-        updater.join(BOUND_S)
-        handle.remove()
-        assert r.status_code == 200 and r.headers["x-ajet-policy-version"] == "0", r.text
-        assert not updater.is_alive() and "error" not in updated, updated
+        _answered_while_update_held(url, gate, in_backward, answered, handle, "the update's backward pass")
         assert seen == [True], "the request was answered only after the update left its backward pass"
         assert bb.engine.policy_version == 1          # the update was then served
 
@@ -211,14 +218,7 @@ def test_the_gate_evaluates_beside_serving(tiny_model_dir, tmp_path, monkeypatch
                 evaluating.set()
                 seen.append(answered.wait(BOUND_S))
         handle = bb.model.register_forward_pre_hook(hold_evaluation, with_kwargs=True)
-        updater, updated = _in_thread(gate.update, _samples(1.0), 1)
-        _wait(evaluating, "the gate's evaluation")
-        r = _chat(url, "What is 2 plus 2?")
-        answered.set()
-        updater.join(BOUND_S)
-        handle.remove()
-        assert r.status_code == 200 and r.headers["x-ajet-policy-version"] == "0", r.text
-        assert not updater.is_alive() and "error" not in updated, updated
+        _, updated = _answered_while_update_held(url, gate, evaluating, answered, handle, "the gate's evaluation")
         assert seen == [True], "the live request waited for the gate's evaluation"
         assert updated["value"]["gate/served"] == 1.0 and bb.engine.policy_version == 1
         assert gate.store.gate_results()[-1]["served"]
