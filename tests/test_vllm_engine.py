@@ -462,3 +462,44 @@ def test_a_sync_to_a_server_that_has_stopped_says_so_in_one_line(tmp_path):
     engine = VLLMEngine([f"http://127.0.0.1:{free_port()}/v1"], "m", tmp_path / "weights", server=server)
     with pytest.raises(EngineUnavailable, match=r"stopped during the run .*VllmWorker-0 died unexpectedly"):
         engine.sync_weights({"w": torch.zeros(2)}, 1)
+
+
+def test_a_server_dying_during_the_sync_says_so_in_one_line(tmp_path):
+    """The server ajet started dies while it reloads: the reload request's connection drops before the server has
+    exited (vLLM's API server takes seconds to follow its worker). The sync waits for the exit and raises
+    EngineUnavailable naming the stop and the log's last line, not the dropped connection's error."""
+    import http.server
+    import signal as signal_module
+    from types import SimpleNamespace
+
+    log = tmp_path / "vllm.log"
+    log.write_text("EngineCore encountered a fatal error\n")
+    # the "server": exits 1.5 s after SIGTERM, as an API server following its dead worker
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(3)))
+        while True: time.sleep(0.1)
+        """)])
+
+    class Dying(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):                      # the worker dies mid-reload: no answer, the connection drops
+            proc.send_signal(signal_module.SIGTERM)
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    http_server = http.server.HTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    try:
+        time.sleep(0.5)                                  # the child's handler installed
+        server = SimpleNamespace(process=proc, alive=lambda: proc.poll() is None, log_path=log)
+        engine = VLLMEngine([f"http://127.0.0.1:{http_server.server_port}/v1"], "m", tmp_path / "weights",
+                            server=server)
+        with pytest.raises(EngineUnavailable, match=r"stopped during the run \(exit status 3\).*fatal error"):
+            engine.sync_weights({"w": torch.zeros(2)}, 1)
+        assert engine.policy_version == 0
+    finally:
+        http_server.shutdown()
+        proc.kill()
+        proc.wait()

@@ -52,6 +52,7 @@ import logging
 import os
 import secrets
 import shutil
+import subprocess
 import threading
 import time
 import urllib.error
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from ajet.config import AjetConfig
 
 SERVED_NAME = "ajet-policy"
+EXIT_GRACE_S = 30.0   # seconds a failed weight or adapter request waits for the owned server's exit, if it is exiting
 _log = logging.getLogger(__name__)
 # the served adapter a LoRA call was admitted under (set by `VLLMEngine.generate` in the call's task, read by the
 # `RemoteEngine` that sends it as the request's `model`)
@@ -207,8 +209,10 @@ class VLLMEngine:
         `weight_save_s` (writing the adapters) and `weight_reload_s` (loading them into the servers).
 
         Raises:
-            RuntimeError: the engine serves full weights, or a server refused or failed a load (its answer in
-                the message; e.g. a server started without `--enable-lora`); the run should stop.
+            RuntimeError: the engine serves full weights.
+            EngineUnavailable: a server refused or failed a load (its answer in the message; e.g. a server started
+                without `--enable-lora`), or the server ajet started stopped (its exit status and log tail): the
+                run stops (exit status 2, one line).
             OSError: the weights folder cannot be written.
         """
         if not self.adapters:
@@ -268,9 +272,9 @@ class VLLMEngine:
         servers' reload and prefix-cache reset).
 
         Raises:
-            RuntimeError: a server refused or failed the reload (its answer in the message); the servers may
-                then hold different weights: the run should stop.
-            EngineUnavailable: the server ajet started has stopped (its exit status and log tail).
+            EngineUnavailable: a server refused or failed the reload (its answer in the message; the servers may
+                then hold different weights), or the server ajet started stopped, before or during the sync (its
+                exit status and log tail): the run stops (exit status 2, one line).
             OSError: the weights folder cannot be written.
         """
         t0 = time.perf_counter()
@@ -299,13 +303,28 @@ class VLLMEngine:
         return dict(self.last_sync)
 
     def _post(self, url: str, body: dict | None, *hint_404: str) -> object:
-        """`post_json` to one of the servers; when it fails because the server ajet started has stopped (an OOM kill
-        of its worker during an update, seen on the 2-core CPU), `raise_if_failed`'s one line instead."""
+        """`post_json` to one of the servers (a weight or adapter route).
+
+        Raises:
+            EngineUnavailable: the request failed. When the server ajet started is stopping (an OOM kill of its
+                worker during an update, seen on the 2-core CPU: the connection drops seconds before the server
+                exits), a request left without an answer waits up to `EXIT_GRACE_S` seconds for the exit and raises `raise_if_failed`'s one
+                line; otherwise the failure itself (the URL and the server's answer): the servers may now hold
+                different weights, so the run stops there.
+        """
         try:
             return post_json(url, body, self.timeout_s, *hint_404)
-        except RuntimeError:
+        except RuntimeError as exc:
+            server = self.server
+            dropped = not isinstance(exc.__cause__, urllib.error.HTTPError)      # no answer: the server may be exiting
+            if dropped and server is not None and server.process is not None:
+                try:
+                    server.process.wait(timeout=EXIT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    pass
             self.raise_if_failed()
-            raise
+            raise EngineUnavailable(f"{exc} (policy version {self.policy_version} is the last every server "
+                                    f"loaded)") from exc
 
     def raise_if_failed(self) -> None:
         """Raise when generation cannot go on: the server this engine started has stopped (killed or crashed). The
