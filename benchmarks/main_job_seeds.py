@@ -11,7 +11,7 @@ GRPO alone.
     `OUT/sft_grpo.yaml`: CONF with `model.path` set to the checkpoint and its file paths made absolute), against
     seed S0's run of (a) (GRPO alone). Held-out `val/pass@1` of each, and of the SFT model alone.
 
-Configs: CONF as it is ("shipped"), and each `--candidate NAME KEY=VALUE ...` (CONF with those fields set, values
+Configs: CONF as it is ("shipped"; left out with `--no-shipped`), and each `--candidate NAME KEY=VALUE ...` (CONF with those fields set, values
 read as YAML: `--candidate clip_high algorithm.clip_ratio_high=0.28`), every one run in every seed. `--set
 KEY=VALUE` (repeated) and `--engine vllm` (`engine.kind`) change all of them. A config other than CONF as it is
 is written to `OUT/<config>.yaml` (file paths made absolute); a candidate's runs are `OUT/<NAME>_seed_S`.
@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                         "algorithm.lr=1.0e-5); repeat for more; each runs in every seed")
     p.add_argument("--parallel", type=int, default=0, help="runs at once, at most (0: all)")
     p.add_argument("--no-sft", action="store_true", help="only (a)")
+    p.add_argument("--no-shipped", action="store_true", help="run only the candidates (CONF as it is is not run: its "
+                   "figures are known); needs --candidate and --no-sft")
     p.add_argument("--sft-from-seed", type=int, default=1, help="the stronger run whose rewarded episodes SFT trains on")
     p.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT and of the GRPO run after it (compared "
                    "with this seed's run of GRPO alone)")
@@ -343,13 +345,16 @@ def main(argv: list[str] | None = None) -> int:
             or any(len(c) < 2 for c in args.candidate)):
         p.error("--candidate: each needs its own name (not 'shipped', no '=' or '/') and then one or more KEY=VALUE "
                 "fields (e.g. --candidate lr1e-5 algorithm.lr=1.0e-5)")
+    if args.no_shipped and (not candidates or sft):
+        p.error("--no-shipped runs the candidates alone: give at least one --candidate, and --no-sft (SFT trains on "
+                "the shipped config's run)")
     conf = args.conf.resolve()
     if not conf.is_file():
         p.error(f"--conf: {args.conf} is not a file (the job's YAML)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     configs: dict[str, Path] = {}                      # config name -> its YAML
-    for name, fields in {"shipped": {}, **candidates}.items():
+    for name, fields in (({} if args.no_shipped else {"shipped": {}}) | candidates).items():
         overrides = {**common, **fields}
         if not overrides:
             configs[name] = conf
