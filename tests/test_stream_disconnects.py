@@ -177,3 +177,22 @@ def test_stopping_the_proxy_answers_a_stream_in_flight_and_frees_its_row(proxy):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert engine.generated_tokens - before < TOKENS // 2, (engine.generated_tokens, before)
+
+
+def test_a_dead_server_s_failures_are_one_warning_a_minute(caplog):
+    """32 calls failing with the same error (a dead server under a full batch) are one warning; a different error
+    is warned at once; after the window the same error is warned again, saying how many were not shown."""
+    from ajet.proxy.server import FailureLog
+
+    caplog.set_level(logging.WARNING)
+    now = [0.0]
+    failures = FailureLog(window_s=60, clock=lambda: now[0])
+    dead = ConnectionRefusedError("http://127.0.0.1:8000/v1/completions: connection refused")
+    logged = [failures.warn(dead) for _ in range(32)]
+    other = failures.warn(RuntimeError("CUDA out of memory"))
+    now[0] = 61.0
+    again = failures.warn(dead)
+    lines = [r.getMessage() for r in caplog.records if "engine failed" in r.getMessage()]
+    assert logged == [True] + [False] * 31 and other and again
+    assert len(lines) == 3 and "connection refused" in lines[0] and "CUDA out of memory" in lines[1]
+    assert lines[2].endswith("(31 more like it in the last 60 s not shown)"), lines[2]

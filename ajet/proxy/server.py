@@ -164,6 +164,7 @@ class ProxyServer:
         self._server: uvicorn.Server | None = None
         self._stopping = False                                 # `stop` was called
         self._requests: set[asyncio.Task] = set()              # the tasks of the requests in flight (`_CatchAll`)
+        self._failures = FailureLog()                          # engine failures: one warning per kind a minute
         self._thread: threading.Thread | None = None
         self.apis = {cls.name: cls(self) for cls in apis}
         # called on the event loop once a request's calls are recorded: on_recorded(episode, turn, choices,
@@ -482,7 +483,7 @@ class ProxyServer:
             except ValueError as exc:
                 raise ProxyError(400, str(exc), param="messages", code="context_length_exceeded") from exc
             except Exception as exc:  # noqa: BLE001 - an engine failure is the server's fault, not the client's
-                log.warning("proxy: engine failed: %s", repr(exc))   # a string: the record holds no traceback
+                self._failures.warn(exc)         # a string: the record holds no traceback
                 raise ProxyError(503, f"the inference engine failed ({type(exc).__name__}: {cut(str(exc), 200)}); "
                                       "retry later", "server_error", code="engine_error",
                                  retry_after=self.retry_after_s) from exc
@@ -588,6 +589,32 @@ class ProxyServer:
                 max_tokens=asked_max or d.max_tokens, seed=req.seed, stop=stop, top_logprobs=top)
         return SamplingParams(temperature=d.temperature, top_p=d.top_p, max_tokens=min(asked_max or d.max_tokens,
                               d.max_tokens), seed=req.seed, stop=stop, top_logprobs=top)
+
+
+class FailureLog:
+    """Warns of engine failures, once per kind per `window_s` seconds: a dead server fails every call in flight
+    with the same error (32 at once in the main job), which is one event, not 32. A kind is the exception's type and
+    the first 120 characters of its message; the next warning of a kind says how many like it were not shown."""
+
+    def __init__(self, window_s: float = 60.0, max_kinds: int = 256, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.max_kinds, self.clock = window_s, max_kinds, clock
+        self._kinds: dict[str, list] = {}           # kind -> [time of its last warning (monotonic s), not shown]
+
+    def warn(self, exc: BaseException) -> bool:
+        """Log `exc` as "proxy: engine failed: <repr>" unless its kind was logged less than `window_s` ago (then
+        only counted). Returns whether it was logged."""
+        kind, now = f"{type(exc).__name__}: {str(exc)[:120]}", self.clock()
+        entry = self._kinds.get(kind)
+        if entry is not None and now - entry[0] < self.window_s:
+            entry[1] += 1
+            return False
+        if len(self._kinds) >= self.max_kinds:
+            self._kinds.clear()
+        hidden = entry[1] if entry is not None else 0
+        self._kinds[kind] = [now, 0]
+        log.warning("proxy: engine failed: %s%s", repr(exc),
+                    f" ({hidden} more like it in the last {self.window_s:g} s not shown)" if hidden else "")
+        return True
 
 
 async def until_answered(awaitable, receive):
