@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import threading
 import time
 import urllib.request
@@ -316,3 +317,48 @@ def test_a_lora_rank_vllm_cannot_serve_is_a_config_error(tmp_path):
         "engine": {"kind": "vllm", "python": str(tmp_path / "no-venv" / "python")}})
     with pytest.raises(ConfigError, match="model.lora.rank"):
         vllm_engine(cfg, "unused", {}, write_adapters=lambda folder: None)
+
+
+def test_e_the_gateway_answers_through_vllm_while_it_trains(server, model_path, tmp_path):
+    """`ajet gateway` over vLLM with `model.lora` (the debug backbone with `engine.urls`, the gateway's front on
+    127.0.0.1, its gate): a request sent while the update is held inside its backward pass is answered at once, by
+    version 0; once the update is published (its adapter loaded as `<run>-v1`), the next request is answered by
+    version 1. Which version answered is checked against transformers + peft greedy forwards of the trainer's
+    adapter before and after the update, not taken from the headers alone."""
+    from ajet.config import AjetConfig
+    from tests.test_gateway_serve_while_training import BOUND_S, _answered_while_update_held, _chat, live_gateway
+
+    cfg = AjetConfig.model_validate({
+        "workflow": "x:y", "data": {"train_path": "unused.jsonl"}, "rollout": {"max_tokens": 8},
+        "algorithm": {"micro_batch_tokens": 64, "lr": 0.05}, "trainer": {"exp_dir": str(tmp_path / "exp")},
+        "gateway": {"gate": {"mode": "off"}}, "engine": {"kind": "vllm", "urls": [server]},
+        "model": {"path": model_path, "max_model_len": 1024, "lora": {"rank": RANK}}})
+    with live_gateway(cfg, tmp_path) as (url, bb, gate):
+        trained = next(p for p in bb.model.parameters() if p.requires_grad)
+        before = {n: p.detach().clone() for n, p in bb.model.named_parameters() if p.requires_grad}
+        in_backward, answered, seen = threading.Event(), threading.Event(), []
+
+        def hold_backward(grad):
+            if not in_backward.is_set():
+                in_backward.set()
+                seen.append(answered.wait(BOUND_S))       # the update stays inside backward until then
+            return grad
+        handle = trained.register_hook(hold_backward)
+        during, updated = _answered_while_update_held(url, gate, in_backward, answered, handle,
+                                                      "the update's backward pass")
+        assert seen == [True], "the request was answered only after the update left its backward pass"
+        assert bb.engine.policy_version == 1 and updated["value"]["weight_sync_s"] > 0
+        after = _chat(url, "What is 2 plus 2?")
+        assert after.status_code == 200 and after.headers["x-ajet-policy-version"] == "1", after.text
+        run = bb.engine.run_id
+        assert f"{run}-v1" in _listed(server)
+    with sqlite3.connect(tmp_path / "gateway.sqlite") as db:
+        calls = [json.loads(r[0]) for r in db.execute("SELECT record FROM calls")]
+    assert [c["policy_version"] for c in calls] == [0, 1]
+    prompt = calls[0]["prompt_ids"]
+    assert calls[1]["prompt_ids"] == prompt
+    answers = [type("C", (), {"token_ids": c["completion_ids"]}) for c in calls]
+    model = bb.model.eval()
+    assert _greedy_under(model, [prompt] * 2, answers)[1], "version 1's answer is not the trained adapter's greedy"
+    _set(model, before)
+    assert _greedy_under(model, [prompt] * 2, answers) == [True, False], "the update did not change the answer"
