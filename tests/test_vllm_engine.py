@@ -65,6 +65,12 @@ while True:
 '''
 
 
+# the test servers run eager: vLLM's torch.compile warm-up took 56 s of the idle 2-core CPU per start (minutes under
+# load); what it changes is speed, not tokens or logprobs. The main job's test (tests/test_vllm_main_job.py) keeps
+# the compiled default that users run.
+EAGER = ["--enforce-eager"]
+
+
 @pytest.fixture(scope="module")
 def model_path() -> str:
     from ajet.model import resolve_model_path
@@ -79,7 +85,8 @@ def server(model_path, tmp_path_factory):
     exp = tmp_path_factory.mktemp("vllm_owner")
     cfg = {"data": {"train_path": "unused.jsonl"}, "model": {"path": model_path, "max_model_len": 2048},
            "trainer": {"exp_dir": str(exp)}, "rollout": {"max_batch_size": 16},
-           "engine": {"kind": "vllm", "python": python, "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S}}
+           "engine": {"kind": "vllm", "python": python, "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S,
+                      "extra_args": EAGER}}
     out = exp / "owner.out"
     with open(out, "w") as f:
         owner = subprocess.Popen([sys.executable, "-c", OWNER, json.dumps(cfg)], stdout=f, stderr=subprocess.STDOUT,

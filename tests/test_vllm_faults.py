@@ -45,6 +45,7 @@ from ajet.workflow import Workflow, WorkflowOutput
 from tests.backbone_conformance.venvs import venv_python  # noqa: F401
 from tests.test_stream_disconnects import _read_to_first_token, _request
 from tests.test_vllm_engine import (  # noqa: F401 - fixtures of this module
+    EAGER,
     START_LIMIT_S,
     _vllm_direct,
     _wait_group_gone,
@@ -111,7 +112,8 @@ def test_the_server_killed_mid_rollout_stops_the_run_in_one_line(model_path, tmp
         data: {{train_path: tasks.jsonl}}
         rollout: {{num_repeat: 4, max_tokens: 24, max_concurrency: 2, episode_timeout_s: 900}}
         trainer: {{total_steps: 2, tasks_per_step: 4, tensorboard: false}}
-        engine: {{kind: vllm, python: "{python}", kv_cache_gb: 1, start_timeout_s: {START_LIMIT_S}}}
+        engine: {{kind: vllm, python: "{python}", kv_cache_gb: 1, start_timeout_s: {START_LIMIT_S},
+                  extra_args: {json.dumps(EAGER)}}}
     """))
     exp = tmp_path / "exp"
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
