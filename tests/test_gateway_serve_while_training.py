@@ -186,19 +186,26 @@ def _answered_while_update_held(url, gate, held, answered, handle, what):
     return r, updated
 
 
+def answered_while_update_in_backward(url, gate, param: torch.nn.Parameter):
+    """`_answered_while_update_held` with the update held inside its backward pass, at the gradient of `param`
+    (a trained parameter); asserts the request was answered while it was held. Returns (response, updated)."""
+    in_backward, answered, seen = threading.Event(), threading.Event(), []
+
+    def hold_backward(grad):
+        if not in_backward.is_set():
+            in_backward.set()
+            seen.append(answered.wait(BOUND_S))       # the update stays inside backward until then
+        return grad
+    handle = param.register_hook(hold_backward)
+    out = _answered_while_update_held(url, gate, in_backward, answered, handle, "the update's backward pass")
+    assert seen == [True], "the request was answered only after the update left its backward pass"
+    return out
+
+
 def test_requests_are_answered_while_the_update_is_inside_backward(tiny_model_dir, tmp_path):
     cfg = _cfg(tiny_model_dir, tmp_path)
     with live_gateway(cfg, tmp_path) as (url, bb, gate):
-        in_backward, answered, seen = threading.Event(), threading.Event(), []
-
-        def hold_backward(grad):
-            if not in_backward.is_set():
-                in_backward.set()
-                seen.append(answered.wait(BOUND_S))       # the update stays inside backward until then
-            return grad
-        handle = bb.model.get_output_embeddings().weight.register_hook(hold_backward)
-        _answered_while_update_held(url, gate, in_backward, answered, handle, "the update's backward pass")
-        assert seen == [True], "the request was answered only after the update left its backward pass"
+        answered_while_update_in_backward(url, gate, bb.model.get_output_embeddings().weight)
         assert bb.engine.policy_version == 1          # the update was then served
 
 

@@ -326,7 +326,7 @@ def test_e_the_gateway_answers_through_vllm_while_it_trains(server, model_path, 
     version 1. Which version answered is checked against transformers + peft greedy forwards of the trainer's
     adapter before and after the update, not taken from the headers alone."""
     from ajet.config import AjetConfig
-    from tests.test_gateway_serve_while_training import BOUND_S, _answered_while_update_held, _chat, live_gateway
+    from tests.test_gateway_serve_while_training import _chat, answered_while_update_in_backward, live_gateway
 
     cfg = AjetConfig.model_validate({
         "workflow": "x:y", "data": {"train_path": "unused.jsonl"}, "rollout": {"max_tokens": 8},
@@ -336,17 +336,7 @@ def test_e_the_gateway_answers_through_vllm_while_it_trains(server, model_path, 
     with live_gateway(cfg, tmp_path) as (url, bb, gate):
         trained = next(p for p in bb.model.parameters() if p.requires_grad)
         before = {n: p.detach().clone() for n, p in bb.model.named_parameters() if p.requires_grad}
-        in_backward, answered, seen = threading.Event(), threading.Event(), []
-
-        def hold_backward(grad):
-            if not in_backward.is_set():
-                in_backward.set()
-                seen.append(answered.wait(BOUND_S))       # the update stays inside backward until then
-            return grad
-        handle = trained.register_hook(hold_backward)
-        during, updated = _answered_while_update_held(url, gate, in_backward, answered, handle,
-                                                      "the update's backward pass")
-        assert seen == [True], "the request was answered only after the update left its backward pass"
+        _, updated = answered_while_update_in_backward(url, gate, trained)
         assert bb.engine.policy_version == 1 and updated["value"]["weight_sync_s"] > 0
         after = _chat(url, "What is 2 plus 2?")
         assert after.status_code == 200 and after.headers["x-ajet-policy-version"] == "1", after.text
