@@ -195,4 +195,4 @@ def test_a_dead_server_s_failures_are_one_warning_a_minute(caplog):
     lines = [r.getMessage() for r in caplog.records if "engine failed" in r.getMessage()]
     assert logged == [True] + [False] * 31 and other and again
     assert len(lines) == 3 and "connection refused" in lines[0] and "CUDA out of memory" in lines[1]
-    assert lines[2].endswith("(31 more like it in the last 60 s not shown)"), lines[2]
+    assert lines[2].endswith("(31 more like it since the last one shown)"), lines[2]

@@ -306,11 +306,11 @@ class VLLMEngine:
         """`post_json` to one of the servers (a weight or adapter route).
 
         Raises:
-            EngineUnavailable: the request failed. When the server ajet started is stopping (an OOM kill of its
-                worker during an update, seen on the 2-core CPU: the connection drops seconds before the server
-                exits), a request left without an answer waits up to `EXIT_GRACE_S` seconds for the exit and raises `raise_if_failed`'s one
-                line; otherwise the failure itself (the URL and the server's answer): the servers may now hold
-                different weights, so the run stops there.
+            EngineUnavailable: the request failed. A request left without an answer waits up to `EXIT_GRACE_S`
+                seconds for the server ajet started to exit (an OOM kill of its worker during an update, seen on
+                the 2-core CPU: the connection drops seconds before the server exits); if it has stopped,
+                `raise_if_failed`'s one line; otherwise the failure itself (the URL and the server's answer): the
+                servers may now hold different weights, so the run stops there.
         """
         try:
             return post_json(url, body, self.timeout_s, *hint_404)

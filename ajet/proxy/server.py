@@ -613,7 +613,7 @@ class FailureLog:
         hidden = entry[1] if entry is not None else 0
         self._kinds[kind] = [now, 0]
         log.warning("proxy: engine failed: %s%s", repr(exc),
-                    f" ({hidden} more like it in the last {self.window_s:g} s not shown)" if hidden else "")
+                    f" ({hidden} more like it since the last one shown)" if hidden else "")
         return True
 
 
