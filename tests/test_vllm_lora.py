@@ -16,6 +16,7 @@ import sqlite3
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -347,7 +348,7 @@ def test_e_the_gateway_answers_through_vllm_while_it_trains(server, model_path, 
     assert [c["policy_version"] for c in calls] == [0, 1]
     prompt = calls[0]["prompt_ids"]
     assert calls[1]["prompt_ids"] == prompt
-    answers = [type("C", (), {"token_ids": c["completion_ids"]}) for c in calls]
+    answers = [SimpleNamespace(token_ids=c["completion_ids"]) for c in calls]
     model = bb.model.eval()
     assert _greedy_under(model, [prompt] * 2, answers)[1], "version 1's answer is not the trained adapter's greedy"
     _set(model, before)
