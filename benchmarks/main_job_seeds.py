@@ -11,10 +11,11 @@ GRPO alone.
     `OUT/sft_grpo.yaml`: CONF with `model.path` set to the checkpoint and its file paths made absolute), against
     seed S0's run of (a) (GRPO alone). Held-out `val/pass@1` of each, and of the SFT model alone.
 
-Configs: CONF as it is ("shipped"; left out with `--no-shipped`), and each `--candidate NAME KEY=VALUE ...` (CONF with those fields set, values
-read as YAML: `--candidate clip_high algorithm.clip_ratio_high=0.28`), every one run in every seed. `--set
-KEY=VALUE` (repeated) and `--engine vllm` (`engine.kind`) change all of them. A config other than CONF as it is
-is written to `OUT/<config>.yaml` (file paths made absolute); a candidate's runs are `OUT/<NAME>_seed_S`.
+Configs: CONF as it is ("shipped"; left out with `--no-shipped`), and each `--candidate NAME KEY=VALUE ...` (CONF
+with those fields set, values read as YAML: `--candidate clip_high algorithm.clip_ratio_high=0.28`), every one run
+in every seed. `--set KEY=VALUE` (repeated) and `--engine vllm` (`engine.kind`) change all of them. A config other
+than CONF as it is is written to `OUT/<config>.yaml` (file paths made absolute); a candidate's runs are
+`OUT/<NAME>_seed_S`.
 
 Every run is a plain `ajet` command (the table's figures are read from each run's `metrics.jsonl`); their output
 goes to `OUT/<run>.log`. One table per config is printed: per seed, held-out `val/pass@1` before and after, the gain

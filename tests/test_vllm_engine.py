@@ -485,8 +485,10 @@ def test_a_server_dying_during_the_sync_says_so_in_one_line(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import signal, sys, time
         signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(3)))
+        print("ready", flush=True)
         while True: time.sleep(0.1)
-        """)])
+        """)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"          # its SIGTERM handler is installed (however loaded the CPU)
 
     class Dying(http.server.BaseHTTPRequestHandler):
         def do_POST(self):                      # the worker dies mid-reload: no answer, the connection drops
@@ -499,7 +501,6 @@ def test_a_server_dying_during_the_sync_says_so_in_one_line(tmp_path):
     http_server = http.server.HTTPServer(("127.0.0.1", 0), Dying)
     threading.Thread(target=http_server.serve_forever, daemon=True).start()
     try:
-        time.sleep(0.5)                                  # the child's handler installed
         server = SimpleNamespace(process=proc, alive=lambda: proc.poll() is None, log_path=log)
         engine = VLLMEngine([f"http://127.0.0.1:{http_server.server_port}/v1"], "m", tmp_path / "weights",
                             server=server)
