@@ -131,7 +131,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     seen_errors: set[tuple[str, str]] = set()   # each distinct error is spelt out once per run
     try:
         ctx.tools = validate.tools = _start_tools(cfg, exp_dir, console)   # stopped by _close_run
-        if first_step == 1:
+        if first_step == 1 and cfg.trainer.val_before_train:
             _first_validation(cfg, validate, log, exp_dir)
         eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
         for step in range(first_step, total + 1):

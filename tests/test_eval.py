@@ -114,6 +114,29 @@ def test_val_during_training_then_ajet_eval_on_base_and_checkpoint(tiny_model_di
     assert outs["base"]["episodes"] == outs["ckpt"]["episodes"] == 12
 
 
+def test_val_before_train_false_evaluates_only_after_training(tiny_model_dir, tmp_path):
+    (tmp_path / "wf.py").write_text(WORKFLOW)
+    rows = [{"task_id": f"t{i}", "query": f"Say {i}.", "answer": str(i)} for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
+    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[4:]) + "\n")
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        workflow: wf.py:EchoWorkflow
+        judge: wf.py:judge
+        model: {{path: "{tiny_model_dir}", max_model_len: 512}}
+        data: {{train_path: train.jsonl, val_path: val.jsonl}}
+        rollout: {{num_repeat: 2, max_tokens: 8, temperature: 1.0}}
+        trainer: {{total_steps: 2, tasks_per_step: 1, val_freq: 2, val_before_train: false, tensorboard: false}}
+    """))
+    exp = tmp_path / "exp"
+    proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--exp-dir", str(exp)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]                   # nothing logged at step 0
+    assert [m["step"] for m in metrics if "val/pass@1" in m] == [2]
+    assert not (exp / "val" / "step_0").exists() and (exp / "val" / "step_2" / "eval.jsonl").exists()
+
+
 def test_ajet_eval_user_errors(tiny_model_dir, tmp_path):
     (tmp_path / "wf.py").write_text(WORKFLOW)
     (tmp_path / "train.jsonl").write_text(json.dumps({"query": "hi"}) + "\n")
