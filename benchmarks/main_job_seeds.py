@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+BEFORE_KEYS = ("model", "workflow", "judge", "data", "eval")   # what the initial policy's held-out score depends on
 MAIN_JOB = ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml"
 
 
@@ -79,16 +80,18 @@ class Run:
                 self.proc.wait()
 
 
-def held_out(exp_dir: Path) -> dict:
+def held_out(exp_dir: Path, before: dict | None = None) -> dict:
     """A run's figures from its `metrics.jsonl`: `val/pass@1` (fraction of the held-out tasks answered right,
     greedy) at its first and last evaluation with their steps, the gain in points (100 x (after - before)), the
     held-out valid and grounded tool calls per episode at both (`val/workflow/valid_tool_calls`,
     `val/workflow/grounded_tool_calls`; None where not logged), the mean training reward over its steps
     (`reward/mean`), the last step logged, the sum of `time/step_s` (s) and, for an SFT run, `sft/kept_episodes`;
-    {} when it logged no evaluation."""
+    {} when it logged no evaluation. `before`: the initial policy's held-out figures evaluated once for every run
+    (`--before-once`: its `val/*` keys, at step 0) for a run that did not evaluate before step 1; then every
+    evaluation the run logged is an "after"."""
     path = exp_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    vals = [r for r in rows if "val/pass@1" in r]
+    vals = ([before] if before else []) + [r for r in rows if "val/pass@1" in r]
     if not vals:
         return {}
     first, last = vals[0], vals[-1] if len(vals) > 1 else {}     # a run stopped before its last evaluation: no after
@@ -106,6 +109,16 @@ def held_out(exp_dir: Path) -> dict:
             "train_reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "steps_time_s": sum(r.get("time/step_s", 0) for r in rows),
             **({"sft_kept_episodes": kept[-1]} if kept else {})}
+
+
+def eval_before(out_dir: Path) -> dict | None:
+    """`ajet eval --out OUT_DIR`'s figures as a run's step-0 `val/*` row (`held_out`'s `before`): {"step": 0,
+    "val/pass@1": ..., "val/workflow/valid_tool_calls": ..., ...}; None when it wrote none or was invalid."""
+    path = out_dir / "eval_metrics.json"
+    metrics = json.loads(path.read_text()) if path.exists() else {}
+    if not metrics.get("valid", 1.0) or "pass@1" not in metrics:
+        return None
+    return {"step": 0, **{f"val/{k}": v for k, v in metrics.items()}}
 
 
 def absolute_paths(conf: Path, data: dict) -> dict:
@@ -312,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sft", action="store_true", help="only (a)")
     p.add_argument("--no-shipped", action="store_true", help="run only the candidates (CONF as it is is not run: its "
                    "figures are known); needs --candidate and --no-sft")
+    p.add_argument("--before-once", action="store_true", help="evaluate the initial policy once (`ajet eval`, "
+                   "greedy: the same for every seed) instead of in every run (`trainer.val_before_train: false`); "
+                   "not with candidates that change the model, workflow, judge, data or eval")
     p.add_argument("--sft-from-seed", type=int, default=1, help="the stronger run whose rewarded episodes SFT trains on")
     p.add_argument("--sft-seed", type=int, default=0, help="seed of the SFT and of the GRPO run after it (compared "
                    "with this seed's run of GRPO alone)")
@@ -349,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_shipped and (not candidates or sft):
         p.error("--no-shipped runs the candidates alone: give at least one --candidate, and --no-sft (SFT trains on "
                 "the shipped config's run)")
+    if args.before_once and (sft or any(k.split(".")[0] in BEFORE_KEYS for f in [common, *candidates.values()]
+                                         for k in f)):
+        p.error(f"--before-once: the initial policy is evaluated once, so every run must share it: pass --no-sft "
+                f"and no --set/--candidate field under {', '.join(BEFORE_KEYS)}")
+    if args.before_once:
+        common["trainer.val_before_train"] = False
     conf = args.conf.resolve()
     if not conf.is_file():
         p.error(f"--conf: {args.conf} is not a file (the job's YAML)")
@@ -370,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     def run_name(config: str, seed: int) -> str:
         return f"seed_{seed}" if config == "shipped" else f"{config}_seed_{seed}"
 
-    total = len(configs) * len(seeds) + 2 * int(sft)
+    total = len(configs) * len(seeds) + 2 * int(sft) + int(args.before_once)
     parallel = args.parallel or total
     threads = args.threads or max(1, (os.cpu_count() or 1) // min(parallel, total))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
@@ -385,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     # runs not started yet, in order (seed by seed, every config in each); SFT runs go to the front when due
     pending: list[tuple[str, list[str]]] = [(run_name(c, s), grpo(run_name(c, s), path, s))
                                             for s in seeds for c, path in configs.items()]
+    if args.before_once:
+        pending.insert(0, ("before", ajet + ["eval", "--conf", str(conf), "--out", str(out / "before"), "--quiet"]))
     runs: dict[str, Run] = {}
     print(f"[{time.monotonic() - t0:6.0f} s] {len(pending)} runs, {parallel} at once (OMP_NUM_THREADS={threads}) "
           f"-> {out}", flush=True)
@@ -431,10 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"conf": str(conf), "seeds": seeds, "steps": args.steps, "overrides": common,
                "candidates": candidates, "wall_s": time.monotonic() - t0, "stopped_at_deadline": stopped,
                "runs": {}, "configs": {}}
+    before = eval_before(out / "before") if args.before_once else None
+    summary["before_once"] = before
     for name, r in runs.items():
         summary["runs"][name] = {"rc": r.rc, "started_s": round(r.started, 1),
                                  "wall_s": round(r.ended - r.started, 1) if r.ended is not None else None,
-                                 **held_out(r.exp_dir)}
+                                 **({} if name == "before" else held_out(r.exp_dir, before))}
     for config in configs:
         rows = {n: summary["runs"].get(n, {"rc": None, "wall_s": None}) for n in (run_name(config, s) for s in seeds)}
         summary["configs"][config] = config_summary(list(rows.values()))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.main_job_seeds import (MAIN_JOB, call_form, config_data, config_summary, config_table, dynamics, held_out,
-                                      parse_seeds)
+from benchmarks.main_job_seeds import (MAIN_JOB, call_form, config_data, config_summary, config_table, dynamics,
+                                      eval_before, held_out, parse_seeds)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,27 @@ def test_the_table_has_a_row_per_seed_and_the_configs_line(runs):
     assert "shipped: mean gain +11.5 points, minimum -11.9, 2 of 3 seeds +10 points or more (1 not finished)" in text
 
 
+def test_before_once_the_shared_evaluation_is_every_runs_before(tmp_path):
+    """`--before-once`: `ajet eval`'s eval_metrics.json of the initial policy (22/160, calls 0.35 / 0.21) is the
+    before of a run that logged only its last evaluation (step 2: 80/160)."""
+    (tmp_path / "before").mkdir()
+    (tmp_path / "before" / "eval_metrics.json").write_text(json.dumps({
+        "pass@1": 22 / 160, "tasks": 160.0, "valid": 1.0, "workflow/valid_tool_calls": 0.35,
+        "workflow/grounded_tool_calls": 0.21}))
+    before = eval_before(tmp_path / "before")
+    assert before == {"step": 0, "val/pass@1": 0.1375, "val/tasks": 160.0, "val/valid": 1.0,
+                      "val/workflow/valid_tool_calls": 0.35, "val/workflow/grounded_tool_calls": 0.21}
+    run = write_run(tmp_path / "s0", [(2, 80 / 160, 1.0, 0.96)], [0.5, 0.7])
+    r = held_out(run, before)
+    assert (r["before"], r["after"], r["before_step"], r["after_step"]) == (0.1375, 0.5, 0, 2)
+    assert r["gain_points"] == pytest.approx(36.25) and r["val_tasks"] == 160.0
+    assert (r["valid_calls_before"], r["grounded_calls_before"], r["grounded_calls_after"]) == (0.35, 0.21, 0.96)
+    assert "gain_points" not in held_out(run)                  # without it, the run's one evaluation is no gain
+    (tmp_path / "before" / "eval_metrics.json").write_text(json.dumps({"valid": 0.0, "failed": 40.0}))
+    assert eval_before(tmp_path / "before") is None            # an invalid evaluation is no before
+    assert eval_before(tmp_path / "missing") is None
+
+
 def test_overrides_set_nested_fields_and_seed_ranges_expand():
     data = config_data(MAIN_JOB, {"engine.kind": "vllm", "algorithm.lr": 1e-5, "trainer.seed": 3})
     assert data["engine"] == {"kind": "vllm"} and data["algorithm"]["lr"] == 1e-5 and data["trainer"]["seed"] == 3
@@ -88,7 +109,9 @@ def test_overrides_set_nested_fields_and_seed_ranges_expand():
 
 
 @pytest.mark.parametrize("args, says", [(["--set", "algorithm.lr"], "'algorithm.lr' is not KEY=VALUE"),
-                                        (["--candidate", "lr"], "then one or more KEY=VALUE fields")])
+                                        (["--candidate", "lr"], "then one or more KEY=VALUE fields"),
+                                        (["--before-once", "--candidate", "j", "judge=x.py:f"], "every run must share"),
+                                        (["--before-once", "--set", "model.path=m"], "every run must share")])
 def test_a_bad_override_is_one_line_naming_it(tmp_path, args, says):
     out = tmp_path / "stderr.txt"
     with open(out, "w") as err:
