@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 from math import comb
+from pathlib import Path
 
 import pytest
 
@@ -66,21 +67,27 @@ def test_summarize_counts_failures_as_not_passed():
     assert metrics["workflow/turns"] == 2
 
 
-def test_val_during_training_then_ajet_eval_on_base_and_checkpoint(tiny_model_dir, tmp_path):
-    (tmp_path / "wf.py").write_text(WORKFLOW)
+def write_echo_project(folder: Path, model_dir: str, trainer: str) -> None:
+    """wf.py (EchoWorkflow, judge), 6 training tasks t0-t5, 4 held-out tasks t6-t9 and conf.yaml with `trainer`
+    (a YAML flow mapping's body) in `folder`."""
+    (folder / "wf.py").write_text(WORKFLOW)
     rows = [{"task_id": f"t{i}", "query": f"Say {i}.", "answer": str(i)} for i in range(10)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:6]) + "\n")
-    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[6:]) + "\n")
-    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:6]) + "\n")
+    (folder / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[6:]) + "\n")
+    (folder / "conf.yaml").write_text(textwrap.dedent(f"""
         experiment_name: tiny_eval
         workflow: wf.py:EchoWorkflow
         judge: wf.py:judge
-        model: {{path: "{tiny_model_dir}", max_model_len: 512}}
+        model: {{path: "{model_dir}", max_model_len: 512}}
         data: {{train_path: train.jsonl, val_path: val.jsonl}}
         rollout: {{num_repeat: 2, max_tokens: 8, temperature: 1.0}}
         algorithm: {{lr: 1.0e-3}}
-        trainer: {{total_steps: 2, tasks_per_step: 2, val_freq: 2, tensorboard: false}}
+        trainer: {{{trainer}}}
     """))
+
+
+def test_val_during_training_then_ajet_eval_on_base_and_checkpoint(tiny_model_dir, tmp_path):
+    write_echo_project(tmp_path, tiny_model_dir, "total_steps: 2, tasks_per_step: 2, val_freq: 2, tensorboard: false")
     exp = tmp_path / "exp"
     run = dict(capture_output=True, text=True, timeout=600, cwd=tmp_path)
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--exp-dir", str(exp)], **run)
@@ -115,18 +122,8 @@ def test_val_during_training_then_ajet_eval_on_base_and_checkpoint(tiny_model_di
 
 
 def test_val_before_train_false_evaluates_only_after_training(tiny_model_dir, tmp_path):
-    (tmp_path / "wf.py").write_text(WORKFLOW)
-    rows = [{"task_id": f"t{i}", "query": f"Say {i}.", "answer": str(i)} for i in range(6)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
-    (tmp_path / "val.jsonl").write_text("\n".join(json.dumps(r) for r in rows[4:]) + "\n")
-    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
-        workflow: wf.py:EchoWorkflow
-        judge: wf.py:judge
-        model: {{path: "{tiny_model_dir}", max_model_len: 512}}
-        data: {{train_path: train.jsonl, val_path: val.jsonl}}
-        rollout: {{num_repeat: 2, max_tokens: 8, temperature: 1.0}}
-        trainer: {{total_steps: 2, tasks_per_step: 1, val_freq: 2, val_before_train: false, tensorboard: false}}
-    """))
+    write_echo_project(tmp_path, tiny_model_dir, "total_steps: 2, tasks_per_step: 1, val_freq: 2, "
+                                                 "val_before_train: false, tensorboard: false")
     exp = tmp_path / "exp"
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--exp-dir", str(exp)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
