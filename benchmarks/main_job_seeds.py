@@ -20,7 +20,7 @@ than CONF as it is is written to `OUT/<config>.yaml` (file paths made absolute);
 Every run is a plain `ajet` command (the table's figures are read from each run's `metrics.jsonl`); their output
 goes to `OUT/<run>.log`. One table per config is printed: per seed, held-out `val/pass@1` before and after, the gain
 in points, the held-out valid and grounded `calculate` calls per episode before and after (the tutorial's
-`workflow/valid_tool_calls` and `workflow/grounded_tool_calls`: its reward pays 0.2 for a grounded call); under it
+`workflow/valid_tool_calls` and `workflow/grounded_tool_calls`: what its reward's two 0.1 terms pay for); under it
 the config's mean gain, its minimum and the number of seeds with +10 points or more. All of it goes to
 `OUT/summary.json`. `--parallel N` runs at most N at once (default: all). Runs still going at `--deadline-s` are
 stopped and reported as not finished.
