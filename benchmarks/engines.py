@@ -12,7 +12,7 @@ engine on the trainer's weights) or `vllm` (ajet starts and owns a vLLM OpenAI s
 The same requests go through each proxy with the OpenAI SDK, N at once (one episode each), the two engines
 alternating at every (N, shape), so that both see the same machine load (after a warm-up of 4 short calls each):
 - `math`: the main job's first call: the math agent's system prompt and tool, a training problem
-  (tasks/train.jsonl), `tool_choice` naming `calculate`, the config's temperature and max_tokens (0.8, 48);
+  (tasks/train.jsonl), `tool_choice` naming `calculate`, the config's temperature and max_tokens (0.6, 48);
 - `chat`: a plain chat question (benchmarks/rollout_throughput.py's four), temperature 1.0, `--chat-tokens`.
 Tokens/s is the completion tokens the proxy recorded over the wall time of the N calls.
 

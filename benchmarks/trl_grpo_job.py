@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tasks", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--temperature", type=float, default=0.8, help="the main job's rollout.temperature")
+    ap.add_argument("--temperature", type=float, default=0.6, help="the main job's rollout.temperature")
     ap.add_argument("--lr", type=float, default=3e-5, help="the main job's algorithm.lr")
     ap.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                     help=f"sequences per forward/backward (per_device_train_batch_size); the step's "
