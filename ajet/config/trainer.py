@@ -83,9 +83,8 @@ class TrainerConfig(_Section):
     val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
                                                "last step (logged as val/*); 0 = never")
     val_before_train: bool = Field(True, description="with val_freq, evaluate before step 1 too (logged at step 0; "
-                                                     "verl's name); false skips it: the initial policy's score is "
-                                                     "then the same for every run of one model, evaluate it once "
-                                                     "with `ajet eval`")
+                                                     "verl's name); false skips it, e.g. for many seeds of one "
+                                                     "model, whose initial score `ajet eval` measures once")
     stop_on_invalid_eval: bool = Field(True, description="stop the run (exit status 2) when the held-out "
                                                          "evaluation before step 1 is invalid (more than "
                                                          "eval.max_failed_frac of its episodes failed); false "
