@@ -48,7 +48,8 @@ RUN_S = 1800          # a bound on one CLI run, not a speed target (the machine 
 
 def main_job_conf(folder: Path) -> Path:
     """The main job's YAML with absolute paths, no held-out evaluation, a checkpoint every step, `TASKS_PER_STEP`
-    tasks a step (dynamic sampling: as many extra) and each call decoded alone, written to `folder`."""
+    tasks a step (dynamic sampling: as many extra), each call decoded alone, at temperature 0.8, written to
+    `folder`."""
     conf = yaml.safe_load((TUTORIAL / "math_agent.yaml").read_text())
     conf["workflow"] = f"{TUTORIAL}/{conf['workflow']}"
     conf["judge"] = f"{TUTORIAL}/{conf['judge']}"
@@ -57,6 +58,7 @@ def main_job_conf(folder: Path) -> Path:
     conf["algorithm"]["dynamic_sampling"]["max_oversample"] = TASKS_PER_STEP
     conf["rollout"]["episode_timeout_s"] = RUN_S     # a loaded machine must not time out an episode in one run only
     conf["rollout"]["max_batch_size"] = 1            # tokens independent of timing (module docstring)
+    conf["rollout"]["temperature"] = 0.8             # the draws these backbones were compared on (the main job: 0.6)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "math_agent.yaml"
     path.write_text(yaml.safe_dump(conf))
