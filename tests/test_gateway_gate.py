@@ -130,7 +130,7 @@ def test_a_served_update_then_rollback_serves_the_earlier_version(tmp_path, tiny
         metrics = g.http.get("/metrics").text
     finally:
         g.stop()
-    assert decision["served"] is True and decision["candidate_version"] == 1
+    assert decision["served"] is True and decision["candidate_version"] == 1, (decision, "".join(g.lines[-40:]))
     assert served[2] == 1 and served[1] != before[1]               # the update is served: other weights
     assert out.returncode == 0, out.stdout + out.stderr
     assert "version 0 is served (was 1)" in out.stdout, out.stdout

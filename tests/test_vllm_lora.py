@@ -215,6 +215,7 @@ def test_b_an_old_version_is_unloaded_once_its_calls_have_finished(server, hf, p
         loop.release()
         assert stream.result(600).policy_version == 0
         gone = _wait_unlisted(server, name0)
+        engine._unloader.submit(lambda: None).result(60)   # the unload (unlisted first, folder removed last) is done
         after = _listed(server)
         folders = sorted(p.name for p in (tmp_path / "w").iterdir())
     finally:
