@@ -6,8 +6,10 @@ before any update, and the workflow rewards an exact match: the serving policy's
 an update at lr 0.1 (Adam moves every weight by about 0.1; the tiny model's weights are ~0.02) changes the greedy
 answers, so its pass@1 drops. With `max_drop` 0.1 the gate must refuse it: recorded with both figures, requests
 after it carry version 0, and a fixed greedy request's logprobs are bit for bit those from before the update.
-With `max_drop` 1 it is served (version 1, other logprobs); `ajet gateway rollback --to 0` then serves version 0
-again (its logprobs return)."""
+With `max_drop` 1 and lr 1e-5 it is served (version 1, other logprobs); `ajet gateway rollback --to 0` then serves
+version 0 again (its logprobs return). That update is small (its greedy answers stay the serving policy's, its
+logprobs move) so that nothing else can refuse it: the gate also refuses degenerate answers (mostly empty) whatever
+`max_drop` says, and what the tiny model answers after an update at lr 0.1 is not something the test controls."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ PROBE = "The quick brown fox: what is 0 plus 1?"
 MAX_TOKENS = 6
 
 
-def _conf(tmp_path: Path, tiny_model_dir: str, max_drop: float) -> Path:
+def _conf(tmp_path: Path, tiny_model_dir: str, max_drop: float, lr: float) -> Path:
     (tmp_path / "wf.py").write_text(WORKFLOW)
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"task_id": f"v{i}", "query": q, "answer": "?"}) + "\n"
                                                 for i, q in enumerate(QUERIES)))   # answers filled in below
@@ -52,7 +54,7 @@ def _conf(tmp_path: Path, tiny_model_dir: str, max_drop: float) -> Path:
         model: {{path: "{tiny_model_dir}", max_model_len: 256}}
         data: {{val_path: val.jsonl}}
         rollout: {{num_repeat: 2, max_tokens: {MAX_TOKENS}, sampling_policy: client, max_concurrency: 1}}
-        algorithm: {{lr: 0.1}}
+        algorithm: {{lr: {lr}}}
         trainer: {{total_steps: 3, tasks_per_step: 1, save_freq: 1, tensorboard: false}}
         gateway: {{session_idle_s: 600, gate: {{mode: eval, metric: val/pass@1, max_drop: {max_drop}}}}}
     """))
@@ -69,10 +71,10 @@ def _greedy(g: Gateway, text: str) -> tuple[str, list[float], int]:
             int(r.headers["x-ajet-policy-version"]))
 
 
-def _start_and_update(tmp_path: Path, tiny_model_dir: str, max_drop: float):
+def _start_and_update(tmp_path: Path, tiny_model_dir: str, max_drop: float, lr: float = 0.1):
     """Start the gateway, write the held-out answers (the serving policy's greedy answers), probe, then rate two
     sessions (one step: the update the gate judges) and wait for the gate's decision."""
-    conf, exp = _conf(tmp_path, tiny_model_dir, max_drop), tmp_path / "exp"
+    conf, exp = _conf(tmp_path, tiny_model_dir, max_drop, lr), tmp_path / "exp"
     g = Gateway(conf, exp)
     answers = [_greedy(g, q)[0] for q in QUERIES]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"task_id": f"v{i}", "query": q, "answer": a}) + "\n"
@@ -115,7 +117,7 @@ def test_a_harmful_update_is_refused_and_the_serving_weights_stay(tmp_path, tiny
 
 
 def test_a_served_update_then_rollback_serves_the_earlier_version(tmp_path, tiny_model_dir):
-    g, exp, before = _start_and_update(tmp_path, tiny_model_dir, max_drop=1.0)
+    g, exp, before = _start_and_update(tmp_path, tiny_model_dir, max_drop=1.0, lr=1e-5)
     try:
         (decision,) = g.http.get("/v1/admin/versions").json()["gate"]
         served = _greedy(g, PROBE)
