@@ -91,21 +91,25 @@ def held_out(exp_dir: Path, before: dict | None = None) -> dict:
     held-out valid and grounded tool calls per episode at both (`val/workflow/valid_tool_calls`,
     `val/workflow/grounded_tool_calls`; None where not logged), the mean training reward over its steps
     (`reward/mean`), the last step logged, the sum of `time/step_s` (s) and, for an SFT run, `sft/kept_episodes`;
-    {} when it logged no evaluation. `before`: the initial policy's held-out figures evaluated once for every run
-    (`--before-once`: its `val/*` keys, at step 0) for a run that did not evaluate before step 1; then every
-    evaluation the run logged is an "after"."""
+    {} when it logged no evaluation. The before is the run's evaluation at step 0 (before step 1) or, for a run
+    that did not evaluate there, `before`: the initial policy's held-out figures evaluated once for every run
+    (`--before-once`: its `val/*` keys, at step 0); without either the before figures are None and there is no
+    gain. The after is the run's last evaluation after a step (None for a run stopped before it)."""
     path = exp_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    vals = ([before] if before else []) + [r for r in rows if "val/pass@1" in r]
-    if not vals:
+    vals = [r for r in rows if "val/pass@1" in r]
+    if not vals and not before:
         return {}
-    first, last = vals[0], vals[-1] if len(vals) > 1 else {}     # a run stopped before its last evaluation: no after
+    own_before = [r for r in vals if r.get("step", 0) == 0]
+    first = own_before[0] if own_before else (before or {})
+    afters = [r for r in vals if r.get("step", 0) > 0]
+    last = afters[-1] if afters else {}
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     kept = [r["sft/kept_episodes"] for r in rows if "sft/kept_episodes" in r]
-    return {"before": first["val/pass@1"], "after": last.get("val/pass@1"), "val_tasks": first.get("val/tasks"),
+    return {"before": first.get("val/pass@1"), "after": last.get("val/pass@1"), "val_tasks": first.get("val/tasks"),
             "before_step": first.get("step"), "after_step": last.get("step"),
             # rounded to 1e-6 points: 56/160 - 40/160 is 0.0999... in floats, and +10 points must count as +10
-            **({"gain_points": round(100 * (last["val/pass@1"] - first["val/pass@1"]), 6)} if last else {}),
+            **({"gain_points": round(100 * (last["val/pass@1"] - first["val/pass@1"]), 6)} if last and first else {}),
             "valid_calls_before": first.get("val/workflow/valid_tool_calls"),
             "grounded_calls_before": first.get("val/workflow/grounded_tool_calls"),
             "valid_calls_after": last.get("val/workflow/valid_tool_calls"),

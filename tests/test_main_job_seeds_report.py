@@ -92,7 +92,8 @@ def test_before_once_the_shared_evaluation_is_every_runs_before(tmp_path):
     assert (r["before"], r["after"], r["before_step"], r["after_step"]) == (0.1375, 0.5, 0, 2)
     assert r["gain_points"] == pytest.approx(36.25) and r["val_tasks"] == 160.0
     assert (r["valid_calls_before"], r["grounded_calls_before"], r["grounded_calls_after"]) == (0.35, 0.21, 0.96)
-    assert "gain_points" not in held_out(run)                  # without it, the run's one evaluation is no gain
+    alone = held_out(run)                                      # without it, the run's one evaluation is an after
+    assert (alone["before"], alone["after"], alone["after_step"]) == (None, 0.5, 2) and "gain_points" not in alone
     (tmp_path / "before" / "eval_metrics.json").write_text(json.dumps({"valid": 0.0, "failed": 40.0}))
     assert eval_before(tmp_path / "before") is None            # an invalid evaluation is no before
     assert eval_before(tmp_path / "missing") is None
