@@ -91,6 +91,7 @@ def trainer_logprobs(model, calls: list, pad_id: int, batch_size: int = 8) -> li
         calls: objects with `prompt_ids` `[P]`, `completion_ids` `[C]`, `sampling.temperature`, `sampling.top_p`.
         pad_id: the padding id (right padding, masked out).
         batch_size: calls per forward.
+
     Returns:
         per call, `[C]` logprobs (nats) of its completion tokens, in order.
     """
