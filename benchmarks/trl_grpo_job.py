@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tutorial" / "example_math_agent"))
 
 
 async def calculate(expression: str) -> str:
-    """Evaluate an arithmetic expression with + - * / and parentheses, e.g. '3 + 4 * 2'.
+    """Evaluate an arithmetic expression with + - * / and parentheses, written with the numbers the question gives.
 
     Args:
         expression: the arithmetic expression to evaluate.

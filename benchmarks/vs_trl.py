@@ -39,6 +39,7 @@ CONF = ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml"
 EQUAL_WORK = f"{ROOT / 'benchmarks' / 'vs_trl_workflow.py'}:TRLTurnsMathAgentWorkflow"
 TRL_MICRO_BATCH = 4            # one GRPO group per forward/backward: a quarter of 16-at-once's activations
 WORK_TOLERANCE = 0.10          # per-episode calls and generated tokens within 10% of TRL's, or the run says so
+GROUP, TASKS_PER_STEP = 4, 4   # TRL's step (num_generations 4, 16 sequences): ajet runs it too (the main job: 8 x 2)
 
 
 def trl_python(venv: Path) -> tuple[Path | None, str]:
@@ -77,7 +78,8 @@ def ajet_steps(exp: Path) -> list[dict]:
 
 
 def ordered_tasks(n_steps: int, out: Path) -> Path:
-    """The tasks ajet's main job trains on, in its order (seeded shuffle, 4 per step), as a jsonl for TRL."""
+    """The tasks ajet's main job trains on, in its order (seeded shuffle, TASKS_PER_STEP per step), as a jsonl for
+    TRL."""
     sys.path.insert(0, str(ROOT))
     from ajet.config import load_config, resolve_path
     from ajet.tasks.jsonl import read_jsonl_tasks
@@ -85,7 +87,7 @@ def ordered_tasks(n_steps: int, out: Path) -> Path:
     cfg = load_config(str(CONF))
     tasks = read_jsonl_tasks(resolve_path(cfg, cfg.data.train_path), cfg.data.max_tasks)
     sampler = TaskSampler(tasks, cfg.data.shuffle, cfg.trainer.seed)          # as ajet/trainer.py does
-    chosen = [t for _ in range(n_steps) for t in sampler.next_batch(cfg.trainer.tasks_per_step)]
+    chosen = [t for _ in range(n_steps) for t in sampler.next_batch(TASKS_PER_STEP)]
     out.write_text("".join(json.dumps({"task_id": t.task_id, "query": t.query, "answer": t.answer}) + "\n"
                            for t in chosen))
     return out
@@ -156,9 +158,10 @@ def main() -> None:
             run_dir = work / f"{side}_{pair}"
             if side == "ajet":
                 # the main job as the CLI runs it, doing TRL's work: no held-out evaluation (TRL's run has none),
-                # no dynamic sampling (TRL rolls out each step's 4 tasks only), TRL's turns (EQUAL_WORK)
+                # no dynamic sampling (TRL rolls out each step's 4 tasks only), TRL's groups and turns (EQUAL_WORK)
                 overrides = {"backbone": "debug", "trainer.total_steps": total, "trainer.exp_dir": str(run_dir),
                              "trainer.val_freq": 0, "algorithm.dynamic_sampling.enabled": False,
+                             "rollout.num_repeat": GROUP, "trainer.tasks_per_step": TASKS_PER_STEP,
                              "workflow": EQUAL_WORK}
                 peak = run_measured([sys.executable, "-c", "import sys, json; from ajet.config import load_config; "
                                      "from ajet.trainer import run; run(load_config(sys.argv[1], json.loads(sys.argv[2])))",

@@ -42,6 +42,7 @@ def test_the_main_job_trains_two_steps_through_vllm(tmp_path):
     # of reward 0 (no group with signal: dynamic sampling skips the update, as it should), and this test is about
     # the update and sync through vLLM, which needs one in each step
     conf["rollout"]["temperature"] = 0.8
+    conf["rollout"]["num_repeat"] = 4                   # 2 groups of 4 a step (the main job: 2 of 8), for time
     conf["rollout"]["episode_timeout_s"] = 900          # a loaded machine must not fail an episode on time
     conf["engine"] = {"kind": "vllm", "python": python, "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S}
     (tmp_path / "math_agent.yaml").write_text(yaml.safe_dump(conf))

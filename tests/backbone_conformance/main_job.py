@@ -42,14 +42,15 @@ from tests.backbone_conformance.venvs import ROOT, venv_python
 
 TUTORIAL = ROOT / "tutorial" / "example_math_agent"
 STEPS = 2
-TASKS_PER_STEP = 1    # a quarter of the main job's step: 4-8 episodes a step, to fit CI's time (docs/backbones.md)
+TASKS_PER_STEP = 1    # 4-8 episodes a step (a quarter of the main job's 16-32), to fit CI's time (docs/backbones.md)
+NUM_REPEAT = 4        # groups of 4 (the main job: 8)
 RUN_S = 1800          # a bound on one CLI run, not a speed target (the machine may be loaded)
 
 
 def main_job_conf(folder: Path) -> Path:
     """The main job's YAML with absolute paths, no held-out evaluation, a checkpoint every step, `TASKS_PER_STEP`
-    tasks a step (dynamic sampling: as many extra), each call decoded alone, at temperature 0.8, written to
-    `folder`."""
+    tasks a step (dynamic sampling: as many extra) in groups of `NUM_REPEAT`, each call decoded alone, at temperature
+    0.8, written to `folder`."""
     conf = yaml.safe_load((TUTORIAL / "math_agent.yaml").read_text())
     conf["workflow"] = f"{TUTORIAL}/{conf['workflow']}"
     conf["judge"] = f"{TUTORIAL}/{conf['judge']}"
@@ -59,6 +60,7 @@ def main_job_conf(folder: Path) -> Path:
     conf["rollout"]["episode_timeout_s"] = RUN_S     # a loaded machine must not time out an episode in one run only
     conf["rollout"]["max_batch_size"] = 1            # tokens independent of timing (module docstring)
     conf["rollout"]["temperature"] = 0.8             # the draws these backbones were compared on (the main job: 0.6)
+    conf["rollout"]["num_repeat"] = NUM_REPEAT
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "math_agent.yaml"
     path.write_text(yaml.safe_dump(conf))

@@ -48,7 +48,8 @@ def safe_eval(expression: str) -> float:
     if not any(isinstance(node, ast.BinOp) for node in ast.walk(tree)):
         # a lone number computes nothing: without this rule GRPO learns to "call" the tool with the guessed answer
         # (a valid call: the format bonus) instead of the arithmetic (seen in the main job's seed 1)
-        raise ValueError("a lone number is not a calculation; write the arithmetic that gives the answer, e.g. 4 * 2")
+        raise ValueError("a lone number is not a calculation; "
+                         "write the arithmetic on the question's numbers that gives the answer")
     return value
 
 

@@ -24,11 +24,15 @@ MAX_TURNS = 3
 CALCULATOR_SOURCE = (Path(__file__).resolve().parent / "calculator.py").read_text()
 SYSTEM_PROMPT = ("You are a math assistant. First call the calculate tool with the arithmetic expression that "
                  "answers the question. Then use its result and reply: The answer is N.")
+# No example expression in the description: with one (`3 + 4 * 2`) the 135M model copied it into its calls, a valid
+# call that GRPO could settle on for every problem (docs/algorithm.md); the description asks for the question's
+# own numbers instead
 CALCULATE_TOOL = {
     "type": "function",
     "function": {
         "name": "calculate",
-        "description": "Evaluate an arithmetic expression with + - * / and parentheses, e.g. '3 + 4 * 2'.",
+        "description": ("Evaluate an arithmetic expression with + - * / and parentheses, "
+                        "written with the numbers the question gives."),
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"]},
     },
@@ -62,9 +66,9 @@ def math_agent_reward(task: Task, output: WorkflowOutput) -> float:
     call + 0.1 more when a valid call was grounded (`CalculatorTool`: the question's own numbers): at most 1.2.
 
     Why two small terms: a flat +0.2 for any valid call let GRPO settle on one valid expression for every problem
-    (seeds 0 and 2 of the main job wrote the tool description's example `3 + 4 * 2` in nearly every call from step
-    8, a +0.2 that no group could beat, and lost held-out accuracy). With the grounded term, a group whose calls are
-    all valid still prefers the call that computes with this problem's numbers, the step before the right answer.
+    (seeds 0 and 2 of the main job wrote the tool description's then example `3 + 4 * 2` in nearly every call from
+    step 8, a +0.2 that no group could beat, and lost held-out accuracy). With the grounded term, a group whose calls
+    are all valid still prefers the call that computes with this problem's numbers, the step before the right answer.
     A number counts as often as the question gives it (seed 2 otherwise settled on `1 + 1` for "... gets 1 more").
     """
     metrics = output.metrics
