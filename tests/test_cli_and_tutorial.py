@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from ajet import Task, WorkflowOutput
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tutorial" / "example_math_agent"))
 import make_tasks  # noqa: E402
-from math_workflow import CalculatorTool, calculate_tool, math_agent_reward, safe_eval  # noqa: E402
+from math_workflow import CALCULATE_TOOL, CalculatorTool, calculate_tool, math_agent_reward, safe_eval  # noqa: E402
 
 
 def test_help_imports_no_torch():
@@ -76,10 +77,22 @@ def test_calculator_tool():
         safe_eval("x")                                   # a name is reported as such, not as a lone number
 
 
+def test_what_the_model_reads_of_the_calculator_gives_no_expression_to_copy():
+    """The tool's description and the calculator's errors go into the prompt. An example expression there (the
+    description's `e.g. '3 + 4 * 2'` before 2026-12-02) is a valid call the policy copies onto every problem, which
+    the valid-call bonus pays (docs/algorithm.md): neither text holds one."""
+    expression = re.compile(r"\d\s*[-+*/]\s*\(?\d")
+    assert not expression.search(CALCULATE_TOOL["function"]["description"])
+    assert expression.search("e.g. '3 + 4 * 2'") and expression.search("4*(2")       # the check sees one
+    for refused in ("8", "x", "1/0", "2 ** 1000"):
+        error = asyncio.run(calculate_tool(json.dumps({"expression": refused})))
+        assert error.startswith("error:") and not expression.search(error.removeprefix("error:")), error
+
+
 def test_calculator_counts_grounded_calls_and_the_reward_prefers_them():
     """The main job's reward: 1 for the right number + 0.1 for a valid call + 0.1 when a valid call computes
-    with the question's own numbers (or an earlier result). The tool description's example `3 + 4 * 2` is valid
-    but not grounded: a group whose calls are all valid still has a GRPO signal towards the problem's numbers."""
+    with the question's own numbers (or an earlier result). A call on other numbers (`3 + 4 * 2`) is valid but not
+    grounded: a group whose calls are all valid still has a GRPO signal towards the problem's numbers."""
     tool = CalculatorTool("Omar has 7 cookies, buys 11 more and then gives away 4. How many cookies does Omar have?")
     steps = [("calculate", "3 + 4 * 2", "11", (1, 1, 0)),      # valid, numbers not in the question
              ("calculate", "7 + 11", "18", (2, 2, 1)),         # the question's numbers
