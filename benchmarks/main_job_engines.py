@@ -5,8 +5,9 @@ pass@1 and the peak memory of all its processes.
                                           [--out DIR]
 
 Each engine runs `python -m ajet --conf <the main job, engine.kind set> --backbone=debug --seed S --exp-dir
-OUT/<engine> --quiet` (tutorial/example_math_agent/math_agent.yaml: 16 GRPO steps of 4 problems x 4 episodes with
-dynamic sampling, the 160 held-out problems evaluated greedily before step 1 and after the last step), alone on the
+OUT/<engine> --quiet` (tutorial/example_math_agent/math_agent.yaml: 16 GRPO steps, each 2 problems x a GRPO group
+of 8 episodes at temperature 0.6, dynamic sampling rolling out up to 2 more problems a step in place of groups whose 8
+rewards are equal; the 160 held-out problems evaluated greedily before step 1 and after the last step), alone on the
 machine as far as this benchmark goes (never two jobs at once). The config is written to `OUT/<engine>.yaml`, the
 job's output to `OUT/<engine>.log`. With `vllm`, ajet starts its own vLLM server (`.venvs/vllm`, docs/engines.md)
 with `engine.kv_cache_gb` = `--kv-cache-gb` (GiB): the main job keeps at most `rollout.max_batch_size` (32) calls of

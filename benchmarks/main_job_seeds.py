@@ -1,6 +1,11 @@
 """The main job's held-out gain in several seeds at once, and SFT on a stronger run's traces, then GRPO, against
 GRPO alone.
 
+CONF (`--conf`) is the main job by default, tutorial/example_math_agent/math_agent.yaml: 16 GRPO steps, each 2
+training problems x a GRPO group of 8 episodes at temperature 0.6 (dynamic sampling rolls out up to 2 more problems a
+step in place of groups whose 8 rewards are equal), the 160 held-out problems evaluated greedily before step 1 and
+after step 16.
+
 (a) One `ajet --conf CONF --backbone=debug --seed S --exp-dir OUT/seed_S --quiet` per seed, all started together
     (on one GPU when there is one: the debug backbone puts the policy on cuda when torch sees it, `model.device:
     auto`). Per seed: held-out `val/pass@1` at step 0 and after the last step, and the gain in points.
