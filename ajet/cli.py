@@ -2,7 +2,7 @@
 command runs, so `ajet --help` is instant.
 
     ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--seed N] [--with-ray [N]] [--resume]
-                                                                                      train (the default)
+         [KEY=VALUE ...]                                                              train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet gateway --conf X.yaml [--host H] [--port N] [--resume] ...                   live endpoint, learns from feedback
     ajet gateway rollback --conf X.yaml [--to VERSION]                                serve an earlier policy version
@@ -15,6 +15,9 @@ command runs, so `ajet --help` is instant.
     ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
     ajet init [DIR] [--kind chat|command|harness|mcp|math] [--force]                  a new project (math: the main job)
     ajet backbone-env verl|trinity [--venvs DIR]                                      a scale-out backbone's own venv
+
+Every command that reads a config takes dotted `KEY=VALUE` overrides of its keys after the flags
+(`trainer.total_steps=5 engine.kind=vllm`; `ajet.config.parse_overrides`).
 
 To add a subcommand: write `_NAME_parser()` and `_NAME(args) -> int`, and list them in `SUBCOMMANDS` (`ajet --help`
 lists it from there, with its parser's description).
@@ -34,10 +37,67 @@ def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--exp-dir", metavar="DIR", help="where metrics, trajectories and checkpoints go")
     p.add_argument("--steps", type=int, metavar="N", help="override trainer.total_steps")
     p.add_argument("--seed", type=int, metavar="N", help="override trainer.seed (task order and sampling)")
-    p.add_argument("--with-ray", nargs="?", const=2, type=int, metavar="N",
+    p.add_argument("--with-ray", nargs="?", const=2, type=_ray_workers, metavar="N",
                    help="run episodes on N Ray actors (default 2; rollout.ray_workers); needs pip install 'ajet[ray]'")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
-    return _quiet_flag(p)
+    return _overrides_arg(_quiet_flag(p))
+
+
+OVERRIDES_HELP = ("set any config key, dotted for a section's: trainer.total_steps=5 engine.kind=vllm "
+                  "rollout.temperature=0.7 data.train.0.weight=2; the value is read as YAML (0.7, true, null, "
+                  "[1,2], '\"5\"' for a string); a relative path in it resolves as the same line in the YAML "
+                  "file would: task files and workflow/judge files against the YAML file's folder first, then the "
+                  "current directory; model.path and trainer.exp_dir against the current directory")
+
+
+def _overrides_arg(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `KEY=VALUE ...` words after the flags of a command that reads a config (`ajet.config.parse_overrides`)."""
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+    return p
+
+
+def _ray_workers(text: str) -> int | str:
+    """`--with-ray`'s N; an override right after a bare `--with-ray` (`--with-ray trainer.seed=1`) is kept as
+    text, for `_parse` to hand back to the overrides."""
+    if "=" in text:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed by `parser`, the `KEY=VALUE` overrides allowed between and after the flags."""
+    args = parser.parse_intermixed_args(argv)
+    if isinstance(getattr(args, "with_ray", None), str):   # `--with-ray KEY=VALUE`: the default N, and an override
+        args.overrides, args.with_ray = [args.with_ray, *args.overrides], 2
+    return args
+
+
+# the flags that set a config key themselves (an override of the same key as well is refused: give one)
+_FLAG_OF = {"backbone": "--backbone", "trainer.exp_dir": "--exp-dir", "trainer.total_steps": "--steps",
+            "trainer.seed": "--seed", "rollout.ray_workers": "--with-ray", "trainer.resume": "--resume",
+            "serve.host": "--host", "serve.port": "--port", "gateway.host": "--host", "gateway.port": "--port",
+            "sft.from_dir": "--from", "sft.min_reward": "--min-reward", "sft.agent": "--agent",
+            "eval.n": "--n", "eval.temperature": "--temperature", "model.path": "--model/--checkpoint"}
+
+
+def _overrides(args: argparse.Namespace, flags: dict[str, object] | None = None) -> dict[str, object]:
+    """The command line's overrides of the config: its `KEY=VALUE` words, then `flags` (dotted key -> value; None:
+    the flag was not given).
+
+    Raises:
+        ConfigError: a malformed override, or a key set by a flag and by an override.
+    """
+    from ajet.config import parse_overrides
+    from ajet.errors import ConfigError
+
+    given = parse_overrides(getattr(args, "overrides", None) or [])
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    for key in flags.keys() & given.keys():
+        raise ConfigError(f"{_FLAG_OF.get(key, 'a flag')} and the override `{key}=...` both set {key}: give one")
+    return {**given, **flags}
 
 
 def _quiet_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ajet", description="Train an LLM agent workflow with reinforcement learning.",
         epilog="Example: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug\n"
+               "Through vLLM, 2 steps: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug "
+               "engine.kind=vllm trainer.total_steps=2\n"
                "The main job from an installed ajet: ajet init my_job --kind math, then the command it prints\n\n"
                + command_list() + "\n\n`ajet COMMAND --help` shows a command's flags.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,13 +224,13 @@ def _gateway_rollback_parser() -> argparse.ArgumentParser:
                                                              "the current one)")
     p.add_argument("--wait", type=float, default=30.0, metavar="S", help="seconds to wait for a running gateway "
                                                                          "to do it (default 30)")
-    return p
+    return _overrides_arg(p)
 
 
 def _gateway_rollback(args: argparse.Namespace) -> int:
     from ajet.commands.gateway import rollback_main
 
-    return rollback_main(args.conf, args.exp_dir, args.to, args.wait)
+    return rollback_main(args.conf, args.exp_dir, args.to, args.wait, _overrides(args))
 
 
 def doctor_parser() -> argparse.ArgumentParser:
@@ -191,7 +253,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, metavar="T", help="0 = greedy; default eval.temperature")
     p.add_argument("--out", metavar="DIR", help="output folder (default <exp_dir>/eval/<model>)")
     p.add_argument("--backbone", choices=["debug", "verl", "trinity"], help="engine to serve the policy with")
-    return _quiet_flag(p)
+    return _overrides_arg(_quiet_flag(p))
 
 
 def _view_parser() -> argparse.ArgumentParser:
@@ -217,10 +279,10 @@ def _load(args: argparse.Namespace, mode: str = "train", **extra):
     from ajet.backbones.capabilities import check_supported
     from ajet.config import load_config
 
-    overrides = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
-                 "trainer.seed": args.seed, "rollout.ray_workers": args.with_ray,
-                 "trainer.resume": args.resume or None, **extra}
-    cfg = load_config(args.conf, {k: v for k, v in overrides.items() if v is not None}, mode=mode)
+    flags = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
+             "trainer.seed": args.seed, "rollout.ray_workers": args.with_ray, "trainer.resume": args.resume or None,
+             **extra}
+    cfg = load_config(args.conf, _overrides(args, flags), mode=mode)
     check_supported(cfg)   # a setting the chosen backbone does not honour: a ConfigError, before its packages load
     return cfg
 
@@ -231,7 +293,7 @@ def _harnesses_parser() -> argparse.ArgumentParser:
                                 "is installed in the cache (docs/harnesses.md).")
     p.add_argument("--conf", metavar="YAML", help="also list the harnesses this config defines under `harnesses:`")
     p.add_argument("--install", metavar="NAME", help="install this harness into the cache now")
-    return p
+    return _overrides_arg(p)
 
 
 def _init_parser() -> argparse.ArgumentParser:
@@ -291,7 +353,11 @@ def _harnesses(args: argparse.Namespace) -> int:
     from ajet.config import load_config
     from ajet.harnesses.registry import HarnessInstallError, get_harness, install, listing
 
-    extra = load_config(args.conf).harnesses if args.conf else {}
+    if args.overrides and not args.conf:
+        from ajet.errors import ConfigError
+
+        raise ConfigError("KEY=VALUE overrides change a config: give it with --conf X.yaml")
+    extra = load_config(args.conf, _overrides(args)).harnesses if args.conf else {}
     if args.install:
         from rich.console import Console
 
@@ -381,7 +447,10 @@ def _eval(a: argparse.Namespace) -> int:
     from ajet.commands.eval import main as evaluate
 
     try:
-        out = evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone)
+        flags = {"eval.n": a.n, "eval.temperature": a.temperature, "backbone": a.backbone,
+                 "model.path": a.model or a.checkpoint}
+        given = {k: v for k, v in _overrides(a, flags).items() if k not in flags}   # evaluate applies the flags
+        out = evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone, given)
     except OSError as exc:   # an unreadable task file or checkpoint folder
         print(f"ajet: error: {exc}", file=sys.stderr)
         return 2
@@ -419,12 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["gateway rollback", *argv[2:]]
     if argv and argv[0] in SUBCOMMANDS:
         make_parser, command = SUBCOMMANDS[argv[0]]
-        args = make_parser().parse_args(argv[1:])
-    elif argv and not argv[0].startswith("-"):   # training takes no positional argument: a mistyped command
+        args = _parse(make_parser(), argv[1:])
+    elif argv and not argv[0].startswith("-") and "=" not in argv[0]:   # not a flag nor an override: a mistyped command
         print(f"ajet: error: {_unknown_command(argv[0])}", file=sys.stderr)
         return 2
     else:
-        command, args = _train, build_parser().parse_args(argv)
+        command, args = _train, _parse(build_parser(), argv)
     from ajet.errors import AjetError
 
     if getattr(args, "quiet", False):

@@ -34,11 +34,12 @@ def _checkpoint_folder(path: str) -> Path:
 
 def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None, data: str | None = None,
          n: int | None = None, temperature: float | None = None, out: str | None = None,
-         backbone: str | None = None) -> Path:
+         backbone: str | None = None, overrides: dict[str, Any] | None = None) -> Path:
     """`ajet eval`: evaluate the config's workflow on held-out tasks; returns the output folder.
 
     The policy is the config's `model.path`, or `model` (any model path), or the weights of
-    `checkpoint_dir`. Tasks: `data`, else `data.val_path`. Output (default `<exp_dir>/eval/<model name>`):
+    `checkpoint_dir`; `overrides` (the command line's `KEY=VALUE`s, dotted keys) change the config before the
+    other arguments do. Tasks: `data`, else `data.val_path`. Output (default `<exp_dir>/eval/<model name>`):
     eval.jsonl, eval_trajectories.jsonl, eval_metrics.json; the summary is printed, and for an invalid
     evaluation (more than `eval.max_failed_frac` of the episodes failed) why, without scores (`valid` 0 in
     eval_metrics.json: the CLI then exits with status 1).
@@ -60,8 +61,8 @@ def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None,
 
     if checkpoint_dir and model:
         raise ConfigError("give either --checkpoint or --model, not both")
-    overrides: dict[str, Any] = {k: v for k, v in (("eval.n", n), ("eval.temperature", temperature),
-                                                   ("backbone", backbone)) if v is not None}
+    overrides = {**(overrides or {}), **{k: v for k, v in (("eval.n", n), ("eval.temperature", temperature),
+                                                           ("backbone", backbone)) if v is not None}}
     if checkpoint_dir or model:
         overrides["model.path"] = str(_checkpoint_folder(checkpoint_dir)) if checkpoint_dir else model
     cfg = load_config(conf, overrides, mode="eval")

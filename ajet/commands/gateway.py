@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from ajet.config import AjetConfig
 from ajet.errors import ConfigError
@@ -88,10 +89,12 @@ def gateway(cfg: AjetConfig) -> Path:
     return run(cfg, RunMode(setup, port=g.port, server=True))   # no datasets: its episodes are its sessions
 
 
-def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, wait_s: float = 30.0) -> int:
-    """`ajet gateway rollback --conf X [--exp-dir DIR] [--to V] [--wait S]`: record the wish in the experiment's
-    gateway.sqlite, wait up to `wait_s` for a running gateway to do it, and say what happened. Returns the exit
-    status: 0 done (or recorded for a gateway started later with --resume), 1 refused.
+def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, wait_s: float = 30.0,
+                  overrides: dict[str, Any] | None = None) -> int:
+    """`ajet gateway rollback --conf X [--exp-dir DIR] [--to V] [--wait S] [KEY=VALUE ...]`: record the wish in the
+    experiment's gateway.sqlite, wait up to `wait_s` for a running gateway to do it, and say what happened (the
+    config: `conf` with `overrides`, dotted keys, applied). Returns the exit status: 0 done (or recorded for a
+    gateway started later with --resume), 1 refused.
 
     Raises:
         ConfigError: no gateway.sqlite in the experiment folder, or `to` was never served there.
@@ -100,7 +103,8 @@ def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, 
     from ajet.gateway.gate import request_rollback
     from ajet.gateway.store import GatewayStore
 
-    cfg = load_config(conf, {"trainer.exp_dir": exp_dir} if exp_dir else {}, mode="gateway")
+    cfg = load_config(conf, {**(overrides or {}), **({"trainer.exp_dir": exp_dir} if exp_dir else {})},
+                      mode="gateway")
     path = cfg.exp_path() / "gateway.sqlite"
     if not path.is_file():
         raise ConfigError(f"no gateway ran in {cfg.exp_path()} (no gateway.sqlite): pass the --exp-dir the gateway "

@@ -14,7 +14,7 @@ from ajet.config.algorithm import AlgorithmConfig, DistillConfig, DynamicSamplin
 from ajet.config.data import DataConfig, DatasetConfig, EnvServiceSource
 from ajet.config.engine import EngineConfig
 from ajet.config.experiment import AjetConfig, Mode
-from ajet.config.loading import load_config, resolve_path
+from ajet.config.loading import load_config, parse_overrides, resolve_path
 from ajet.config.model import AGENT_NAME, AgentConfig, LoraConfig, ModelConfig
 from ajet.config.rollout import ProxyConfig, RolloutConfig
 from ajet.config.serving import GatewayConfig, GatewayGateConfig, ServeConfig
@@ -30,5 +30,5 @@ __all__ = [
     "EnvServiceSource", "EvalConfig", "GatewayConfig", "GatewayGateConfig", "GuardsConfig", "HarnessSandboxConfig",
     "HarnessSpec", "HarnessWorkflowConfig", "LLMJudgeConfig", "LoggerName", "LoraConfig", "McpServerConfig",
     "Mode", "ModelConfig", "ProxyConfig", "RewardModelConfig", "RolloutConfig", "ServeConfig", "SftConfig", "ToolAgentConfig",
-    "ToolsConfig", "TrainerConfig", "load_config", "resolve_path",
+    "ToolsConfig", "TrainerConfig", "load_config", "parse_overrides", "resolve_path",
 ]

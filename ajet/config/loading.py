@@ -4,6 +4,8 @@ overrides, every offending key in one `ConfigError`."""
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode:
 
     Args:
         path: the YAML file.
-        overrides: dotted keys applied before validation, e.g. {"trainer.exp_dir": "/tmp/x"}.
+        overrides: dotted keys set on the command line (`parse_overrides`, and the flags such as `--steps`),
+            applied to the YAML's mapping before validation, e.g. {"trainer.exp_dir": "/tmp/x"}; a value is what
+            the same key's line in the YAML would hold (a relative path in it resolves as the YAML's own do).
+            A digit names an item of a list (`data.train.0.weight`).
         mode: the command the config is checked for (`AjetConfig.mode`): train, eval, serve, gateway or sft.
 
     Returns:
@@ -27,7 +32,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode:
 
     Raises:
         ConfigError: missing/unreadable file, bad YAML, unknown key (with a "did you mean"), wrong type or
-            value, missing required key. The message names the file and every offending key.
+            value, missing required key. The message names the file (an override's key: `command line`) and
+            every offending key.
     """
     import yaml
 
@@ -44,17 +50,48 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode:
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
     # an empty section (`rollout:` with every child commented out) means "all defaults"
     data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS)}
-    for dotted, value in (overrides or {}).items():
+    overrides = overrides or {}
+    in_yaml, given = _unknown_keys(data, AjetConfig, ""), _unknown_keys(_override_tree(overrides), AjetConfig, "")
+    if in_yaml or given:
+        raise ConfigError("\n".join(([f"{path}: " + "\n".join(in_yaml)] if in_yaml else []) +
+                                     (["command line: " + "\n".join(given)] if given else [])))
+    for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
-    errors = _unknown_keys(data, AjetConfig, "")
-    if errors:
-        raise ConfigError(f"{path}: " + "\n".join(errors))
     try:
         cfg = AjetConfig.model_validate({**data, "mode": mode})
     except ValidationError as exc:
-        raise ConfigError(f"{path}:\n" + "\n".join(describe(e) for e in exc.errors())) from exc
+        raise ConfigError(f"{path}:\n" + "\n".join(describe(e) + _from_command_line(e, overrides)
+                                                    for e in exc.errors())) from exc
     cfg.config_dir = path.resolve().parent
     return cfg
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """The command line's `KEY=VALUE` words as {dotted key: value}: `trainer.total_steps=5` -> 5.
+
+    VALUE is read as YAML (`yaml.safe_load`), as the same key's line in the YAML file would be: `0.7` a float,
+    `true` a bool, `null` (or nothing after `=`) None, `[1, 2]` a list, `{a: 1}` a mapping, `'5'` the string "5",
+    anything else a string. A key given twice: the later wins.
+
+    Raises:
+        ConfigError: a word without `=`, an empty or malformed key (`=3`, `a..b=1`), or a value that is not
+            YAML (`[1,2`).
+    """
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not _KEY.fullmatch(key):
+            raise ConfigError(f"`{item}` is not an override: write KEY=VALUE with a config key, dotted for a "
+                              f"section's (e.g. trainer.total_steps=5)")
+        try:
+            out[key] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override `{item}`: the value is not valid YAML ({getattr(exc, 'problem', exc)}); "
+                              f"for a string, quote it: '{key}=\"{text}\"'") from exc
+    return out
 
 
 def resolve_path(cfg: AjetConfig, p: str | Path) -> Path:
@@ -71,18 +108,52 @@ _SECTIONS = {k for k, f in AjetConfig.model_fields.items()
              if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)}
 
 
+_KEY = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*")
+
+
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """data["a"]["b"] = value for dotted "a.b", creating missing (or empty) sections."""
-    node = data
-    *parents, leaf = dotted.split(".")
-    for i, key in enumerate(parents):
-        if node.get(key) is None:
+    """data["a"]["b"] = value for dotted "a.b", creating missing (or empty) sections; a digit names an item of a
+    list (`data.train.0.weight`)."""
+    node: Any = data
+    keys = dotted.split(".")
+    for i, key in enumerate(keys):
+        where = ".".join(keys[:i])
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"cannot apply override `{dotted}`: `{where}` is a list of {len(node)} items; name "
+                                  f"one by its index, 0 to {len(node) - 1}")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"cannot apply override `{dotted}`: `{where}` is a value, not a section (set it "
+                              f"whole: {where}=...)")
+        if i == len(keys) - 1:
+            node[key] = value
+        elif isinstance(node, dict) and node.get(key) is None:
+            if keys[i + 1].isdigit():
+                raise ConfigError(f"cannot apply override `{dotted}`: `{'.'.join(keys[:i + 1])}` is not set in the "
+                                  f"config; set the whole list: {'.'.join(keys[:i + 1])}=[...]")
             node[key] = {}
-        if not isinstance(node[key], dict):
-            raise ConfigError(f"cannot apply override `{dotted}`: `{'.'.join(parents[:i + 1])}` is a value, "
-                              f"not a section")
         node = node[key]
-    node[leaf] = value
+
+
+def _override_tree(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides' keys as nested sections, for the unknown-key check (a list's items are not walked)."""
+    tree: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        keys = dotted.split(".")
+        if any(k.isdigit() for k in keys):
+            keys, value = keys[:next(i for i, k in enumerate(keys) if k.isdigit())], None
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {}) if isinstance(node.get(key, {}), dict) else {}
+        node[keys[-1]] = value
+    return tree
+
+
+def _from_command_line(err: dict[str, Any], overrides: dict[str, Any]) -> str:
+    """" (from the command line)" for a validation error at or under a key the overrides set."""
+    key = ".".join(str(p) for p in err["loc"])
+    return " (from the command line)" if any(key == k or key.startswith(k + ".") for k in overrides) else ""
 
 
 def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
