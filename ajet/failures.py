@@ -70,7 +70,7 @@ def user_frame(error: str) -> str | None:
     found = None
     for line in blocks[-1].splitlines():
         m = _FRAME.match(line)
-        if m and _is_user_file(m["path"]):
+        if m and is_user_file(m["path"]):
             found = m
     if found is None:
         return None
@@ -80,7 +80,9 @@ def user_frame(error: str) -> str | None:
     return f"{path}:{found['line']} in {found['func'].strip()}"
 
 
-def _is_user_file(path: str) -> bool:
+def is_user_file(path: str) -> bool:
+    """Whether `path` (a traceback frame's file) is the user's code: not ajet's, not the standard library's nor
+    an installed package's, not a frozen or generated module (`<frozen ...>`, `<string>`)."""
     if path.startswith("<"):   # <frozen ...>, <string>
         return False
     p = Path(path).resolve()

@@ -98,9 +98,23 @@ def next_steps(directory: Path, kind: str) -> str:
     lines = [f"Wrote {module.SUMMARY}.", "", "Train it (the bundled SmolLM2-135M-Instruct, on CPU or one GPU):",
              f"  {cd}ajet --conf {getattr(module, 'CONFIG_FILE', 'ajet.yaml')} --backbone=debug", "",
              f"Then browse its episodes: ajet view experiments/{name}"]
-    if kind == "harness":
-        lines.append("The tests judge runs pytest: pip install pytest, if it is not installed.")
+    if kind == "harness" and (missing := judge_needs(kind)):
+        lines.append(missing)
     return "\n".join(lines)
+
+
+def judge_needs(kind: str) -> str | None:
+    """What the `kind` project's judge needs and this Python lacks, said in one line with what to install (the
+    harness project's tests judge runs pytest); None when nothing is missing."""
+    if kind != "harness":
+        return None
+    from ajet.judges.tests import TestsJudgeUnavailable, require_pytest
+
+    try:
+        require_pytest()
+    except TestsJudgeUnavailable as exc:
+        return f"Before training: {exc}"
+    return None
 
 
 def main(directory: str, kind: str, force: bool) -> int:

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ajet import progress
 from ajet.config import HarnessSpec, HarnessWorkflowConfig
 from ajet.harnesses.registry import executable, get_harness, install, install_dir, render
-from ajet.judges.tests import run_tests
+from ajet.judges.tests import require_pytest, run_tests
 from ajet.task import Task
 from ajet.tasks.repo import RepoTask, diff, read_tree
 from ajet.tools.workdir_sandbox import (BRIDGE_PORT, HOME_DIR, SANDBOX_DIR, ProxyBridge, WorkdirLimits, run_in_workdir,
@@ -57,10 +57,12 @@ class HarnessWorkflow(Workflow):
 
     Raises:
         ConfigError: an unknown harness name.
+        TestsJudgeUnavailable: this Python has no pytest, which the tests judge runs (`require_pytest`).
     """
 
     def __init__(self, conf: HarnessWorkflowConfig, extra: dict[str, HarnessSpec] | None = None,
                  config_dir: Path | None = None):
+        require_pytest()   # before the run starts, not as every episode's failure
         self.conf = conf
         self.name = conf.harness
         self.spec = get_harness(conf.harness, extra)

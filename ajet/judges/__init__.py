@@ -10,12 +10,13 @@
 Any function of your own works the same way (`judge: my_file.py:my_judge`).
 """
 
+from ajet.judges.calling import JudgeError, call_judge, judge_name, set_judge_name
 from ajet.judges.countdown import countdown_judge, countdown_score
 from ajet.judges.frozenlake import frozenlake_judge
 from ajet.judges.math_answer import _normalise, answer_with_tool_use_judge, extract_final_number, math_answer_judge
 
-__all__ = ["answer_with_tool_use_judge", "countdown_judge", "countdown_score", "extract_final_number", "frozenlake_judge",
-           "load_judge", "math_answer_judge", "_normalise"]
+__all__ = ["JudgeError", "answer_with_tool_use_judge", "call_judge", "countdown_judge", "countdown_score",
+           "extract_final_number", "frozenlake_judge", "judge_name", "load_judge", "math_answer_judge", "_normalise"]
 
 
 def load_judge(cfg):
@@ -23,16 +24,19 @@ def load_judge(cfg):
     `ajet.judges.llm:LLMJudge`), an instance built with the config. None without a judge.
 
     A judge is called as `judge(task, output)` (or awaited, when it is a coroutine function) for each episode
-    whose workflow returned `reward=None`; the float it returns is the episode's reward. An exception it raises
-    fails that episode (recorded with its traceback, not trained on).
+    whose workflow returned `reward=None` (`call_judge`); the float it returns is the episode's reward. An
+    exception it raises, or a value that is not a finite number, fails that episode with a `JudgeError` naming
+    the judge by `cfg.judge` (recorded with its traceback, not trained on).
 
     Raises:
-        WorkflowLoadError: the name cannot be imported.
+        WorkflowLoadError: the name cannot be imported (or its module raised while importing: one line).
         Exception: whatever the judge class's constructor raises (e.g. ConfigError from `LLMJudge`).
     """
     from ajet.importing import load_object
 
     if not cfg.judge:
         return None
-    judge = load_object(cfg.judge, cfg.config_dir)
-    return judge(cfg) if isinstance(judge, type) else judge
+    judge = load_object(cfg.judge, cfg.config_dir, role="judge")
+    judge = judge(cfg) if isinstance(judge, type) else judge
+    set_judge_name(judge, cfg.judge)
+    return judge

@@ -33,7 +33,6 @@ closing proxy endpoints happen after it is released.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import math
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ajet.episode import Episode
+from ajet.judges.calling import JudgeError, call_judge
 from ajet.progress import active
 from ajet.task import Task
 from ajet.task_sampler import MultiTaskSampler
@@ -259,10 +259,10 @@ class EpisodeQueue:
             ep.output = WorkflowOutput(reward=reward, final_answer=final_answer, metadata=metadata or {},
                                        metrics=metrics or {})
             try:
-                score = reward if reward is not None else self.judge(ep.task, ep.output)
-                ep.reward = float(asyncio.run(score) if inspect.isawaitable(score) else score)
-                if not math.isfinite(ep.reward):
-                    raise ValueError(f"the judge returned a non-finite reward: {ep.reward}")
+                ep.reward = (float(reward) if reward is not None
+                             else asyncio.run(call_judge(self.judge, ep.task, ep.output)))
+            except JudgeError as exc:   # naming the judge: raised, or not a finite number
+                ep.reward, ep.error = None, exc.error_text()
             except Exception:  # noqa: BLE001 - a broken judge fails the episode, never the server
                 ep.reward, ep.error = None, traceback.format_exc()
         self.record(self.collecting_step, ep)            # durable before the client hears "finished"

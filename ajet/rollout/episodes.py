@@ -3,7 +3,8 @@ workflow's reward or the judge. Shared by the in-process source (`in_process.py`
 Ray source (`ray.py`, a pool of actors), so both record exactly the same episodes.
 
 A workflow that raises, hangs past the timeout or yields a non-finite reward is recorded with the
-reason (traceback text) and left out of training; the other episodes go on. The timeout
+reason (traceback text) and left out of training; the other episodes go on. So is an episode whose judge cannot
+score it (raises, or returns a value that is not a finite number): a failure naming the judge, never a reward of 0. The timeout
 (`rollout.episode_timeout_s`) does not count the time the episode's calls waited in the engine's queue
 (`ajet.rollout.deadline`).
 """
@@ -11,13 +12,13 @@ reason (traceback text) and left out of training; the other episodes go on. The 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import time
 import traceback
 from typing import TYPE_CHECKING, Any, Callable
 
 from ajet.episode import Episode
+from ajet.judges.calling import JudgeError, call_judge
 from ajet.proxy.server import ProxyServer
 from ajet.rollout.deadline import EpisodeTimeout, run_within
 from ajet.task import Task
@@ -83,6 +84,8 @@ async def execute_episode(workflow: Workflow, task: Task, episode_id: str, base_
         if error is None:
             try:
                 reward = await _score(task, output, judge)
+            except JudgeError as exc:   # its error text: what the judge raised, then the line naming the judge
+                error = exc.error_text()
             except Exception:  # noqa: BLE001 - a broken judge or reward fails the episode only
                 error = traceback.format_exc()
     finally:
@@ -137,15 +140,17 @@ def seed_key(episode: Episode) -> str:
 
 
 async def _score(task: Task, output: WorkflowOutput, judge: Judge | None) -> float:
-    """The episode's reward: the workflow's, else the judge's. Raises ValueError when there is none or it
-    is not finite."""
+    """The episode's reward: the workflow's, else the judge's (`ajet.judges.call_judge`).
+
+    Raises:
+        ValueError: the workflow's reward is missing without a judge, or not finite.
+        JudgeError: the judge raised, or returned something that is not a finite number (naming the judge).
+    """
     reward = output.reward
     if reward is None:
         if judge is None:
             raise ValueError("the workflow returned reward=None and the config names no `judge`")
-        reward = judge(task, output)
-        if inspect.isawaitable(reward):
-            reward = await reward
+        return await call_judge(judge, task, output)
     reward = float(reward)
     if not math.isfinite(reward):
         raise ValueError(f"reward is not finite: {reward}")

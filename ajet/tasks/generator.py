@@ -32,7 +32,7 @@ def read_generator_tasks(spec: str, split: str, args: dict[str, Any], base_dir: 
     """
     from ajet.importing import load_object
 
-    fn = load_object(spec, base_dir)
+    fn = load_object(spec, base_dir, role="task generator")
     tasks = []
     for i, item in enumerate(itertools.islice(fn(split=split, **args), max_tasks)):
         if isinstance(item, Task):
