@@ -5,11 +5,12 @@
 #   .ci/make_backbone_env.sh trinity  -> .venvs/trinity  (ajet[trinity]: trinity-rft 0.6.0, verl 0.8.0, numpy 1)
 #   .ci/make_backbone_env.sh verl --cache-path            prints the cached venv's folder (see below) and exits
 #
-# The same file ships in the wheel (setup.py installs .ci/ as the package data `ajet.backbone_env`), where
+# The same file ships in the wheel (setup.py installs .ci/ as the package data `ajet.backbone_env`: one copy), where
 # `ajet backbone-env verl|trinity` runs it: with no checkout around it (no ../pyproject.toml beside ../ajet/) it
 # reads the requirements from the installed ajet's metadata (AJET_PYTHON: the interpreter it is installed in),
 # builds .venvs/<name> under the working directory, and links the installed ajet package (AJET_PACKAGE: its
-# folder) into the venv instead of an editable install.
+# folder) into the venv instead of an editable install. Both read the same cache (below): the requirements are
+# normalized alike from pyproject.toml and from the metadata, so a wheel's ajet reuses a checkout's build.
 #
 # verl 0.9 and Trinity 0.6 cannot share one environment (pip: ResolutionImpossible), and neither can share
 # the core one (their transformers/numpy pins), hence one venv each. uv installs the packages (parallel downloads:
@@ -20,13 +21,16 @@
 #
 # Built once per machine, then reused: the third-party packages go into a cached venv,
 #   ${AJET_CI_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ajet/ci-venvs}/<name>-<key>
-# where <key> is a hash of what decides its contents (this script, .ci/uv_cpu_torch.sh, .ci/constraints-<name>.txt,
-# pyproject.toml's core and <name> requirements, the python). The checkout's .venvs/<name> is a hard-linked copy
+# where <key> is a hash of what decides its contents: the recipe (the function build_base below and
+# ci_cpu_torch_wheel of .ci/uv_cpu_torch.sh, as bash prints them: comments and the rest of the script are not part
+# of it), .ci/constraints-<name>.txt, ajet's core and <name> requirements, the python (its version and resolved
+# path: a venv of the same interpreter gives the same key). The checkout's .venvs/<name> is a hard-linked copy
 # of it (a venv cannot be moved: its scripts name its own path, rewritten in the copy) with ajet installed editable
 # from THIS checkout, so two checkouts on one machine never run each other's code. A fresh machine builds the
 # cached venv (minutes: downloads); a later run with the same key only copies it (seconds). The 3 most recently
 # used keys of each backbone are kept. While it runs, <venv>.building names its process: the backbone tests wait
-# for the build (tests/backbone_conformance/venvs.py). Prints what it did and the seconds it took.
+# for the build (tests/backbone_conformance/venvs.py). Its last line says where the venv is, the cached venv's
+# size on disk (the copy's hard links take no more), what it did and the seconds it took.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"   # .ci/ of a checkout, or an installed ajet's ajet/backbone_env/
 if [ -f "$here/../pyproject.toml" ] && [ -d "$here/../ajet" ]; then
@@ -41,49 +45,37 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 t0=$(date +%s)
 venv="${AJET_BACKBONE_VENVS:-.venvs}/$name"   # AJET_BACKBONE_VENVS: build elsewhere (e.g. to time a build)
 cache="${AJET_CI_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ajet/ci-venvs}"
-reqs() {   # reqs core|NAME: ajet's core requirements or the extra NAME's, one a line (pyproject.toml or metadata)
+reqs() {   # reqs core|NAME: ajet's core requirements or the extra NAME's, one a line (pyproject.toml or metadata),
+           # each as `packaging` writes it without its marker (those whose marker is false here left out), so that
+           # both sources give the same lines
   "$py" - "$1" "$mode" <<'EOF'
 import sys
+from packaging.requirements import Requirement
 what, mode = sys.argv[1:]
 if mode == "checkout":
     import tomllib
     project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-    out = project.get("dependencies", []) if what == "core" else project["optional-dependencies"][what]
+    lines = project.get("dependencies", []) if what == "core" else project["optional-dependencies"][what]
+    reqs = [Requirement(line) for line in lines]
+    reqs = [r for r in reqs if r.marker is None or r.marker.evaluate()]
 else:
     from importlib.metadata import requires
-    from packaging.requirements import Requirement
-    out = []
+    reqs = []
     for line in requires("ajet") or []:
         req = Requirement(line)
-        if (req.marker is None) if what == "core" else (req.marker is not None and req.marker.evaluate({"extra": what})):
-            req.marker = None
-            out.append(str(req))
+        extra = req.marker is not None and "extra" in str(req.marker)
+        if extra == (what != "core") and (req.marker is None or req.marker.evaluate({"extra": what})):
+            reqs.append(req)
+out = []
+for req in reqs:
+    req.marker = None
+    out.append(str(req))
 print("\n".join(out))
 EOF
 }
 core=$(reqs core)
 extra=$(reqs "$name")
-key=$("$py" - "$name" "$here" "$core" "$extra" <<'EOF'
-import hashlib, json, os, sys
-name, here, core, extra = sys.argv[1:]
-h = hashlib.sha256(open(f"{here}/make_backbone_env.sh", "rb").read() + open(f"{here}/uv_cpu_torch.sh", "rb").read())
-if os.path.exists(f"{here}/constraints-{name}.txt"):
-    h.update(open(f"{here}/constraints-{name}.txt", "rb").read())
-h.update(json.dumps([core.splitlines(), extra.splitlines(), sys.version, os.path.realpath(sys.executable)]).encode())
-print(h.hexdigest()[:16])
-EOF
-)
-base="$cache/$name-$key"
-if [ "${2:-}" = --cache-path ]; then echo "$base"; exit 0; fi
-mkdir -p "$(dirname "$venv")" "$cache"
-echo $$ > "$venv.building.$$" && mv "$venv.building.$$" "$venv.building"
-tools="$(mktemp -d)"
-trap 'rm -f "$venv.building"; rm -rf "$tools"' EXIT
-. "$here/uv_cpu_torch.sh"
-uv=$(ci_uv "$tools")
-rm -f "$venv/.complete"     # from here on the tests wait for this build, not use the venv it replaces
-exec 9>"$base.lock"
-flock 9     # one process builds or copies this entry at a time (CI beside a developer's checkout)
+. "$here/uv_cpu_torch.sh"   # ci_uv, ci_pip, ci_cpu_torch_wheel
 
 build_base() {   # the third-party packages into $base (ajet's own requirements too, but not ajet)
   rm -rf "$base"
@@ -116,6 +108,27 @@ build_base() {   # the third-party packages into $base (ajet's own requirements 
   rm -rf "$work"
   touch "$base/.complete"
 }
+
+key=$("$py" - "$name" "$here" "$core" "$extra" "$(declare -f build_base ci_cpu_torch_wheel)" <<'EOF'
+import hashlib, json, os, sys
+name, here, core, extra, recipe = sys.argv[1:]
+h = hashlib.sha256(recipe.encode())
+if os.path.exists(f"{here}/constraints-{name}.txt"):
+    h.update(open(f"{here}/constraints-{name}.txt", "rb").read())
+h.update(json.dumps([core.splitlines(), extra.splitlines(), sys.version, os.path.realpath(sys.executable)]).encode())
+print(h.hexdigest()[:16])
+EOF
+)
+base="$cache/$name-$key"
+if [ "${2:-}" = --cache-path ]; then echo "$base"; exit 0; fi
+mkdir -p "$(dirname "$venv")" "$cache"
+echo $$ > "$venv.building.$$" && mv "$venv.building.$$" "$venv.building"
+tools="$(mktemp -d)"
+trap 'rm -f "$venv.building"; rm -rf "$tools"' EXIT
+uv=$(ci_uv "$tools")
+rm -f "$venv/.complete"     # from here on the tests wait for this build, not use the venv it replaces
+exec 9>"$base.lock"
+flock 9     # one process builds or copies this entry at a time (CI beside a developer's checkout)
 
 if [ -f "$base/.complete" ]; then
   how="copied from the cached $base"
@@ -151,7 +164,8 @@ else
   printf '#!%s\nimport sys\nfrom ajet.cli import _entry\nsys.exit(_entry())\n' "$venvdir/bin/python" > "$venv/bin/ajet"
   chmod +x "$venv/bin/ajet"
 fi
-if ! (cd / && "$venvdir/bin/python" -c "import ajet.backbones, sys; sys.exit(not ajet.backbones.__path__[0].startswith(sys.argv[1]))" "$repo/"); then
+# the venv runs this ajet (both paths compared with their symlinks resolved: the venv reaches it through one)
+if ! (cd / && "$venvdir/bin/python" "$here/imports_from.py" ajet.backbones "$repo"); then
   echo "the $name env does not import ajet from $repo" >&2; exit 1
 fi
 touch "$venv/.complete"   # the tests use only a venv whose build finished
@@ -161,4 +175,4 @@ ls -t "$cache/$name"-*.used 2>/dev/null | tail -n +4 | while read -r used; do
   old="${used%.used}"
   ( flock -n 9 && rm -rf "$old" "$used" ) 9>"$old.lock" || true
 done
-echo "$venv: $how in $(( $(date +%s) - t0 )) s"
+echo "$venv: $how ($(du -sh "$base" | cut -f1) on disk) in $(( $(date +%s) - t0 )) s"

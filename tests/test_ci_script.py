@@ -20,7 +20,8 @@ SCRIPT = ".ci/make_backbone_env.sh"
 def _checkout(dst: Path) -> Path:
     """A copy of what the script reads (its own file, the constraints, the build files, the package folders)."""
     (dst / ".ci").mkdir(parents=True)
-    for f in (SCRIPT, ".ci/uv_cpu_torch.sh", ".ci/constraints-verl.txt", "pyproject.toml", "setup.py", "README.md"):
+    for f in (SCRIPT, ".ci/uv_cpu_torch.sh", ".ci/imports_from.py", ".ci/constraints-verl.txt", "pyproject.toml",
+              "setup.py", "README.md"):
         shutil.copy2(ROOT / f, dst / f)
     for folder in ("ajet", "tracker", "backbones"):
         shutil.copytree(ROOT / folder, dst / folder, ignore=shutil.ignore_patterns("__pycache__"))

@@ -129,3 +129,118 @@ def test_cli_from_the_wheel_prints_its_version_and_harnesses(wheel, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     listed = {line.split()[0] for line in proc.stdout.splitlines()[1:] if line.strip()}
     assert {"codex", "claude-code", "mini-swe-agent", "aider"} <= listed, proc.stdout
+
+
+# ---- the venv builders (`ajet backbone-env verl|trinity|vllm`) from the wheel, outside any checkout ----
+
+BUILDERS = ("make_backbone_env.sh", "make_vllm_env.sh", "uv_cpu_torch.sh", "imports_from.py",
+            "constraints-verl.txt", "constraints-trinity.txt")
+
+
+def _uv() -> str:
+    from uv import find_uv_bin
+
+    return find_uv_bin()
+
+
+def _site_packages(venv: Path) -> Path:
+    (site,) = venv.glob("lib/python3*/site-packages")
+    return site
+
+
+def test_imports_from_compares_the_places_with_their_symlinks_resolved(tmp_path):
+    """The check that ends a backbone venv's build: a package reached through a symlinked site-packages is inside
+    the folder named by its resolved path, and the other way round; one from elsewhere is not."""
+    real = tmp_path / "real" / "site-packages"
+    (real / "pkg").mkdir(parents=True)
+    (real / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    linked = tmp_path / "linked" / "site-packages"
+    (tmp_path / "elsewhere").mkdir()
+    check = str(ROOT / ".ci" / "imports_from.py")
+
+    def imports_from(path_entry: Path, folder: Path) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(path_entry)}
+        return subprocess.run([sys.executable, check, "pkg", str(folder)], env=env, capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path / "elsewhere")
+
+    assert imports_from(linked, real).returncode == 0         # imported through the link, the folder resolved
+    assert imports_from(real, linked).returncode == 0         # and the other way round
+    assert imports_from(linked, linked / "pkg").returncode == 0
+    other = imports_from(linked, tmp_path / "elsewhere")
+    assert other.returncode == 1 and f"not from inside {tmp_path / 'elsewhere'}" in other.stderr, other.stderr
+
+
+def test_backbone_env_runs_from_the_installed_wheel_with_the_machines_cache(wheel, tmp_path, monkeypatch):
+    """The wheel installed (not editable) into a fresh venv without system site-packages, reached through a
+    symlink: `ajet backbone-env vllm` and `verl`, run from a folder outside the checkout, find the shipped scripts,
+    key the cache as the checkout's scripts do, and take a complete cache entry in seconds (stand-ins: a bare venv
+    with the `.complete` stamp). The verl venv's import check passes for the linked install; the vLLM engine of the
+    wheel finds the cached vLLM venv from any folder."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"ajet/backbone_env/{f}" for f in BUILDERS} <= names, sorted(n for n in names if "backbone_env" in n)
+
+    uv = _uv()
+    real = tmp_path / "real"
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(real / "venv")], check=True, timeout=120)
+    (tmp_path / "home").symlink_to(real)                      # the venv (its site-packages) behind a symlink
+    venv = tmp_path / "home" / "venv"
+    # ajet with no dependencies but `packaging` (the backbone script reads the metadata with it): enough for
+    # this command, which imports nothing else
+    proc = subprocess.run([uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), "--no-deps",
+                           str(wheel), "packaging"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    run.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "AJET_PYTHON")}
+    env.update(AJET_CI_VENV_CACHE=str(cache), PATH=f"{venv / 'bin'}:{Path(uv).parent}:{env['PATH']}")
+
+    def ajet(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(venv / "bin" / "ajet"), "backbone-env", *args], cwd=run, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    def cache_entry(name: str) -> Path:
+        proc = ajet(name, "--cache-path")
+        assert proc.returncode == 0, proc.stderr
+        base = Path(proc.stdout.strip())
+        # the checkout's script (same file, run by this python) names the same entry: one cache per machine
+        args = [] if name == "vllm" else [name]
+        script = ROOT / ".ci" / ("make_vllm_env.sh" if name == "vllm" else "make_backbone_env.sh")
+        mine = subprocess.run(["bash", str(script), *args, "--cache-path"], env={**env, "PATH": os.environ["PATH"]},
+                              capture_output=True, text=True, timeout=120, check=True)
+        assert base == Path(mine.stdout.strip()) and base.parent == cache and base.name.startswith(f"{name}-")
+        subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(base)], check=True, timeout=120)
+        (base / ".complete").touch()
+        return base
+
+    # vLLM: .venvs/vllm links the cached venv (a stand-in whose python has a `vllm` package)
+    vllm_base = cache_entry("vllm")
+    (_site_packages(vllm_base) / "vllm").mkdir()
+    (_site_packages(vllm_base) / "vllm" / "__init__.py").write_text("")
+    proc = ajet("vllm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"reused the cached {vllm_base}" in proc.stdout and " on disk) in " in proc.stdout, proc.stdout
+    link = run / ".venvs" / "vllm"
+    assert link.is_symlink() and link.resolve() == vllm_base.resolve()
+
+    # verl: a hard-linked copy of the cached venv with the installed ajet linked in, checked to import it
+    verl_base = cache_entry("verl")
+    proc = ajet("verl")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"copied from the cached {verl_base}" in proc.stdout, proc.stdout
+    copy = run / ".venvs" / "verl"
+    assert (copy / ".complete").exists() and f"train with it: {copy / 'bin' / 'ajet'}" in proc.stdout
+    where = subprocess.run([str(copy / "bin" / "python"), "-c", "import ajet.backbones; print(ajet.__file__)"],
+                           cwd="/", capture_output=True, text=True, timeout=120, env=env)
+    assert Path(where.stdout.strip()).resolve() == _site_packages(real / "venv") / "ajet" / "__init__.py", where
+
+    # the wheel's vLLM engine, started in a folder without .venvs, finds the machine's cached vLLM venv
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setenv("AJET_CI_VENV_CACHE", str(cache))
+    monkeypatch.delenv("AJET_VLLM_PYTHON", raising=False)
+    proc = _run_from_extracted_wheel(site, "from ajet.engines.vllm_server import find_vllm_python; "
+                                           "print(find_vllm_python())", cwd=tmp_path / "elsewhere")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(vllm_base / "bin" / "python")

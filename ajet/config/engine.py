@@ -29,7 +29,7 @@ class EngineConfig(_Section):
                                                 "/v1/models lists)")
     python: str | None = Field(None, description="kind vllm: the python of the venv holding vLLM (None: "
                                "$AJET_VLLM_PYTHON, else .venvs/vllm/bin/python in the working folder or ajet's "
-                               "checkout, which `.ci/make_vllm_env.sh` builds)")
+                               "checkout, else the machine's cached vLLM venv; `ajet backbone-env vllm` builds it)")
     kv_cache_gb: int = Field(2, ge=1, description="kind vllm on CPU: the started server's KV cache, GiB (vLLM's "
                                                   "VLLM_CPU_KVCACHE_SPACE, whole GiB)")
     start_timeout_s: float = Field(600.0, gt=0, description="kind vllm: how long the started server may take to "

