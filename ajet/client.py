@@ -78,21 +78,22 @@ class _EpisodeData:
     finished: bool = field(default=False, repr=False)
 
 
-class Episode(_EpisodeData):
-    """A running episode. Attributes: `episode_id`, `episode_token` (the episode's own secret: only the client
+class EpisodeHandle(_EpisodeData):
+    """The client's handle of a running episode of `ajet serve` (what `AjetClient.begin` and `episode()` return;
+    the record of a finished episode is `ajet.episode.Episode`, another thing). Attributes: `episode_id`, `episode_token` (the episode's own secret: only the client
     holding it can finish, abort or heartbeat the episode), `task` (dict: task_id, query, answer, metadata),
     `base_url` / `api_key` (OpenAI-compatible, record every call), `model`, `group_id`, `idle_timeout_s`
     (the server abandons the episode after this long without a call or heartbeat), `policy_version`.
 
     One implementation for both clients: an `AjetClient`'s episode (this class) calls the server at once, an
-    `AsyncAjetClient`'s (`AsyncEpisode`) returns each call as a coroutine to await.
+    `AsyncAjetClient`'s (`AsyncEpisodeHandle`) returns each call as a coroutine to await.
     """
 
     _client: AjetClient | AsyncAjetClient
     _asynchronous = False
 
     def openai(self, **kwargs):
-        """An `openai.OpenAI` client (`openai.AsyncOpenAI` for an `AsyncEpisode`) bound to this episode (kwargs go
+        """An `openai.OpenAI` client (`openai.AsyncOpenAI` for an `AsyncEpisodeHandle`) bound to this episode (kwargs go
         to its constructor; without `http_client` it shares the process's TLS context, `ajet.tls`)."""
         from openai import AsyncOpenAI, OpenAI
 
@@ -166,8 +167,8 @@ class Episode(_EpisodeData):
         return awaited()
 
 
-class AsyncEpisode(Episode):
-    """A running episode of an `AsyncAjetClient`: `Episode`'s methods as coroutines (`await ep.finish(...)`), and
+class AsyncEpisodeHandle(EpisodeHandle):
+    """A running episode of an `AsyncAjetClient`: `EpisodeHandle`'s methods as coroutines (`await ep.finish(...)`), and
     `openai()` an `openai.AsyncOpenAI`."""
 
     _asynchronous = True
@@ -258,7 +259,7 @@ class _EpisodeBlock:
             return "the client left the episode block without calling finish()", contextlib.nullcontext()
         return "".join(traceback.format_exception(exc)), contextlib.suppress(AjetClientError, httpx.TransportError)
 
-    def __enter__(self) -> Episode:
+    def __enter__(self) -> EpisodeHandle:
         self.ep = self.client.begin(*self.args)
         return self.ep
 
@@ -267,7 +268,7 @@ class _EpisodeBlock:
             with left[1]:
                 self.ep.fail(left[0])
 
-    async def __aenter__(self) -> AsyncEpisode:
+    async def __aenter__(self) -> AsyncEpisodeHandle:
         self.ep = await self.client.begin(*self.args)
         return self.ep
 
@@ -321,7 +322,7 @@ class _ClientBase:
         body = {"client_id": self.client_id, "task": task, "group_id": group_id, "dataset": dataset}
         return {k: v for k, v in body.items() if v is not None}
 
-    def _episode(self, data: dict[str, Any], cls: type[Episode]) -> Episode:
+    def _episode(self, data: dict[str, Any], cls: type[EpisodeHandle]) -> EpisodeHandle:
         """The episode `begin` got (`data`: the server's answer) as a `cls`, bound to this client."""
         ep = cls(**{k: data[k] for k in _EpisodeData.__dataclass_fields__ if k != "finished"})
         ep._client = self
@@ -362,7 +363,7 @@ class AjetClient(_ClientBase):
         return self._call(**self._end_args(episode_id, token, how, body))
 
     def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
-              dataset: str | None = None) -> Episode:
+              dataset: str | None = None) -> EpisodeHandle:
         """Begin an episode: the server's next task (of `dataset`, in a multi-task run), or your own `task`
         ({"query", "answer"?, "task_id"?, "metadata"?}) in GRPO group `group_id`. Waits (retrying) while the
         server has no task to hand out.
@@ -372,10 +373,10 @@ class AjetClient(_ClientBase):
                 wrong secret or an unknown `dataset`).
             httpx.TransportError: the server stayed unreachable for `retry_for_s` seconds.
         """
-        return self._episode(self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset)), Episode)
+        return self._episode(self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset)), EpisodeHandle)
 
     def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
-                dataset: str | None = None) -> contextlib.AbstractContextManager[Episode]:
+                dataset: str | None = None) -> contextlib.AbstractContextManager[EpisodeHandle]:
         """`with client.episode() as ep:` begin; an exception in the block (or no `finish`) fails the episode
         (the exception is re-raised).
 
@@ -426,12 +427,12 @@ class AsyncAjetClient(_ClientBase):
         return await self._call(**self._end_args(episode_id, token, how, body))
 
     async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
-                    dataset: str | None = None) -> AsyncEpisode:
+                    dataset: str | None = None) -> AsyncEpisodeHandle:
         data = await self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
-        return self._episode(data, AsyncEpisode)
+        return self._episode(data, AsyncEpisodeHandle)
 
     def episode(self, task: dict[str, Any] | None = None, group_id: str | None = None,
-                dataset: str | None = None) -> contextlib.AbstractAsyncContextManager[AsyncEpisode]:
+                dataset: str | None = None) -> contextlib.AbstractAsyncContextManager[AsyncEpisodeHandle]:
         """`async with client.episode() as ep:` (as `AjetClient.episode`)."""
         return _EpisodeBlock(self, task, group_id, dataset)
 
@@ -446,3 +447,25 @@ class AsyncAjetClient(_ClientBase):
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+_DEPRECATED = {"Episode": "EpisodeHandle", "AsyncEpisode": "AsyncEpisodeHandle"}
+
+
+def __getattr__(name: str) -> Any:
+    """`ajet.client.Episode` and `AsyncEpisode`, the names of `EpisodeHandle` and `AsyncEpisodeHandle` up to 0.1.0:
+    the classes themselves, with a DeprecationWarning (the old names go in the next release; `ajet.episode.Episode`
+    is the record of a finished episode, unrelated).
+
+    Raises:
+        AttributeError: any other name this module does not have.
+    """
+    if name in _DEPRECATED:
+        import warnings
+
+        new = _DEPRECATED[name]
+        warnings.warn(f"ajet.client.{name} is renamed ajet.client.{new} (ajet.episode.Episode is the record of a "
+                      f"finished episode, another class); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -219,6 +219,31 @@ def markdown() -> str:
         "config is loaded, never silently ignored.",
         "",
         "`NAME` stands for a name you choose (a harness, an MCP server); `[]` for each item of a list.",
+        "",
+        "## Overrides on the command line",
+        "",
+        "Any key can be set after the flags of a command that reads a config (`ajet --conf`, `ajet serve`, "
+        "`gateway`, `gateway rollback`, `eval`, `sft`, `harnesses`), dotted for a key in a section, without editing "
+        "the YAML:",
+        "",
+        "    ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug engine.kind=vllm "
+        "trainer.total_steps=2 rollout.temperature=0.7",
+        "",
+        "- The value is read as YAML, as the same key's line in the file would be: `0.7` a number, `true`/`false`, "
+        "`null` (or nothing after `=`), `[a, b]` a list, `{k: v}` a mapping, anything else a string. Quote a string "
+        "that would read as something else inside the shell's quotes: `experiment_name='\"2024\"'`.",
+        "- A digit names an item of a list: `data.train.1.weight=3`. A key set whole replaces the YAML's: "
+        "`workflow='{command: [python, agent.py]}'`. A key given twice: the later wins.",
+        "- The overrides are applied to the YAML's keys before they are checked, and checked the same way: an "
+        "unknown key is an error with a \"did you mean\" (`command line: unknown key ...`), a wrong value the "
+        "key's own error, marked \"(from the command line)\"; either exits with status 2 before anything loads.",
+        "- A relative path in a value resolves as the same line in the YAML file would: task files and "
+        "`file.py:Class` specs (workflow, judge) against the YAML file's folder first, then the current directory; "
+        "`model.path` and `trainer.exp_dir` against the current directory. So a file named from the current "
+        "directory is found unless the YAML's folder has one of the same name; an absolute path "
+        "(`$PWD/tasks.jsonl`) is never ambiguous.",
+        "- `--steps`, `--seed`, `--exp-dir`, `--backbone` and the other flags that set a key are short forms of "
+        "it (`--steps 5` is `trainer.total_steps=5`); a flag and an override of the same key are refused.",
     ]
     for g in groups():
         lines += ["", f"## {g.title}", ""]

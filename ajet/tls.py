@@ -2,7 +2,7 @@
 
 `openai.AsyncOpenAI(...)` builds an httpx client, and httpx builds a TLS context for it: `ssl.create_default_context`
 plus loading certifi's CA bundle, 20-60 ms of CPU on the 2-core machine (more under load) for every client, whether
-or not it ever speaks TLS. ajet builds one client per episode (`Tuner.client`, `Episode.openai`, `LLMJudge`):
+or not it ever speaks TLS. ajet builds one client per episode (`Tuner.client`, `EpisodeHandle.openai`, `LLMJudge`):
 hundreds per run, nearly all to the plain-HTTP proxy on 127.0.0.1. The clients built here share one context, made on
 first use with httpx's defaults (certifi's bundle; `SSL_CERT_FILE` / `SSL_CERT_DIR` when set), so a client that
 does reach an https URL verifies certificates and host names exactly as before. An `ssl.SSLContext` may be shared by

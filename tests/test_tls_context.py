@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from ajet.client import AsyncEpisode, Episode
+from ajet.client import AsyncEpisodeHandle, EpisodeHandle
 from ajet.tls import shared_ssl_context
 from ajet.workflow import Tuner
 
@@ -42,12 +42,12 @@ def test_twenty_episode_clients_load_the_ca_bundle_once(ca_loads):
     import openai
 
     clients = [Tuner("http://127.0.0.1:9/v1", "k", "m", f"e{i}").client for i in range(20)]
-    clients += [_episode(Episode).openai() for _ in range(5)] + [_episode(AsyncEpisode).openai() for _ in range(5)]
+    clients += [_episode(EpisodeHandle).openai() for _ in range(5)] + [_episode(AsyncEpisodeHandle).openai() for _ in range(5)]
     assert len(ca_loads) == 1
     assert len({id(c._client) for c in clients}) == 30        # each client its own httpx client (its own pool)
     # a client given its own http_client keeps it
     own = openai.DefaultHttpxClient()
-    assert _episode(Episode).openai(http_client=own)._client is own
+    assert _episode(EpisodeHandle).openai(http_client=own)._client is own
     # what the SDK builds without ajet loads the bundle per client: the count above is the shared context's doing
     openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="k")
     assert len(ca_loads) == 2 + 1                             # `own` above, and this one
