@@ -151,3 +151,12 @@ def test_overrides_change_a_real_run(tmp_path, tiny_model_dir):
     assert not (exp / "tensorboard").exists()
     tasks = {json.loads(line)["task"]["task_id"] for line in (exp / "trajectories.jsonl").read_text().splitlines()}
     assert tasks == {"cli_task"}
+
+
+def test_overrides_without_a_config_and_the_help(capsys):
+    assert main(["harnesses", "trainer.seed=1"]) == 2
+    assert "KEY=VALUE overrides change a config: give it with --conf X.yaml" in capsys.readouterr().err
+    for command in (["eval"], ["serve"], ["gateway", "rollback"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        assert "KEY=VALUE" in capsys.readouterr().out
