@@ -65,7 +65,8 @@ build_vllm() {   # vLLM and its torch into $base
 
 key=$("$py" - "$package==$version" "$(declare -f build_vllm ci_cpu_torch_wheel)" <<'PY'
 import hashlib, json, os, sys
-print(hashlib.sha256(json.dumps([*sys.argv[1:], sys.version, os.path.realpath(sys.executable)]).encode()).hexdigest()[:16])
+inputs = [*sys.argv[1:], sys.version, os.path.realpath(sys.executable)]
+print(hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16])
 PY
 )
 base="$cache/vllm-$key"

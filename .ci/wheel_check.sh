@@ -2,16 +2,22 @@
 # The wheel as a user gets it: build it, install it (NOT editable) into a fresh venv, and from a folder outside
 # the checkout run `ajet --version`, `ajet --help` (every command listed), `ajet harnesses`, `ajet init --kind math`
 # (the main job's files), `ajet backbone-env verl --cache-path` (the shipped venv builder, reading the installed
-# metadata), check the LICENSE in the installed .dist-info, and one training step of a tiny config
-# (the random 2-layer model of tests/tiny_model.py, the debug backbone). An editable install or the checkout on
-# sys.path would hide a package or data file missing from the wheel, so the venv has no system site-packages,
-# PYTHONPATH is unset, and the script fails if `ajet` or `ajet.backbones` is imported from the checkout.
+# metadata), check the LICENSE in the installed .dist-info, one training step of a tiny config (the random 2-layer
+# model of tests/tiny_model.py, the debug backbone), and `ajet backbone-env vllm`: the vLLM engine's venv made by the
+# wheel's own script in the machine's venv cache (the key is the checkout's: seconds once .ci/make_vllm_env.sh, or
+# .ci/run's vllm-env part beside this one, built it; a build under way is waited for), checked to import vLLM and
+# to be what the installed vLLM engine finds (AJET_CI_VLLM_ENV=0, as for .ci/run, leaves it out). An editable
+# install or the checkout on sys.path would hide a package or data file missing from the wheel, so the venv has no
+# system site-packages, PYTHONPATH is unset, and the script fails if `ajet` or `ajet.backbones` is imported from the
+# checkout.
 #
 # Dependencies come through uv (its cache makes a rerun take seconds). torch is the wheel that pip resolves for
 # `torch==2.13.0` (the README's pin, through pip's own configuration: on a CPU machine that is the CPU wheel);
 # a torch that requires nvidia-* CUDA packages is refused before anything is installed.
 # Prints the seconds each part took. On the 2-core machine shared at load 13-15: 2 min 8 s with a warm uv cache,
-# 3 min 5 s with a cold one (build 18 s, venv 36 s, training step 118 s, cleanup 12 s); 37 s of CPU in all.
+# 3 min 5 s with a cold one (build 18 s, venv 36 s, training step 118 s, cleanup 12 s); 37 s of CPU in all. At load
+# 8, 2026-12-06: 4 min 50 s, of which the vLLM venv's part 41 s with it cached (linking it 1 s; the rest is
+# importing vLLM, and torch for the engine's lookup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -124,4 +130,18 @@ if not trained:
     sys.exit(f"wheel_check: exp/metrics.jsonl has no training step: {steps}")
 print(f"trained {len(trained)} step(s); metrics keys: {len(trained[-1])}")
 EOF
+
+# 5) the vLLM engine's venv from the wheel (the machine's cache; .venvs/vllm here links it)
+if [ "${AJET_CI_VLLM_ENV:-1}" != 0 ]; then
+  step "ajet backbone-env vllm (the machine's venv cache)"
+  ajet backbone-env vllm > vllm-env.txt 2>&1 || {
+    tail -n 40 vllm-env.txt >&2; echo "wheel_check: ajet backbone-env vllm failed" >&2; exit 1; }
+  tail -n 2 vllm-env.txt
+  grep -q "/.venvs/vllm -> .* on disk) in " vllm-env.txt || {
+    echo "wheel_check: ajet backbone-env vllm did not say where the venv is and its size" >&2; exit 1; }
+  .venvs/vllm/bin/python -c "import vllm; print('vllm', vllm.__version__, 'imports')" 2>&1 | tail -n 1
+  found=$("$work/venv/bin/python" -c "from ajet.engines.vllm_server import find_vllm_python; print(find_vllm_python())")
+  [ "$(cd "$(dirname "$found")" && pwd -P)" = "$(cd .venvs/vllm/bin && pwd -P)" ] || {
+    echo "wheel_check: the installed vLLM engine found '$found', not .venvs/vllm" >&2; exit 1; }
+fi
 step "passed (and the venv is removed now)"
