@@ -63,5 +63,15 @@ class WalStore:
                 self._db.executemany(sql, rows)
 
     def close(self) -> None:
-        """Close the connection (the store is unusable afterwards)."""
+        """Close the connection (the store is unusable afterwards), leaving only the database file: the WAL is
+        checkpointed into it and the file is switched back to rollback-journal mode, so neither this close nor a
+        later read-only reader (the plots, `ajet view`) leaves `-wal`/`-shm` files beside it. While another
+        connection has it open (a viewer) the switch is skipped: that reader's files stay until it closes.
+        The next `open_wal` switches the file to WAL again. Closing twice is harmless."""
+        try:
+            with self._write:
+                self._db.execute("PRAGMA busy_timeout=0")   # a reader holding it: skip the switch, never wait
+                self._db.execute("PRAGMA journal_mode=DELETE")
+        except sqlite3.Error:   # busy (another connection reads it) or already closed
+            pass
         self._db.close()
