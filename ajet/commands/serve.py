@@ -6,8 +6,6 @@ episodes that clients anywhere begin and finish (docs/serve.md; the source: ajet
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
 import threading
@@ -15,10 +13,12 @@ from pathlib import Path
 
 from ajet.config import AjetConfig
 from ajet.guard import server_secret
+from ajet.interrupt import StopSignals, Stopped, exit_status, signal_name
 from ajet.rollout import Rollout, RolloutContext, RunMode
 from ajet.serve import ServeSource
 
-INTERRUPTED_EXIT = 130  # the exit status after Ctrl-C (128 + SIGINT, as a shell reports it)
+INTERRUPTED_EXIT = exit_status(signal.SIGINT)  # the exit status after Ctrl-C (128 + SIGINT, as a shell reports it); 143 after
+# SIGTERM
 
 
 def serve(cfg: AjetConfig) -> Path:
@@ -28,8 +28,8 @@ def serve(cfg: AjetConfig) -> Path:
         ConfigError: what `cfg.for_mode("serve")` refuses (ajet/config/experiment.py): a non-loopback `serve.host`
             without a secret (`serve.secret` or AJET_SECRET), `serve.local_workers` without a `workflow`; or any
             config problem `ajet.trainer.run` raises.
-        SystemExit: `INTERRUPTED_EXIT` after Ctrl-C, once the server has stopped (one line on stderr says where
-            the run is and how to continue it; no traceback).
+        SystemExit: `INTERRUPTED_EXIT` after Ctrl-C (143 after SIGTERM), once the server has stopped (one line
+            on stderr says where the run is and how to continue it; no traceback). A second one exits at once.
     """
     from ajet.trainer import run
 
@@ -44,13 +44,18 @@ def serve(cfg: AjetConfig) -> Path:
                           f"clients: AJET_URL=http://{host}:<port shown below> AJET_SECRET=<secret>")
         return ServeSource(ctx, secret, interrupted)
 
-    with _ctrl_c(interrupted):
+    # the first Ctrl-C / SIGTERM stops the server without waiting for its clients (`ServeSource.close`); outside
+    # the main thread (no signal handler can be set there) nothing changes
+    with StopSignals(interrupted.set) as stop:
         try:
             return run(cfg, serve_mode(cfg, make_source))
-        except KeyboardInterrupt:
-            print(f"ajet serve: stopped by Ctrl-C; finished episodes are stored in {cfg.exp_path()}: continue with "
-                  "the same command and --resume", file=sys.stderr, flush=True)
-            raise SystemExit(INTERRUPTED_EXIT) from None
+        except BaseException as exc:   # after a stop: whatever the muted cleanup raised is not the story
+            if stop.signum is None and not isinstance(exc, KeyboardInterrupt):
+                raise
+            signum = stop.signum or (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
+    print(f"ajet serve: stopped by {signal_name(signum)}; finished episodes are stored in {cfg.exp_path()}: continue "
+          "with the same command and --resume", file=sys.stderr, flush=True)
+    raise SystemExit(exit_status(signum))
 
 
 def serve_mode(cfg: AjetConfig, make_source) -> RunMode:
@@ -65,27 +70,3 @@ def serve_mode(cfg: AjetConfig, make_source) -> RunMode:
                        step_line=source.step_line)
 
     return RunMode(setup, read_datasets, port=cfg.serve.port, server=True)
-
-
-@contextlib.contextmanager
-def _ctrl_c(interrupted: threading.Event):
-    """While serving: the first Ctrl-C (SIGINT) sets `interrupted` and raises KeyboardInterrupt (the server stops
-    without waiting for clients: `ServeSource.close`); a second one while it stops ends the process at once
-    (exit status `INTERRUPTED_EXIT`). Outside the main thread (no signal handler can be set there) nothing changes."""
-    def on_sigint(_signum, _frame):
-        if interrupted.is_set():
-            print("ajet serve: second Ctrl-C: exiting now", file=sys.stderr, flush=True)
-            os._exit(INTERRUPTED_EXIT)
-        interrupted.set()
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:          # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-

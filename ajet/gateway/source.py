@@ -195,13 +195,13 @@ class GatewaySource:
         progress.note(self.ctx.console, f"gateway: training done ({self.ctx.cfg.trainer.total_steps} updates); serving "
                       f"version {version} until stopped (Ctrl-C); feedback is still recorded, and `--resume` with a "
                       f"higher trainer.total_steps trains on it")
-        app = getattr(self.proxy, "app", None)
-        if app is not None:
-            app.training = "done"                  # /healthz says so
         try:                                       # SIGTERM (a service manager's stop): a clean shutdown too
             previous = signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         except ValueError:                         # not the main thread: Ctrl-C / close() only
             previous = None
+        app = getattr(self.proxy, "app", None)
+        if app is not None:                        # /healthz says so (once a SIGTERM is a clean shutdown)
+            app.training = "done"
         try:
             while not self._stop.wait(TICK_S):
                 if self.gate is not None:

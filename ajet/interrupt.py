@@ -1,0 +1,181 @@
+"""Ctrl-C (SIGINT) and SIGTERM for every `ajet` command: the first one stops the command cleanly, in one line.
+
+    with StopSignals() as stop:          # ajet/cli.py, around the command
+        command(args)                    # the first signal raises `Stopped` (a KeyboardInterrupt) in it: its
+                                         # `finally` blocks close the store, the proxy and the engine (server)
+    stop.signum                          # the signal that stopped it, or None
+
+The first signal mutes the process (its stdout and stderr file descriptors point at /dev/null, logging is off, and
+errors of threads and of objects being collected are not printed) while the command's cleanup runs, so what the
+proxy, asyncio or the engine say while they are torn down (cancelled requests, "Task exception was never
+retrieved") never reaches the terminal; `StopSignals.__exit__` unmutes it and the caller prints its one line
+(`stopped_line`). A second signal exits at once (`os._exit`) with the same status. Exit statuses are the shell's:
+128 + the signal (130 for SIGINT, 143 for SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def signal_name(signum: int) -> str:
+    """How a stop by `signum` is named to the user: "Ctrl-C" for SIGINT, else the signal's name ("SIGTERM")."""
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def exit_status(signum: int) -> int:
+    """The exit status after a stop by `signum`, as a shell reports a process the signal ended: 128 + signum."""
+    return 128 + signum
+
+
+class Stopped(KeyboardInterrupt):
+    """Raised in the main thread by the first SIGINT or SIGTERM (`StopSignals`); a KeyboardInterrupt, so every
+    `finally` and every `except KeyboardInterrupt` that cleans up after Ctrl-C runs for SIGTERM too.
+
+    Args:
+        signum: the signal received.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """The handlers of SIGINT and SIGTERM while a command runs (a context manager; the previous handlers are put
+    back on exit). Installed only in the main thread (elsewhere Python refuses signal handlers): there it does
+    nothing and `signum` stays None.
+
+    The first signal sets `signum`, calls each of `on_stop` (e.g. a server's "stop now" event), mutes the process
+    (see the module docstring) and raises `Stopped(signum)` where the main thread is. A second signal writes one
+    line to the real stderr and ends the process at once with `exit_status(signum)` (nothing more is cleaned up).
+
+    Args:
+        on_stop: callables run on the first signal, in the main thread, before `Stopped` is raised.
+    """
+
+    def __init__(self, *on_stop: Callable[[], Any]):
+        self.signum: int | None = None
+        self.on_stop = list(on_stop)
+        self._previous: dict[int, Any] = {}
+        self._saved_fds: dict[int, int] = {}
+        self._hooks: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self._unmute()
+
+    @property
+    def exit_status(self) -> int | None:
+        """`exit_status(signum)` once a signal stopped the command, else None."""
+        return None if self.signum is None else exit_status(self.signum)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self.signum is not None:
+            self._say(f"ajet: second {signal_name(signum)}: exiting now")
+            os._exit(exit_status(self.signum))
+        self.signum = signum
+        for callback in self.on_stop:
+            callback()
+        self._mute()
+        raise Stopped(signum)
+
+    def _say(self, line: str) -> None:
+        """Write `line` to the real stderr, muted or not."""
+        with contextlib.suppress(OSError):
+            os.write(self._saved_fds.get(2, 2), (line + "\n").encode())
+
+    def _mute(self) -> None:
+        """Point fds 1 and 2 at /dev/null (what Python buffered so far is flushed to the terminal first), turn
+        logging off, and stop printing errors of threads and of objects being collected."""
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):   # a flush the signal interrupted cannot be repeated here
+                stream.flush()
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                self._saved_fds[fd] = os.dup(fd)
+                os.dup2(null, fd)
+            os.close(null)
+        logging.disable(logging.CRITICAL)
+        self._hooks = (threading.excepthook, sys.unraisablehook)
+        threading.excepthook = lambda _args: None
+        sys.unraisablehook = lambda _args: None
+
+    def _unmute(self) -> None:
+        if not self._saved_fds:
+            return
+        for stream in (sys.stdout, sys.stderr):   # what the cleanup printed goes to /dev/null, not after the line
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, saved in self._saved_fds.items():
+            with contextlib.suppress(OSError):
+                os.dup2(saved, fd)
+                os.close(saved)
+        self._saved_fds.clear()
+        logging.disable(logging.NOTSET)
+        if self._hooks is not None:
+            threading.excepthook, sys.unraisablehook = self._hooks
+
+
+def continue_command(argv: list[str], resume: bool) -> str:
+    """The `ajet` command line of `argv` (as given to `ajet`), with `--resume` added when `resume` (and removed
+    when not), quoted for a POSIX shell."""
+    args = [a for a in argv if a != "--resume" and not a.startswith("trainer.resume=")]
+    return shlex.join(["ajet", *args, *(["--resume"] if resume else [])])
+
+
+def stopped_line(how: str, exp_dir: Path, total_steps: int, argv: list[str]) -> str:
+    """The one line a training command (train, sft, serve, gateway) prints after it was stopped by `how`
+    ("Ctrl-C", "SIGTERM"): the step reached (from `exp_dir/metrics.jsonl`: the last step logged), what is kept
+    (the newest complete checkpoint), and the command that continues (`argv` with --resume), e.g.
+    "stopped by Ctrl-C at step 3 of 16; checkpoint of step 2 kept in experiments/x; continue with: ajet --conf
+    x.yaml --resume". A run that trained no step says that the same command starts afresh."""
+    from ajet import checkpoint
+
+    done = _last_logged_step(exp_dir / "metrics.jsonl")
+    where = (f"after step {done} of {total_steps}" if done >= total_steps
+             else f"at step {done + 1} of {total_steps}")
+    newest = checkpoint.complete(exp_dir)
+    if newest:
+        step = newest[-1][0]
+        return (f"stopped by {how} {where}; checkpoint of step {step} kept in {exp_dir}; continue with: "
+                f"{continue_command(argv, True)}")
+    if done:
+        return (f"stopped by {how} {where}; no checkpoint yet (trainer.save_freq), so the run starts again at step "
+                f"1 with: {continue_command(argv, True)}")
+    return (f"stopped by {how} {where} before any step was trained; nothing to continue: the same command starts "
+            f"afresh: {continue_command(argv, False)}")
+
+
+def _last_logged_step(path: Path) -> int:
+    """The highest step of a metrics.jsonl (0 when missing, empty or unreadable)."""
+    import json
+
+    last = 0
+    with contextlib.suppress(OSError):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    last = max(last, row["step"])
+    return last
