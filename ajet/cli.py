@@ -136,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                "Through vLLM, 2 steps: ajet --conf tutorial/example_math_agent/math_agent.yaml --backbone=debug "
                "engine.kind=vllm trainer.total_steps=2\n"
                "The main job from an installed ajet: ajet init my_job --kind math, then the command it prints\n\n"
-               + command_list() + "\n\n`ajet COMMAND --help` shows a command's flags.",
+               + command_list() + "\n\n`ajet COMMAND --help` shows a command's flags.\n"
+               "Threads: torch uses one per core; OMP_NUM_THREADS=N ajet ... sets how many (e.g. 1 per run when "
+               "several runs share a machine).\n"
+               "Ctrl-C or SIGTERM stops a run in one line that says what is kept and the command that continues.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
     return _run_flags(p)
@@ -284,6 +287,7 @@ def _load(args: argparse.Namespace, mode: str = "train", **extra):
              **extra}
     cfg = load_config(args.conf, _overrides(args, flags), mode=mode)
     check_supported(cfg)   # a setting the chosen backbone does not honour: a ConfigError, before its packages load
+    args.loaded_config = cfg   # for the line a stop by Ctrl-C / SIGTERM prints (`main`)
     return cfg
 
 
@@ -495,11 +499,38 @@ def main(argv: list[str] | None = None) -> int:
         # nor the libraries' bars (Hugging Face's loading/writing of weights, any tqdm), read when they are imported
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
-    try:
-        return command(args)
-    except AjetError as exc:
-        print(f"ajet: error: {exc}", file=sys.stderr)
-        return 2
+    from ajet.interrupt import StopSignals
+
+    # Ctrl-C / SIGTERM: the command's cleanup runs muted, then one line says where it stopped (exit 130 / 143)
+    with StopSignals() as stop:
+        try:
+            status = command(args)
+        except BaseException as exc:   # after a stop signal: whatever the cleanup raised is not the story
+            if stop.signum is not None:
+                pass
+            elif isinstance(exc, AjetError):
+                print(f"ajet: error: {exc}", file=sys.stderr)
+                return 2
+            else:
+                raise
+    if stop.signum is not None:
+        print(_stopped(argv, args, stop.signum), file=sys.stderr, flush=True)
+        return stop.exit_status
+    return status
+
+
+def _stopped(argv: list[str], args: argparse.Namespace, signum: int) -> str:
+    """The one line after a command was stopped by `signum`: for a training command (train, sft, serve,
+    gateway) the step reached, what is kept and the command that continues (`ajet.interrupt.stopped_line`)."""
+    from ajet.interrupt import continue_command, signal_name, stopped_line
+
+    how, name = signal_name(signum), argv[0] if argv and argv[0] in SUBCOMMANDS else ""
+    prog, cfg = f"ajet {name}".rstrip(), getattr(args, "loaded_config", None)
+    if name in ("", "sft", "serve", "gateway") and cfg is not None:
+        return f"{prog}: {stopped_line(how, cfg.exp_path(), cfg.trainer.total_steps, argv)}"
+    if name in ("", "sft", "serve", "gateway", "eval"):
+        return f"{prog}: stopped by {how} before it finished; run it again with: {continue_command(argv, False)}"
+    return f"{prog}: stopped by {how}"
 
 
 def _entry() -> None:  # console-script entry point
