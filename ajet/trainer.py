@@ -29,11 +29,12 @@ from ajet.algorithm.guards import (NON_FINITE_LOGPROB, OUT_OF_VOCAB, STALE_POLIC
 from ajet.algorithm.sampling import zero_std_groups
 from ajet.config import AjetConfig
 from ajet.episode import Episode
-from ajet.errors import AjetError, ConfigError
+from ajet.errors import AjetError
 from ajet.failures import failure_counts, failure_lines, failure_message, failure_summary
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
 from ajet.progress import fmt_duration
+from ajet.run_folder import check_exp_dir
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
 
@@ -56,7 +57,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
 
     Raises:
         ConfigError: a setting `cfg.backbone` does not honour (`ajet.backbones.capabilities.check_supported`),
-            before anything runs.
+            before anything runs; the experiment folder holds trained steps and `trainer.resume` is off (a run
+            there that trained nothing is moved aside instead: `ajet.run_folder.check_exp_dir`).
         AjetError subclasses for config, workflow-loading or backbone problems (before anything is written into
         a new experiment folder); AjetError when `trainer.max_failed_steps` steps in a row produce no usable
         episode, when no step of the run had one (nothing trained, no checkpoint), and when the held-out
@@ -76,7 +78,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     mode = mode or in_process_mode()
     check_supported(cfg)   # a setting the backbone does not honour: refused before anything runs or is written
     exp_dir = cfg.exp_path()
-    _check_exp_dir(exp_dir, cfg.trainer.resume)
+    # a folder with trained steps needs --resume; one whose run trained nothing is moved aside (ajet/run_folder.py)
+    moved_aside = check_exp_dir(exp_dir, cfg.trainer.resume, mode.server)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     datasets = mode.read_datasets(cfg)
@@ -90,6 +93,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     store = TrajectoryStore(store_path) if store_path.exists() else None   # (only a resumed run has one)
     attempt = store.begin_attempt(resumed_step) if store is not None else 0   # a new store's first attempt is 0
     console = _console(cfg)
+    if moved_aside:
+        note(console, moved_aside)
     progress: list[Callable[..., None]] = [lambda status=None: None]
     collecting = [first_step]                     # the step whose progress bar is shown
     rollout: Rollout | None = None
@@ -405,19 +410,6 @@ def _no_usable_episode(head: str, episodes: list[Episode], cfg: AjetConfig, exp_
     why = failure_lines(episodes) or [f"(no episode failed: failed_episode_policy {policy} dropped every group)"]
     return (f"{head}; the last step's episodes failed with:\n" + "\n".join(f"  {line}" for line in why)
             + f"\n(every episode and its traceback is in {exp_dir / 'trajectories.sqlite'}: ajet show {exp_dir})")
-
-
-def _check_exp_dir(exp_dir: Path, resume: bool) -> None:
-    """Refuse to train into a folder that holds another run unless resuming it.
-
-    Raises:
-        ConfigError: `exp_dir` has a run's files and `resume` is False.
-    """
-    found = [n for n in ("trajectories.sqlite", "metrics.jsonl", "checkpoints", "config.json") if (exp_dir / n).exists()]
-    if found and not resume:
-        raise ConfigError(f"the experiment folder {exp_dir} already holds a run ({', '.join(found)}): add --resume "
-                          f"to continue it, or choose another folder with --exp-dir (or trainer.exp_dir / "
-                          f"experiment_name in the config)")
 
 
 def _trainable(episodes: list[Episode], policy: str) -> list[Episode]:

@@ -97,8 +97,10 @@ def test_a_used_experiment_folder_needs_resume(tiny_model_dir, tmp_path, capsys)
     from ajet.cli import main
 
     conf, exp = _setup(tmp_path, tiny_model_dir, steps=1), tmp_path / "exp"
-    exp.mkdir()
-    (exp / "metrics.jsonl").write_text("")
+    store = TrajectoryStore(exp / "trajectories.sqlite")   # a run that trained step 1 (no checkpoint: save_freq)
+    store.mark_trained(1, store.begin_attempt(0), [("e0", 0)])
+    store.close()
+    (exp / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["--conf", str(conf), "--exp-dir", str(exp)]) == 2
     err = capsys.readouterr().err
     assert f"the experiment folder {exp} already holds a run" in err and "--resume" in err and "--exp-dir" in err
