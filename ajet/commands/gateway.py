@@ -78,7 +78,8 @@ def gateway(cfg: AjetConfig) -> Path:
             limiter = None if g.rate_limit_rps is None else RateLimiter(
                 g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
             return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate, hosts,
-                              max_queued=g.max_queued, decoding=cfg.rollout.max_batch_size // g.n)
+                              max_queued=g.max_queued, decoding=cfg.rollout.max_batch_size // g.n,
+                              read_timeout_s=g.read_timeout_s)
 
         return GatewaySource(ctx, book, app, gate)
 
@@ -86,7 +87,28 @@ def gateway(cfg: AjetConfig) -> Path:
         source = make_source(ctx)
         return Rollout(source, update=source, after_training=source.serve_after_training)
 
+    if cfg.trainer.resume:                          # before the trainer picks the checkpoint it resumes from
+        _discard_uncommitted(cfg)
     return run(cfg, RunMode(setup, port=g.port, server=True))   # no datasets: its episodes are its sessions
+
+
+def _discard_uncommitted(cfg: AjetConfig) -> None:
+    """Remove the checkpoint of a version an update wrote but never committed (no `versions` row: the gateway
+    was stopped between the two, ajet/gateway/versions.py), so that `--resume` serves the last committed one."""
+    from ajet.gateway.store import GatewayStore
+    from ajet.gateway.versions import VersionStore
+
+    path = cfg.exp_path() / "gateway.sqlite"
+    if not path.is_file():
+        return
+    store = GatewayStore(path)
+    try:
+        removed = VersionStore(cfg.exp_path(), cfg.gateway.gate.keep_versions).discard_uncommitted(store.versions())
+    finally:
+        store.close()
+    for folder in removed:
+        print(f"gateway: removed {folder.name}: its version was written but never served (stopped before its "
+              "record)", flush=True)
 
 
 def rollback_main(conf: str, exp_dir: str | None = None, to: int | None = None, wait_s: float = 30.0,

@@ -117,6 +117,7 @@ def read_recorded(exp_dir: str | Path, min_reward: float | None = None,
         raise ConfigError(f"sft.from_dir: {exp_dir} holds neither trajectories.sqlite nor trajectories.jsonl: pass the "
                           f"folder a finished run wrote (its trainer.exp_dir)")
     if gateway:
+        episodes = _one_per_session(exp_dir, episodes)
         episodes += _from_gateway(exp_dir, {e.episode_id for e in episodes})
     out = []
     for e in episodes:
@@ -127,6 +128,29 @@ def read_recorded(exp_dir: str | Path, min_reward: float | None = None,
         if e.samples:
             out.append(e)
     return out
+
+
+def _one_per_session(exp_dir: Path, episodes: list[RecordedEpisode]) -> list[RecordedEpisode]:
+    """A gateway's stored episodes with one row per session: an episode id is a session (or a best-of-N candidate),
+    so a session stored by several attempts (a gateway stopped before its update was recorded takes it again after
+    `--resume`) is the same conversation each time. Kept: the attempt a live update trained it in (the trajectory
+    store's ledger), else the newest one; in the order of the rows kept."""
+    if not (exp_dir / "trajectories.sqlite").is_file():
+        return episodes
+    from ajet.trajectory_store import TrajectoryStore
+
+    store = TrajectoryStore(exp_dir / "trajectories.sqlite")
+    try:
+        trained = {(e["episode_id"], e["attempt"]) for e in store.ledger() if e["trained_in"]}
+    finally:
+        store.close()
+    best: dict[str, RecordedEpisode] = {}
+    for e in episodes:                             # storage order: a later attempt wins unless the earlier trained
+        kept = best.get(e.episode_id)
+        if kept is None or (e.episode_id, e.attempt) in trained or (kept.episode_id, kept.attempt) not in trained:
+            best[e.episode_id] = e
+    chosen = {id(e) for e in best.values()}
+    return [e for e in episodes if id(e) in chosen]
 
 
 def _from_store(exp_dir: Path) -> list[RecordedEpisode]:

@@ -101,6 +101,10 @@ class GatewayConfig(_Section):
     max_queued: int = Field(64, ge=0, description="model calls that may wait for the engine beyond the "
                             "`rollout.max_batch_size` it decodes together (divided by `n`); a call beyond them is "
                             "answered 503 with Retry-After at once instead of waiting without bound")
+    read_timeout_s: float = Field(30.0, gt=0, description="a request's headers and body must arrive within this "
+                                  "many seconds of its first byte (of the connection, for its first request), else "
+                                  "the connection is closed; a model call takes a place in the queue (max_queued) "
+                                  "only once its body is complete")
     retention_days: float | None = Field(None, gt=0, description="trained or dropped sessions closed longer ago "
                                          "than this are deleted from gateway.sqlite, days; None: kept forever")
     after_training: Literal["serve", "stop"] = Field(

@@ -22,7 +22,10 @@ not allowed (403) and a POST whose Content-Type is not JSON (415); no answer car
 limit, a client address over it gets a 429 with `Retry-After` (not /healthz, /metrics): one bucket per source
 address, whatever api key or session it sends. Admission: at most `max_queued` model calls wait beyond the
 `decoding` the engine generates together (while an update holds calls, all of them wait); a call beyond them
-is answered at once with a 503 `overloaded` and `Retry-After` instead of waiting without bound. A client that
+is answered at once with a 503 `overloaded` and `Retry-After` instead of waiting without bound. A call is
+counted only once its body is complete, and a request whose headers and body do not arrive within
+`read_timeout_s` has its connection closed (ajet/gateway/timeouts.py), so slow uploads never take a place. A
+session is written to gateway.sqlite only when its first answer is recorded (ajet/gateway/sessions.py). A client that
 closes its connection while its call waits or generates gets nothing, and its generation is stopped (the
 proxy's `until_answered`). Refusals use the proxy's error contract (a 4xx/503 in the dialect's error shape
 naming the field); the proxy's per-episode paths (`/ep/...`) are not served.
@@ -45,6 +48,7 @@ from ajet import guard
 from ajet.gateway.gate import VersionGate
 from ajet.gateway.ops import RateLimiter, RequestMetrics
 from ajet.gateway.sessions import GatewayError, Session, SessionBook
+from ajet.gateway.timeouts import ReadTimeouts
 from ajet.proxy.server import RESPONSE_ID_HEADER, until_answered
 from ajet.proxy.turn import OpenEpisode
 from ajet.proxy.wire import ProxyError, json_response, load_json, log_client_gone, read_body, validated
@@ -99,16 +103,21 @@ class GatewayApp:
             loopback names only.
         max_queued: model calls that may wait beyond `decoding` (`gateway.max_queued`); None: no bound.
         decoding: model calls the engine generates together (`rollout.max_batch_size` // `gateway.n`).
+        read_timeout_s: seconds a request's headers and body may take (`gateway.read_timeout_s`; sets
+            `proxy.http_protocol`, so the app must be made before the proxy starts); None: no timeout.
     """
 
     def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version,
                  limiter: RateLimiter | None = None, gate: VersionGate | None = None,
                  allowed_hosts: list[str] | None = list(guard.LOCAL_HOSTS), max_queued: int | None = None,
-                 decoding: int = 1):
+                 decoding: int = 1, read_timeout_s: float | None = None):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
         self.allowed_hosts = allowed_hosts
         self.max_queued, self.decoding = max_queued, max(1, decoding)
         self.admitted = 0                           # model calls in the gateway now: generating or waiting
+        self.read_timeouts = ReadTimeouts(read_timeout_s) if read_timeout_s is not None else None
+        if self.read_timeouts is not None:
+            proxy.http_protocol = self.read_timeouts.protocol()
         self.limiter, self.metrics, self.gate = limiter, RequestMetrics(), gate
         self.first_version = policy_version()
         self.training = "running"                   # "done" once the last update is over (the gateway keeps serving)
@@ -167,7 +176,8 @@ class GatewayApp:
                                  f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")
             self._check_secret(scope)
             if path == "/metrics":
-                counts = {**self.book.counts_snapshot(), **(self.gate.counts if self.gate is not None else {})}
+                counts = {**self.book.counts_snapshot(), **(self.gate.counts if self.gate is not None else {}),
+                          "read_timeouts": self.read_timeouts.timed_out if self.read_timeouts is not None else 0}
                 text = self.metrics.render(counts, self.book.states(), self.policy_version(), self.first_version)
                 return await Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")(
                     scope, receive, send)
@@ -206,6 +216,8 @@ class GatewayApp:
             s = self.book.session_of_response(path_params.get("response_id", ""))
             token = s.endpoint.api_key if s is not None and s.endpoint is not None else self.util.api_key
             return await self.proxy_app(_to_episode(scope, token), receive, send)
+        request = Request(scope, receive)
+        raw = await read_body(request, self.proxy.max_body_bytes)   # before taking a place: a slow upload takes none
         if self.max_queued is not None and self.admitted >= self.decoding + self.max_queued:
             raise ProxyError(503, f"the gateway is busy: {self.admitted} model calls are being answered or wait for "
                              f"the engine ({self.decoding} generated together, gateway.max_queued {self.max_queued} "
@@ -213,8 +225,6 @@ class GatewayApp:
                              retry_after=BUSY_RETRY_AFTER_S)
         self.admitted += 1
         try:
-            request = Request(scope, receive)
-            raw = await read_body(request, self.proxy.max_body_bytes)
             if self.gate is None:
                 return await self._model_call(scope, receive, send, api, path_params, request, raw)
             # waits while a new policy is updated and evaluated; a client gone meanwhile leaves the queue

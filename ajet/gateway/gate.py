@@ -29,8 +29,12 @@ How an update goes (`VersionGate.update`, on the trainer thread, in place of `ba
 Serving while training (a backbone with `serve_while_training`, the debug backbone: `attach` turns it on): steps
 2-4 hold nothing. The update trains the trainer's copy of the weights while the engine serves its own; both
 evaluations run on `backbone.trainer_engine()` (an in-process engine over the trainer's copy: the serving weights
-before the update, the candidate after), beside the served engine; a candidate that passes is switched in by
-`backbone.publish()` (the rows in flight finish on the serving version first); a refused one is dropped by loading
+before the update, the candidate after), beside the served engine; a candidate that passes (with mode `off`:
+every update with finite numbers) is switched in by `backbone.publish()` (the rows in flight finish on the serving
+version first) only after its checkpoint and its `versions` row are durable, the row being the commit point, so
+that `kill -9` at any point leaves a restart serving a version no older than any answer given, with the same
+weights (ajet/gateway/versions.py; fault points gw_update, checkpoint, gw_checkpoint, gw_record, gw_publish of
+ajet/faults.py); a refused one is dropped by loading
 the serving checkpoint into the trainer's copy only. Rollbacks load into the trainer's copy, then switch. Backbones
 without it (verl, trinity) go as numbered above.
 
@@ -79,6 +83,7 @@ from typing import Any, Callable, Iterator
 
 from ajet.algorithm.guards import not_a_new_version
 from ajet.config import AjetConfig
+from ajet.faults import kill_point
 from ajet.gateway.store import GatewayStore
 from ajet.gateway.versions import VersionStore
 
@@ -233,6 +238,7 @@ class VersionGate:
             return self._update_beside(samples, step, trained, serving, tasks)
         if self.g.mode == "off":
             train = backbone.update(samples)
+            kill_point("gw_update", step)
             candidate = engine.policy_version
             if candidate != serving:
                 why = not_a_new_version(train)
@@ -246,6 +252,7 @@ class VersionGate:
         with self.hold.held():
             self._gating = serving
             train = backbone.update(samples)
+            kill_point("gw_update", step)
             candidate = engine.policy_version
             if candidate == serving:               # nothing was trained: nothing to gate
                 self._gating = None
@@ -260,12 +267,14 @@ class VersionGate:
         """`update` for a backbone that serves while it trains (`serve_while_training`): live calls are never
         held. The serving figure is measured on the trainer's copy before the update (it holds the serving
         weights then), the update trains that copy, the candidate is evaluated on it too (`trainer_engine`), and
-        only a candidate that passes is switched in (`publish`: streams in flight finish on `serving` first).
-        A refused one is dropped by loading the serving checkpoint into the trainer's copy (nothing served
-        changes)."""
+        only a candidate that passes is switched in (`publish`: streams in flight finish on `serving` first),
+        once its checkpoint and its `versions` row are durable (`_served`), so a restart after `kill -9` at any
+        point serves a version some client may have been answered by, with the same weights. A refused one is
+        dropped by loading the serving checkpoint into the trainer's copy (nothing served changes)."""
         backbone = self.backbone
         baseline = None if self.g.mode == "off" else self._serving_figure(step, tasks)
         train = backbone.update(samples)
+        kill_point("gw_update", step)
         candidate = backbone.candidate_version
         if candidate is None:                      # nothing was trained: nothing to gate
             return train
@@ -274,8 +283,9 @@ class VersionGate:
             if reason is not None:
                 self._refuse(step, candidate, serving, "update", None, None, reason)
                 return {**train, "gate/served": 0.0}
+            self._served(candidate, step, "ungated", None, trained)   # durable first, then switched in
             train.update(backbone.publish())
-            self._served(candidate, step, "ungated", None, trained)
+            kill_point("gw_publish", step)
             return train
         figure, reason = self._judge_candidate(step, train, tasks, baseline)
         served = self._decide(step, candidate, serving, tasks, baseline, figure, reason, trained)
@@ -312,12 +322,13 @@ class VersionGate:
         if reason is not None:
             self._refuse(step, candidate, serving, metric, baseline, figure, reason)
             return False
-        if self.beside:
-            self.backbone.publish()
         # (a replay figure is of this update's set only: not kept as the version's figure)
         self._served(candidate, step, "gate", figure if tasks is None else None, trained)
         self.store.add_gate(step, candidate, serving, metric, baseline, figure, self.g.max_drop, True,
                             "served" if tasks is None else f"served (replay of {len(tasks)} sessions)")
+        if self.beside:                            # switched in only once its checkpoint and rows are durable
+            self.backbone.publish()
+            kill_point("gw_publish", step)
         self._say(f"gate: step {step}: version {candidate} served ({self.g.metric} {figure:.4g}, reference "
                   f"{_fmt(baseline)})")
         return True
@@ -398,9 +409,13 @@ class VersionGate:
     def _served(self, version: int, step: int, how: str, figure: float | None,
                 trained: list[tuple[str, int]] = ()) -> None:
         """`version` is served from now: its checkpoint (as the end of `step`, with the episodes it trained on; it
-        supersedes an earlier version of that number), then the record."""
+        supersedes an earlier version of that number; its files fsynced), then its `versions` row (committed with
+        a full sync: the commit point, see `VersionStore.discard_uncommitted`). Serving while training, the
+        caller switches it in only after this returns."""
         self.versions.write(self.backbone, version, step, self.attempt, trained)
-        self.store.add_version(version, step, how, figure)
+        kill_point("gw_checkpoint", step)
+        self.store.add_version(version, step, how, figure, durable=True)
+        kill_point("gw_record", step)
         self.counts["swaps"] += 1
         self._prune(version)
 

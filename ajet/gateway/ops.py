@@ -82,6 +82,10 @@ class RequestMetrics:
                 "# HELP ajet_gateway_rollbacks_total Rollbacks to an earlier policy version.",
                 "# TYPE ajet_gateway_rollbacks_total counter",
                 f"ajet_gateway_rollbacks_total {counts.get('rollbacks', 0)}",
+                "# HELP ajet_gateway_read_timeouts_total Connections closed because a request's headers and body "
+                "did not arrive within gateway.read_timeout_s.",
+                "# TYPE ajet_gateway_read_timeouts_total counter",
+                f"ajet_gateway_read_timeouts_total {counts.get('read_timeouts', 0)}",
                 "# HELP ajet_gateway_policy_version The policy version served now.",
                 "# TYPE ajet_gateway_policy_version gauge",
                 f"ajet_gateway_policy_version {version}",

@@ -27,6 +27,11 @@ first). The chosen candidate continues the conversation (it is the session's cal
 each other candidate is a one-call episode of its own (`Candidate`, id `<session>~<k>`) whose reward is its judge
 score. A session's GRPO group is the session plus every candidate of its requests (source.py).
 
+Rows: a session is written to gateway.sqlite with its first recorded answer (in the same transaction), or with
+its first feedback; a session that ends (closed, idle) before either, e.g. every request refused by the proxy or
+abandoned by its client before the engine answered, leaves no row and is forgotten at its close, so the store
+grows with the calls it records, not with the requests it receives.
+
 Thread model: the proxy's event loop calls `resolve`, `activity` and `recorded`; HTTP worker threads call
 `feedback` and `close`; the reaper thread calls `tick`, the trainer `take`. One lock guards the state; SQLite
 writes happen under it (each is one short transaction), so what a caller is answered is already durable.
@@ -96,6 +101,7 @@ class Session:
         endpoint: its open proxy episode (`EpisodeEndpoint`), None once its close began.
         calls: its recorded calls, in order (filled from the proxy when it closes).
         responses: response id -> the policy version that produced it.
+        opened_at: clock time of its first request. stored: its `sessions` row is written (module docstring).
         last_seen: clock time of its last request start or end; closed_at: clock time of its close, set once
             its calls are taken from the proxy (None before: a closing session is still "open").
         reward, reward_source ("client" | "judge"), comment: its latest feedback.
@@ -121,6 +127,8 @@ class Session:
     live_calls: list[tuple[int, LLMCall]] = field(default_factory=list)   # (recording order, call) while open
     candidates: list[Candidate] = field(default_factory=list)   # best-of-N: the unchosen candidates, in order
     picks: dict[str, dict[str, Any]] = field(default_factory=dict)   # response id -> {"chosen", "scores"}
+    opened_at: float = 0.0
+    stored: bool = False
 
     @property
     def state(self) -> str:
@@ -180,7 +188,7 @@ class SessionBook:
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)   # notified when a session becomes ready for training
         self.counts = {"opened": 0, "closed": 0, "feedback": 0, "judged": 0, "dropped": 0, "judge_failed": 0,
-                       "best_of_requests": 0, "best_of_judge_failed": 0, "deleted": 0}
+                       "best_of_requests": 0, "best_of_judge_failed": 0, "deleted": 0, "forgotten": 0}
 
     # ---- restart -----------------------------------------------------------------------------------
     def load(self, stored: dict[str, StoredSession], trained: set[str]) -> None:
@@ -192,7 +200,7 @@ class SessionBook:
             for sid, st in stored.items():
                 s = Session(sid, st.query, st.found_by, last_seen=st.opened_at,
                             calls=[LLMCall.from_dict(c) for c in st.calls],
-                            responses=dict(st.responses))
+                            responses=dict(st.responses), opened_at=st.opened_at, stored=True)
                 if st.closed_at is None:
                     self.store.close_session(sid, "restart", now)
                 s.closed_at = st.closed_at if st.closed_at is not None else now
@@ -267,8 +275,8 @@ class SessionBook:
         sid = session_id or "s-" + secrets.token_hex(8)
         query = next((message_text(m.get("content")) for m in messages or [] if m.get("role") == "user"),
                      "")[:MAX_QUERY_CHARS]
-        self.store.open_session(sid, query, found_by)
-        s = Session(sid, query, found_by, endpoint=self.proxy.open_episode(sid), last_seen=self._clock())
+        now = self._clock()
+        s = Session(sid, query, found_by, endpoint=self.proxy.open_episode(sid), last_seen=now, opened_at=now)
         self._sessions[sid] = self._by_token[s.endpoint.api_key] = s
         self.counts["opened"] += 1
         return s
@@ -299,7 +307,9 @@ class SessionBook:
                 cands.append(Candidate(eid, response_id, k, scores[k] if k < len(scores) else None, call))
             picked = {"chosen": pick, "scores": scores} if pick is not None else None
             self.store.add_response(s.session_id, response_id, version, [c.to_dict() for c in calls],
-                                    [(c.episode_id, c.index, c.score, c.call.to_dict()) for c in cands], picked)
+                                    [(c.episode_id, c.index, c.score, c.call.to_dict()) for c in cands], picked,
+                                    opened=None if s.stored else (s.opened_at, s.query, s.found_by))
+            s.stored = True
             s.candidates += cands
             if picked is not None:
                 s.picks[response_id] = picked
@@ -400,6 +410,7 @@ class SessionBook:
             if s.dropped:
                 raise GatewayError(410, "session_dropped", f"session {s.session_id!r} was dropped ({s.dropped}); "
                                    "raise gateway.feedback_deadline_s to accept later feedback")
+            self._persist(s)
             self.store.add_feedback(s.session_id, reward, comment, "client", response_id)
             s.reward, s.reward_source, s.comment, s.rated_at = reward, "client", comment, self._clock()
             self.counts["feedback"] += 1
@@ -478,14 +489,22 @@ class SessionBook:
                 if s.calls and s.state == "rated":
                     s.calls, s.live_calls, s.candidates = [], [], []
 
+    def _persist(self, s: Session) -> None:
+        """Write `s`'s `sessions` row if it is not written yet (lock held)."""
+        if not s.stored:
+            self.store.open_session(s.session_id, s.query, s.found_by, at=s.opened_at)
+            s.stored = True
+
     def _end(self, s: Session, reason: str) -> tuple[Any, float] | None:
-        """Begin closing `s` (lock held): no request joins it from now, and its close is durable. Returns (its
-        endpoint, the close's clock time) for `_finish_close`, None when its close already began."""
+        """Begin closing `s` (lock held): no request joins it from now, and its close is durable (a session
+        without a row gets none: see the module docstring). Returns (its endpoint, the close's clock time) for
+        `_finish_close`, None when its close already began."""
         if s.endpoint is None:
             return None
         endpoint, s.endpoint, at = s.endpoint, None, self._clock()
         del self._by_token[endpoint.api_key]
-        self.store.close_session(s.session_id, reason)
+        if s.stored:
+            self.store.close_session(s.session_id, reason)
         self.counts["closed"] += 1
         return endpoint, at
 
@@ -493,17 +512,25 @@ class SessionBook:
         """Take the closing episode's calls from the proxy (lock not held: the close runs on its event loop, which
         may be busy for a while), then mark `s` closed at `at` together with them: only then can it be ready for
         training (`ready`, `take`) or judged. When the proxy fails to hand them over, `s` is dropped (never trained
-        on without its calls) and the error raised."""
+        on without its calls) and the error raised. A session without a row (no answer recorded, no feedback) is
+        forgotten instead: nothing of it reached the engine's record."""
         try:
             calls = self.proxy.close_episode(endpoint)
         except Exception:
             with self._lock:
                 s.closed_at, s.dropped = at, "its calls could not be taken from the proxy"
-                self.store.drop_session(s.session_id, s.dropped)
+                if s.stored:
+                    self.store.drop_session(s.session_id, s.dropped)
                 self.counts["dropped"] += 1
             raise
         with self._lock:
             s.calls, s.live_calls, s.closed_at = calls, [], at
+            if not s.stored and not calls and s.in_flight == 0:
+                if self._sessions.get(s.session_id) is s:
+                    del self._sessions[s.session_id]
+                self.counts["forgotten"] += 1
+                return
+            self._persist(s)
             self.changed.notify_all()
 
     def _judge(self, s: Session) -> None:

@@ -4,8 +4,9 @@ deletes a trained or dropped session's rows), each write is one transaction unde
 lock, records are JSON. What training used lives in trajectories.sqlite (its ledger); this file holds what the
 trainer has not seen yet, so that `kill -9` loses no acknowledged feedback and no recorded call:
 
-    sessions   one row per session opened: (session_id, opened_at, query: the first user message, by: how it was
-               found: "header" or "new")
+    sessions   one row per session with a recorded answer or a reward (written with the first of them; a session
+               whose requests never reached the engine has none): (session_id, opened_at, query: the first user
+               message, by: how it was found: "header" or "new")
     calls      one row per recorded LLM call of a session (its `LLMCall.to_dict()`), committed once the
                response that made it is recorded, before its last byte reaches the client
     responses  one row per answered request: (response_id: the body's `id`, session_id, policy_version)
@@ -119,11 +120,15 @@ class GatewayStore(WalStore):
 
     def add_response(self, session_id: str, response_id: str, policy_version: int, calls: list[dict[str, Any]],
                      candidates: list[tuple[str, int, float | None, dict[str, Any]]] = (),
-                     pick: dict[str, Any] | None = None) -> None:
+                     pick: dict[str, Any] | None = None,
+                     opened: tuple[float, str, str] | None = None) -> None:
         """Commit one answered request atomically: its response id, policy version and recorded calls; with
         best-of-N also its unchosen candidates `(episode_id, index, score, call record)` and its `pick`
-        (`{"chosen": index, "scores": [score | None] * N}`)."""
-        self._tx(("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?)",
+        (`{"chosen": index, "scores": [score | None] * N}`); with `opened` (opened_at, query, found_by) the
+        session's own row too (its first answer: a session is written with it, ajet/gateway/sessions.py)."""
+        self._tx(("INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?)",
+                  [(session_id, *opened)] if opened is not None else []),
+                 ("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?)",
                   [(response_id, session_id, policy_version, time.time())]),
                  ("INSERT OR IGNORE INTO calls VALUES (?, ?, ?, ?)",
                   [(c["call_id"], session_id, c["index"], dumps(c)) for c in calls]),
@@ -190,10 +195,22 @@ class GatewayStore(WalStore):
         return [(sid, reward, json.loads(record)) for sid, reward, record in rows if sid not in exclude][:n]
 
     # ---- policy versions, the evaluation gate, rollbacks (ajet/gateway/gate.py) ------------------------------
-    def add_version(self, version: int, step: int, how: str, figure: float | None) -> None:
-        """Record that `version` begins to be served now (`how`: start, gate, ungated, rollback)."""
-        self._tx(("INSERT INTO versions (version, step, how, figure, at) VALUES (?, ?, ?, ?, ?)",
-                  [(version, step, how, figure, time.time())]))
+    def add_version(self, version: int, step: int, how: str, figure: float | None, durable: bool = False) -> None:
+        """Record that `version` begins to be served now (`how`: start, gate, ungated, rollback). `durable`: commit
+        with `synchronous=FULL` (on disk when this returns, also across a power loss; the other writes are durable
+        across a process crash): an update's row is the commit point of its version (ajet/gateway/gate.py)."""
+        row = (version, step, how, figure, time.time())
+        with self._write:
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
+            try:
+                with self._db:
+                    self._db.execute("BEGIN")
+                    self._db.execute("INSERT INTO versions (version, step, how, figure, at) VALUES (?, ?, ?, ?, ?)",
+                                     row)
+            finally:
+                if durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
 
     def set_serving_figure(self, figure: float) -> None:
         """Fill in the gate figure of the version served now (its latest `versions` row)."""

@@ -16,12 +16,20 @@ Kept: for each of the `gateway.gate.keep_versions` versions served last, its new
 folder of all (where `--resume` starts); every other folder that names a gateway version is removed. A version
 number that comes back (the next update after a rollback to V is V + 1 again) is the newest folder holding it.
 
-Thread model: the trainer thread only (the gate's update, rollbacks and the trainer's own saves).
+Crash consistency: an update's version is committed by its `versions` row in gateway.sqlite, written after its
+folder is in place and fsynced, and it is switched in (answers anything) only after that row. A folder written
+by an update whose row is missing was never served: `discard_uncommitted` removes it before `--resume` picks
+its checkpoint, so the restart serves the last committed version and its number is free again (no client saw
+it). A version number that some answer carries always names one set of weights.
+
+Thread model: the trainer thread only (the gate's update, rollbacks and the trainer's own saves);
+`discard_uncommitted` before the trainer starts.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -63,7 +71,27 @@ class VersionStore:
 
         state = {"step": step, "attempt": attempt, "rollout": rollout_state(version, step, attempt, trained),
                  "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
-        return checkpoint.save(self.exp_dir, step, backbone, state, adapter_only=self.adapter_only)
+        folder = checkpoint.save(self.exp_dir, step, backbone, state, adapter_only=self.adapter_only)
+        fsync_tree(folder)
+        return folder
+
+    def discard_uncommitted(self, served: list[dict[str, Any]]) -> list[Path]:
+        """Remove every folder an update wrote for a version that has no `versions` row of its step (`served`:
+        `GatewayStore.versions()`): the gateway stopped between the folder and its row, so the version was never
+        switched in (module docstring). Folders without an update's `trained` list (the serving version's, the
+        trainer's own) are never removed. Returns the folders removed."""
+        rows = {(v["version"], v["step"]) for v in served}
+        removed = []
+        for step, path in checkpoint.complete(self.exp_dir):
+            try:
+                mine = (checkpoint.load_trainer_state(path).get("rollout") or {}).get(KEY) or {}
+            except Exception:  # noqa: BLE001 - an unreadable state: not this store's to remove
+                continue
+            if "trained" in mine and (mine.get("version"), step) not in rows:
+                shutil.rmtree(path, ignore_errors=True)
+                self._versions.pop(path, None)
+                removed.append(path)
+        return removed
 
     def folders(self) -> list[tuple[int, int | None, Path]]:
         """(step, version or None when not a gateway's, folder) of every complete checkpoint, oldest first."""
@@ -124,3 +152,21 @@ class VersionStore:
                 self._versions.pop(path, None)
                 removed.append(path)
         return removed
+
+
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, each folder, and `folder`'s parent (its rename), so that the checkpoint
+    survives a power loss too. Raises OSError when a file cannot be opened."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in [*(Path(r) for r, _, _ in os.walk(folder)), folder.parent]:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

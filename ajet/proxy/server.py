@@ -162,6 +162,9 @@ class ProxyServer:
         self._loop: asyncio.AbstractEventLoop | None = None    # the server's event loop, once started
         self._prepare_pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="ajet-prepare")
         self._server: uvicorn.Server | None = None
+        # uvicorn's `http` setting: "auto", or a protocol class (the gateway's closes a connection whose request
+        # does not arrive within its read timeout: ajet/gateway/timeouts.py); set before `start`
+        self.http_protocol: Any = "auto"
         self._stopping = False                                 # `stop` was called
         self._requests: set[asyncio.Task] = set()              # the tasks of the requests in flight (`_CatchAll`)
         self._failures = FailureLog()                          # engine failures: one warning per kind a minute
@@ -191,8 +194,8 @@ class ProxyServer:
         self.port = sock.getsockname()[1]
         # "auto": uvloop and httptools (the `uvicorn[standard]` extras ajet depends on) when importable;
         # proxy_headers off: nothing reads the client address that X-Forwarded-For would rewrite
-        config = uvicorn.Config(self.app, log_level="warning", loop="auto", http="auto", access_log=False,
-                                timeout_keep_alive=30, proxy_headers=False)
+        config = uvicorn.Config(self.app, log_level="warning", loop="auto", http=self.http_protocol,
+                                access_log=False, timeout_keep_alive=30, proxy_headers=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="ajet-proxy", daemon=True)
