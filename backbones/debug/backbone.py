@@ -498,8 +498,11 @@ class DebugBackbone(ServeWhileTraining):
             optimizers = ({"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
                           if self.adapters else {"optimizer": self.optimizer.state_dict()})
             engine_rng = self.engine.rng_state() if isinstance(self.engine, HFEngine) else None
+            # the weights written are the trainer's copy: a candidate not yet switched in (the gateway writes a
+            # version before it serves it) is saved as its own version
+            version = self.engine.policy_version if self.candidate_version is None else self.candidate_version
             torch.save({**optimizers, "engine_rng": engine_rng,
-                        "update_rng": self._rng.getstate(), "policy_version": self.engine.policy_version},
+                        "update_rng": self._rng.getstate(), "policy_version": version},
                        path / "backbone_state.pt")
         self.tokenizer.save_pretrained(path)
 
