@@ -16,7 +16,8 @@ from ajet.config.experiment import AjetConfig, Mode
 from ajet.errors import ConfigError
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode: Mode = "train") -> AjetConfig:
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode: Mode = "train",
+                overrides_source: str = "command line") -> AjetConfig:
     """Read a YAML experiment file into an `AjetConfig`.
 
     Args:
@@ -26,6 +27,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode:
             the same key's line in the YAML would hold (a relative path in it resolves as the YAML's own do).
             A digit names an item of a list (`data.train.0.weight`).
         mode: the command the config is checked for (`AjetConfig.mode`): train, eval, serve, gateway or sft.
+        overrides_source: how messages name where the overrides came from (`ajet.Job.from_yaml`: its keywords).
 
     Returns:
         The validated config, its `config_dir` the file's folder.
@@ -48,22 +50,48 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None, mode:
         raise ConfigError(f"{path}{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys to values, got {type(data).__name__}")
+    cfg = config_from_mapping(data, str(path), overrides, mode, overrides_source)
+    cfg.config_dir = path.resolve().parent
+    return cfg
+
+
+def config_from_mapping(data: dict[str, Any], source: str, overrides: dict[str, Any] | None = None,
+                        mode: Mode = "train", overrides_source: str | None = "command line") -> AjetConfig:
+    """An `AjetConfig` from a mapping of config keys (a YAML file's, or `ajet.Job`'s keyword arguments), checked as
+    `load_config` checks a file: unknown keys with a "did you mean", then the models' own validation.
+
+    Args:
+        data: the config's keys, nested by section (not changed).
+        source: how messages name where `data` came from (the YAML file, `Job(...)`).
+        overrides: dotted keys applied to `data` before validation (see `load_config`).
+        mode: the command the config is checked for (`AjetConfig.mode`).
+        overrides_source: how messages name where the overrides came from ("command line": `command line: unknown
+            key ...` and `(from the command line)` after a bad value); None: as `source`, with no suffix.
+
+    Returns:
+        The validated config (its `config_dir` None: relative paths resolve against the cwd).
+
+    Raises:
+        ConfigError: an unknown key (with a "did you mean"), wrong type or value, missing required key; the
+            message names `source` (an override's key: `overrides_source`) and every offending key.
+    """
+    import copy
+
     # an empty section (`rollout:` with every child commented out) means "all defaults"
-    data = {k: v for k, v in data.items() if not (v is None and k in _SECTIONS)}
+    data = {k: copy.deepcopy(v) for k, v in data.items() if not (v is None and k in _SECTIONS)}
     overrides = overrides or {}
     in_yaml, given = _unknown_keys(data, AjetConfig, ""), _unknown_keys(_override_tree(overrides), AjetConfig, "")
     if in_yaml or given:
-        raise ConfigError("\n".join(([f"{path}: " + "\n".join(in_yaml)] if in_yaml else []) +
-                                     (["command line: " + "\n".join(given)] if given else [])))
+        raise ConfigError("\n".join(([f"{source}: " + "\n".join(in_yaml)] if in_yaml else []) +
+                                     ([f"{overrides_source or source}: " + "\n".join(given)] if given else [])))
     for dotted, value in overrides.items():
         _set_dotted(data, dotted, value)
     try:
-        cfg = AjetConfig.model_validate({**data, "mode": mode})
+        return AjetConfig.model_validate({**data, "mode": mode})
     except ValidationError as exc:
-        raise ConfigError(f"{path}:\n" + "\n".join(describe(e) + _from_command_line(e, overrides)
-                                                    for e in exc.errors())) from exc
-    cfg.config_dir = path.resolve().parent
-    return cfg
+        raise ConfigError(f"{source}:\n" + "\n".join(
+            describe(e) + (_from_command_line(e, overrides, overrides_source) if overrides_source else "")
+            for e in exc.errors())) from exc
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -150,10 +178,10 @@ def _override_tree(overrides: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _from_command_line(err: dict[str, Any], overrides: dict[str, Any]) -> str:
-    """" (from the command line)" for a validation error at or under a key the overrides set."""
+def _from_command_line(err: dict[str, Any], overrides: dict[str, Any], source: str = "command line") -> str:
+    """" (from the command line)" (`source`) for a validation error at or under a key the overrides set."""
     key = ".".join(str(p) for p in err["loc"])
-    return " (from the command line)" if any(key == k or key.startswith(k + ".") for k in overrides) else ""
+    return f" (from the {source})" if any(key == k or key.startswith(k + ".") for k in overrides) else ""
 
 
 def _unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
