@@ -156,9 +156,12 @@ if [ "$mode" = checkout ]; then
   for folder in ajet tracker backbones; do ln -s "$repo/$folder" "$src/$folder"; done
   "$uv" pip install -q --python "$venv/bin/python" --no-deps -e "$src"
 else
-  # the installed ajet package, linked (one copy of its code, whatever installed it) and put on the venv's path;
-  # bin/ajet runs it with the venv's python
+  # the installed ajet package, linked (one copy of its code, whatever installed it) and put on the venv's path,
+  # with its metadata (`ajet --version`, importlib.metadata); bin/ajet runs it with the venv's python
   ln -s "$repo" "$src/ajet"
+  dist=$("$py" -c "from importlib.metadata import distribution
+print(next(f for f in distribution('ajet').files if f.name == 'METADATA').locate().parent)" 2>/dev/null || true)
+  if [ -n "$dist" ] && [ -d "$dist" ]; then ln -s "$(cd "$dist" && pwd -P)" "$src/"; fi
   site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   (cd "$src" && pwd) > "$site/ajet-installed.pth"
   printf '#!%s\nimport sys\nfrom ajet.cli import _entry\nsys.exit(_entry())\n' "$venvdir/bin/python" > "$venv/bin/ajet"

@@ -233,6 +233,10 @@ def test_backbone_env_runs_from_the_installed_wheel_with_the_machines_cache(whee
     where = subprocess.run([str(copy / "bin" / "python"), "-c", "import ajet.backbones; print(ajet.__file__)"],
                            cwd="/", capture_output=True, text=True, timeout=120, env=env)
     assert Path(where.stdout.strip()).resolve() == _site_packages(real / "venv") / "ajet" / "__init__.py", where
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    shown = subprocess.run([str(copy / "bin" / "ajet"), "--version"], cwd="/", capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert shown.stdout.strip() == f"ajet {version}", shown.stdout + shown.stderr     # with its metadata
 
     # the wheel's vLLM engine, started in a folder without .venvs, finds the machine's cached vLLM venv
     site = tmp_path / "site"
