@@ -24,7 +24,7 @@
 # the same key, so a wheel's `ajet backbone-env vllm` reuses a checkout's build). Its `.complete` stamp is written
 # last. .venvs/vllm is a symlink to it (the venv holds no ajet code, so checkouts and installs share it); the vLLM
 # engine also finds the most recently used complete entry from any folder (ajet/venv_cache.py). A cold build
-# downloads about 1 GB, takes 3.3 GB on disk and about 3 min on the 2-core machine (168 s, beside the two backbone
+# downloads about 1 GB, takes 3.5 GB on disk and about 3 min on the 2-core machine (168 s, beside the two backbone
 # builds); a later run with the same key takes a second or two. The 2 most recently used keys are kept. While it
 # runs, <venvs>/vllm.building names its process: the vLLM tests wait for the build (tests/test_vllm_engine.py).
 # Its last line says where the venv is, its size on disk, what it did and the seconds it took.
@@ -90,7 +90,7 @@ touch "$base.used"
 flock -u 9
 ln -s "$base" "$venv"
 
-# keep the 2 most recently used cached venvs (about 3.3 GB each); one being built holds its lock
+# keep the 2 most recently used cached venvs (about 3.5 GB each); one being built holds its lock
 ls -t "$cache"/vllm-*.used 2>/dev/null | tail -n +3 | while read -r used; do
   old="${used%.used}"
   ( flock -n 9 && rm -rf "$old" "$used" ) 9>"$old.lock" || true
