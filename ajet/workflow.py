@@ -149,3 +149,35 @@ class Workflow(abc.ABC):
         Raises:
             Anything: an exception marks the episode failed (recorded with its traceback, not trained on).
         """
+
+
+class FunctionWorkflow(Workflow):
+    """A `Workflow` whose episode is an `async def fn(task, tuner) -> WorkflowOutput` (a config's `workflow:
+    file.py:fn`, or the function given to `ajet.Job`); `__name__`/`__qualname__` name the function.
+
+    Raises:
+        TypeError: `fn` is not an `async def` function (a plain function cannot run beside the other episodes).
+    """
+
+    def __init__(self, fn: Any) -> None:
+        import inspect
+
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"{getattr(fn, '__qualname__', fn)!s} is not an `async def` function: an episode function "
+                            f"is `async def fn(task, tuner) -> WorkflowOutput` (or write a Workflow subclass)")
+        self.fn = fn
+
+    async def execute(self, task: Task, tuner: Tuner) -> WorkflowOutput:
+        """`await fn(task, tuner)`.
+
+        Raises:
+            TypeError: the function returned something else than a `WorkflowOutput` (the episode fails).
+        """
+        output = await self.fn(task, tuner)
+        if not isinstance(output, WorkflowOutput):
+            raise TypeError(f"{self.fn.__qualname__} must return WorkflowOutput, got {type(output).__name__}")
+        return output
+
+    def __repr__(self) -> str:
+        return f"FunctionWorkflow({self.fn.__module__}:{self.fn.__qualname__})"
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from ajet.proxy.server import ProxyServer
 from ajet.rollout import Rollout, RolloutContext, RunMode
 from ajet.rollout.command import CommandWorkflow
 from ajet.rollout.episodes import Judge, group_ids, rollout
-from ajet.workflow import Workflow
+from ajet.workflow import FunctionWorkflow, Workflow
 
 def load_workflow(cfg) -> Workflow:
     """The config's workflow: an instance of its `Workflow` class, a `CommandWorkflow`, or a `HarnessWorkflow`.
@@ -45,21 +46,42 @@ def load_workflow(cfg) -> Workflow:
         from ajet.harnesses.workflow import HarnessWorkflow
 
         return HarnessWorkflow(cfg.workflow, cfg.harnesses, cfg.config_dir)
-    workflow_cls = load_object(cfg.workflow, cfg.config_dir)   # a built-in workflow may read its config section
-    return workflow_cls.from_config(cfg) if hasattr(workflow_cls, "from_config") else workflow_cls()
+    # a built-in workflow may read its config section
+    return make_workflow(load_object(cfg.workflow, cfg.config_dir), cfg, cfg.workflow)
 
 
-def in_process_mode() -> RunMode:
+def make_workflow(obj: Any, cfg, name: str) -> Workflow:
+    """The workflow `obj` is: a `Workflow` subclass instantiated (`from_config(cfg)` when it has one), a `Workflow`
+    instance as is, an `async def fn(task, tuner)` as a `FunctionWorkflow`.
+
+    Raises:
+        ConfigError: `obj` is none of these (the message names it by `name`: the config's text, or the object).
+    """
+    import inspect
+
+    if isinstance(obj, type) and issubclass(obj, Workflow):
+        return obj.from_config(cfg) if hasattr(obj, "from_config") else obj()
+    if isinstance(obj, Workflow):
+        return obj
+    if inspect.iscoroutinefunction(obj):
+        return FunctionWorkflow(obj)
+    what = "a plain function" if inspect.isfunction(obj) else f"a {type(obj).__name__}"
+    raise ConfigError(f"workflow {name} is {what}: give a Workflow subclass or an `async def fn(task, tuner) -> "
+                      f"WorkflowOutput`")
+
+
+def in_process_mode(workflow: Workflow | None = None, judge: Judge | None = None) -> RunMode:
     """`ajet --conf`'s run mode (`ajet.trainer.run`'s default): the config's training datasets, the workflow run
-    in this process (or on Ray actors), with dynamic sampling's refill when `algorithm.dynamic_sampling` is on."""
+    in this process (or on Ray actors), with dynamic sampling's refill when `algorithm.dynamic_sampling` is on.
+    `workflow` and `judge` (objects, e.g. `ajet.Job`'s) replace the ones the config names."""
     from ajet.tasks import read_datasets
 
-    return RunMode(setup_in_process, read_datasets)
+    return RunMode(functools.partial(setup_in_process, workflow=workflow, judge=judge), read_datasets)
 
 
-def setup_in_process(ctx: RolloutContext) -> Rollout:
+def setup_in_process(ctx: RolloutContext, workflow: Workflow | None = None, judge: Judge | None = None) -> Rollout:
     """The `Rollout` of `in_process_mode`: an `InProcessRollout` (wrapped by `DynamicSampling` when enabled); the
-    held-out evaluation runs its workflow and judge.
+    held-out evaluation runs its workflow and judge (`workflow`, `judge`: given objects instead of the config's).
 
     Raises:
         ConfigError: the config has an `sft:` section (fine-tuning on recorded samples is `ajet.commands.sft.sft_mode`), or
@@ -70,7 +92,7 @@ def setup_in_process(ctx: RolloutContext) -> Rollout:
     if ctx.cfg.sft is not None:
         raise ConfigError("the config has an `sft:` section (fine-tuning on a finished run's recorded samples): run "
                           "it with `ajet sft` (from Python: ajet.trainer.run(cfg, ajet.commands.sft.sft_mode()))")
-    source = InProcessRollout.from_context(ctx)
+    source = InProcessRollout.from_context(ctx, workflow, judge)
     return Rollout(with_dynamic_sampling(source, ctx.cfg), workflow=source.workflow, judge=source.judge)
 
 
@@ -96,15 +118,16 @@ class InProcessRollout:
             self.run_episodes = RayRollout(r.ray_workers, r.ray_address)
 
     @classmethod
-    def from_context(cls, ctx: RolloutContext) -> InProcessRollout:
-        """Load the config's workflow (a class, or a command) and judge.
+    def from_context(cls, ctx: RolloutContext, workflow: Workflow | None = None,
+                     judge: Judge | None = None) -> InProcessRollout:
+        """Load the config's workflow (a class, or a command) and judge, unless given as objects.
 
         Raises:
             ConfigError: the workflow or judge cannot be loaded.
         """
         cfg = ctx.cfg
-        judge = load_judge(cfg)
-        return cls(ctx, load_workflow(cfg), judge)
+        judge = judge if judge is not None else load_judge(cfg)
+        return cls(ctx, workflow if workflow is not None else load_workflow(cfg), judge)
 
     def bind(self, proxy: ProxyServer) -> None:
         self.proxy = proxy
@@ -246,7 +269,8 @@ class InProcessRollout:
         self.sampler.set_state(state["sampler"])
 
     def metrics(self) -> dict[str, Any]:
-        return {}
+        """With --with-ray, the pool's figures (`rollout/ray_nodes`: nodes the last step's episodes ran on)."""
+        return self.run_episodes.metrics() if hasattr(self.run_episodes, "metrics") else {}
 
     def close(self) -> None:
         """Stop handing out work; with a producer, cancel the episodes still running (never stored: a resumed
