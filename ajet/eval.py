@@ -236,13 +236,13 @@ class Validator:
 
 
 def result_line(step: int, metrics: dict[str, float], first_step: int, first: dict[str, float]) -> str:
-    """The console line of a valid held-out evaluation at `step`: its scores (pass@1, pass@k, reward_mean; 3
-    decimals) and failed episodes, each score beside the first evaluation's (`first`, at `first_step`) as
-    "before -> after" once there is an earlier one, e.g. "held-out at step 16 (vs step 0): pass@1 0.312 -> 0.450 |
-    reward_mean 0.400 -> 0.520 | failed 0/160"."""
+    """The console line of a valid held-out evaluation at `step`: its scores (pass@k in percent, reward_mean;
+    `ajet.progress.fmt_score`) and failed episodes, each score beside the first evaluation's (`first`, at
+    `first_step`) as "before -> after" once there is an earlier one, e.g. "held-out at step 16 (vs step 0): pass@1
+    31.2% -> 45.0% (+13.8 points, 72/160) | reward_mean 0.400 -> 0.520 | failed 0/160"."""
     later = step != first_step
     parts = []
     for k in sorted((k for k in metrics if k in SCORE_KEYS or k.startswith("pass@")), key=lambda k: k == "reward_mean"):
-        parts.append(f"{k} {first[k]:.3f} -> {metrics[k]:.3f}" if later and k in first else f"{k} {metrics[k]:.3f}")
+        parts.append(progress.fmt_score(k, metrics[k], first[k] if later and k in first else None, metrics["episodes"]))
     parts.append(f"failed {metrics['failed']:.0f}/{metrics['episodes']:.0f}")
     return f"held-out at step {step}{f' (vs step {first_step})' if later else ''}: " + " | ".join(parts)

@@ -86,6 +86,21 @@ def fmt_duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def fmt_score(key: str, value: float, before: float | None = None, episodes: float | None = None) -> str:
+    """An evaluation score as the docs write it: a pass@k as a percentage with one decimal, pass@1 with its passed
+    episodes of `episodes` ("pass@1 10.6% (17/160)"), beside its value `before` with the change in points
+    ("pass@1 13.8% -> 59.4% (+45.6 points, 95/160)"); any other score (reward_mean) to 3 decimals
+    ("reward_mean 0.400 -> 0.520"). pass@1 is the mean over tasks of passed/n with n episodes each, so
+    pass@1 x episodes is the number passed."""
+    if not key.startswith("pass@"):
+        return f"{key} {value:.3f}" if before is None else f"{key} {before:.3f} -> {value:.3f}"
+    count = f"{round(value * episodes)}/{episodes:.0f}" if key == "pass@1" and episodes else ""
+    if before is None:
+        return f"{key} {100 * value:.1f}%" + (f" ({count})" if count else "")
+    change = f"{100 * (value - before):+.1f} points"
+    return f"{key} {100 * before:.1f}% -> {100 * value:.1f}% ({change}{', ' + count if count else ''})"
+
+
 class Phase:
     """One open phase: `done` of `total` units (episodes, mini-batches; total None: not counted) and named
     fields (`failed`, `pass@1`, `tokens`, ...). Thread-safe; a context manager that closes it.

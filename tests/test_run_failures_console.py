@@ -156,8 +156,12 @@ def test_a_log_has_whole_lines_held_out_before_after_and_no_loading_bars_and_sho
     assert any(line.startswith("ajet newcomer: ") and line.endswith(f"-> {exp}") for line in lines), out
     m = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
     before, after = m[0]["val/pass@1"], m[-1]["val/pass@1"]
-    assert f"held-out at step 0: pass@1 {before:.3f} | reward_mean {m[0]['val/reward_mean']:.3f} | failed 0/4" in lines
-    assert f"held-out at step 2 (vs step 0): pass@1 {before:.3f} -> {after:.3f} | reward_mean " \
+    # pass@1 as the docs write it: a percentage, then the passed episodes of the 4 (one episode per task)
+    passed = [round(4 * x) for x in (before, after)]
+    assert f"held-out at step 0: pass@1 {25 * passed[0]:.1f}% ({passed[0]}/4) | reward_mean " \
+           f"{m[0]['val/reward_mean']:.3f} | failed 0/4" in lines, out
+    assert f"held-out at step 2 (vs step 0): pass@1 {25 * passed[0]:.1f}% -> {25 * passed[1]:.1f}% " \
+           f"({25 * (passed[1] - passed[0]):+.1f} points, {passed[1]}/4) | reward_mean " \
            f"{m[0]['val/reward_mean']:.3f} -> {m[-1]['val/reward_mean']:.3f} | failed 0/4" in lines, out
     assert "Loading weights" not in out + err and "\r" not in out + err
 
