@@ -95,9 +95,7 @@ def is_user_file(path: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _library_roots() -> tuple[Path, ...]:
     """ajet's package folder and the interpreter's library folders."""
-    import ajet
-
-    roots = {Path(ajet.__file__).resolve().parent}
+    roots = {Path(__file__).resolve().parent}   # this module's folder is ajet's (no `import ajet`: its layers)
     for name in ("stdlib", "platstdlib", "purelib", "platlib"):
         with contextlib.suppress(KeyError):
             roots.add(Path(sysconfig.get_paths()[name]).resolve())

@@ -204,7 +204,7 @@ def test_init_and_a_harness_run_without_pytest_say_what_to_install_before_they_s
     written = ajet("init", "fix", "--kind", "harness")
     assert written.returncode == 0, written.stderr
     assert f"Before training: the tests judge (ajet.judges.tests:run_tests) {install}" in written.stdout.splitlines()
-    run = ajet("--conf", "fix/ajet.yaml", "--backbone=debug", "--exp-dir", "exp")
+    run = ajet("--conf", "fix/ajet.yaml", "--backbone=debug", "--steps", "1", "--exp-dir", "exp")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr == f"ajet: error: the tests judge (ajet.judges.tests:run_tests) {install}\n"
     assert not (tmp_path / "exp").exists()
