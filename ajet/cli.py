@@ -2,7 +2,7 @@
 command runs, so `ajet --help` is instant.
 
     ajet --conf X.yaml [--backbone debug] [--exp-dir DIR] [--steps N] [--seed N] [--with-ray [N]] [--resume]
-         [KEY=VALUE ...]                                                              train (the default)
+         [--ray-address ADDR] [KEY=VALUE ...]                                         train (the default)
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet gateway --conf X.yaml [--host H] [--port N] [--resume] ...                   live endpoint, learns from feedback
     ajet gateway rollback --conf X.yaml [--to VERSION]                                serve an earlier policy version
@@ -39,6 +39,8 @@ def _run_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, metavar="N", help="override trainer.seed (task order and sampling)")
     p.add_argument("--with-ray", nargs="?", const=2, type=_ray_workers, metavar="N",
                    help="run episodes on N Ray actors (default 2; rollout.ray_workers); needs pip install 'ajet[ray]'")
+    p.add_argument("--ray-address", metavar="ADDR", help="join the Ray cluster at HOST:PORT (`auto`: the one `ray "
+                   "start` made on this machine) instead of starting one (rollout.ray_address; docs/scale-out.md)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the experiment folder")
     return _overrides_arg(_quiet_flag(p))
 
@@ -78,6 +80,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 # the flags that set a config key themselves (an override of the same key as well is refused: give one)
 _FLAG_OF = {"backbone": "--backbone", "trainer.exp_dir": "--exp-dir", "trainer.total_steps": "--steps",
             "trainer.seed": "--seed", "rollout.ray_workers": "--with-ray", "trainer.resume": "--resume",
+            "rollout.ray_address": "--ray-address",
             "serve.host": "--host", "serve.port": "--port", "gateway.host": "--host", "gateway.port": "--port",
             "sft.from_dir": "--from", "sft.min_reward": "--min-reward", "sft.agent": "--agent",
             "eval.n": "--n", "eval.temperature": "--temperature", "model.path": "--model/--checkpoint"}
@@ -284,6 +287,7 @@ def _load(args: argparse.Namespace, mode: str = "train", **extra):
 
     flags = {"backbone": args.backbone, "trainer.exp_dir": args.exp_dir, "trainer.total_steps": args.steps,
              "trainer.seed": args.seed, "rollout.ray_workers": args.with_ray, "trainer.resume": args.resume or None,
+             "rollout.ray_address": args.ray_address,
              **extra}
     cfg = load_config(args.conf, _overrides(args, flags), mode=mode)
     check_supported(cfg)   # a setting the chosen backbone does not honour: a ConfigError, before its packages load

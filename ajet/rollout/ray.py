@@ -7,14 +7,24 @@ in-process rollout (`ajet.rollout.episodes.rollout`, same call signature); only 
 
 A worker that dies mid-step (killed, out of memory, node lost) fails only the episodes it was running: each
 is recorded with the Ray error as its `error` (and the calls it made before dying); Ray restarts the actor
-for the next step. Locally `ray.init()` starts a private Ray; on a cluster, `ray start --head` on the first
-node, `ray start --address=HEAD:6379` on the others and `rollout.ray_address: auto` (docs/backbones.md).
-With several nodes the proxy must listen where the workers can reach it (`proxy.host: 0.0.0.0`).
+for the next step. Locally `ray.init()` starts a private Ray sized to hold the pool; on a cluster, `ray start
+--head` on the first node, `ray start --address=HEAD:6379` on the others and `--ray-address HEAD:6379` (or
+`rollout.ray_address`, `auto` for the cluster of this node; docs/scale-out.md). With several machines the proxy
+must listen where the workers can reach it (`proxy.host: 0.0.0.0`).
+
+Placement: each worker takes 1 CPU, reserved by one placement group of `num_workers` one-CPU bundles with the
+SPREAD strategy (Ray puts the bundles on as many nodes as it can), worker i in bundle i. Before reserving, the
+cluster's CPUs are counted: a pool that cannot fit is a `ConfigError` at once, and one that does not become ready
+in `placement_timeout_s` (other jobs hold the CPUs) is one too, never an endless wait. Where each worker runs
+(node id, IP, pid) is printed in one line when the pool starts, and `metrics()` gives the number of nodes the
+last step's episodes ran on (`rollout/ray_nodes`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import sys
 import time
 from typing import Any, Callable
@@ -28,6 +38,7 @@ from ajet.workflow import Workflow
 
 
 _RESTART_WAIT_S = 0.5   # between two sends of an episode a restarting actor refused (for up to its timeout_s)
+_CONNECT_TIMEOUT_S = 5.0   # a `--ray-address` nothing answers at is refused after this long (ray.init retries ~minutes)
 
 
 class _EpisodeWorker:
@@ -36,36 +47,83 @@ class _EpisodeWorker:
     async def run(self, workflow: Workflow, judge: Judge | None, task: Task, episode_id: str, base_url: str,
                   api_key: str, timeout_s: float, model_name: str) -> dict[str, Any]:
         """Run one episode against the proxy at `base_url`; returns output, reward, error, duration_s."""
-        return await execute_episode(workflow, task, episode_id, base_url, api_key, judge, timeout_s, model_name)
+        out = await execute_episode(workflow, task, episode_id, base_url, api_key, judge, timeout_s, model_name)
+        import ray
+
+        return {**out, "node_id": ray.get_runtime_context().get_node_id()}
+
+    def where(self) -> dict[str, Any]:
+        """Where this actor runs: {"node_id": Ray's hex node id, "ip": the node's IP, "pid": this process}."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid()}
 
 
 class RayRollout:
     """A pool of `num_workers` Ray actors that `rollout(...)` episodes, as `ajet.rollout.rollout` does.
 
     Args:
-        num_workers: actors in the pool (each a separate process; one CPU each).
-        address: None starts a local Ray (`ray.init()`); "auto" or "HOST:PORT" joins an existing cluster.
+        num_workers: actors in the pool (each a separate process taking 1 CPU, spread over the cluster's nodes).
+        address: None starts a local Ray (`ray.init()`, with at least `num_workers` CPUs); "auto" or "HOST:PORT"
+            joins an existing cluster.
         episodes_per_worker: workflows one actor runs at once.
+        placement_timeout_s: how long to wait for the cluster to free the pool's CPUs, seconds.
+
+    Attributes:
+        placement: `[num_workers]` dicts {"node_id", "ip", "pid"}: where each worker started.
 
     Raises:
         ImportError: with the install hint, when `ray` is not installed.
+        ConfigError: nothing answers at `address`, or the cluster has fewer CPUs than `num_workers` (free ones
+            within `placement_timeout_s`); the message says what the cluster has and what to change.
     """
 
-    def __init__(self, num_workers: int, address: str | None = None, episodes_per_worker: int = 64):
+    def __init__(self, num_workers: int, address: str | None = None, episodes_per_worker: int = 64,
+                 placement_timeout_s: float = 60.0):
         try:
             import ray
         except ImportError as exc:
             raise ImportError("--with-ray needs the `ray` package: pip install 'ajet[ray]'") from exc
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         self._ray = ray
+        self.workers: list[Any] = []
+        self._pg = None
+        self._step_nodes: set[str] = set()
         self._started_ray = not ray.is_initialized()
+        joins = address is not None or bool(os.environ.get("RAY_ADDRESS"))
         if self._started_ray:
+            if address not in (None, "auto"):
+                _check_reachable(address)
+            # a local Ray gets a CPU for every worker even on a smaller machine (the workers mostly wait on HTTP)
+            sized = {} if joins else {"num_cpus": max(os.cpu_count() or 1, num_workers)}
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}})
-        actor = ray.remote(num_cpus=0)(_EpisodeWorker)
-        # max_restarts: a killed actor comes back for the next episodes; max_task_retries=0: its running
-        # episodes are not replayed (a replay would call the policy twice into the same episode)
-        self.workers = [actor.options(max_concurrency=episodes_per_worker, max_restarts=-1,
-                                      max_task_retries=0).remote() for _ in range(num_workers)]
+                     runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
+        try:
+            _check_fits(ray, num_workers, address)
+            self._pg = placement_group([{"CPU": 1}] * num_workers, strategy="SPREAD")
+            if not self._pg.wait(placement_timeout_s):
+                free = ray.available_resources().get("CPU", 0.0)
+                remove_placement_group(self._pg)
+                self._pg = None
+                raise ConfigError(f"--with-ray {num_workers}: the Ray cluster{_at(address)} did not free "
+                                  f"{num_workers} CPU(s) for the episode workers in {placement_timeout_s:g} s "
+                                  f"({free:g} of {_cpus(ray):g} free; other jobs hold the rest): stop them, add "
+                                  f"nodes, or run fewer workers (--with-ray N)")
+            actor = ray.remote(num_cpus=1)(_EpisodeWorker)
+            # max_restarts: a killed actor comes back for the next episodes (in its own bundle); max_task_retries=0:
+            # its running episodes are not replayed (a replay would call the policy twice into the same episode)
+            self.workers = [actor.options(
+                max_concurrency=episodes_per_worker, max_restarts=-1, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+            ).remote() for i in range(num_workers)]
+            self.placement: list[dict[str, Any]] = ray.get([w.where.remote() for w in self.workers])
+        except BaseException:
+            self.close()
+            raise
+        print(placement_line(self.placement), file=sys.stderr, flush=True)
 
     async def __call__(self, workflow: Workflow, tasks: list[Task], num_repeat: int, proxy: ProxyServer,
                        judge: Judge | None, step: int, max_concurrency: int, timeout_s: float,
@@ -88,6 +146,7 @@ class RayRollout:
         sem = semaphore or asyncio.Semaphore(max_concurrency)
         wf_ref, judge_ref = self._ray.put(workflow), self._ray.put(judge)
         episodes = new_episodes(tasks, num_repeat, step, attempt, first_task_index, groups)
+        nodes: set[str] = set()
 
         async def _one(i: int, ep: Episode) -> Episode:
             async with sem:
@@ -100,6 +159,7 @@ class RayRollout:
                             "ajet-policy")
                         ep.output, ep.reward, ep.error = out["output"], out["reward"], out["error"]
                         ep.duration_s = out["duration_s"]
+                        nodes.add(out["node_id"])
                     except Exception as exc:  # noqa: BLE001 - a lost worker fails its own episodes only
                         ep.error = f"{type(exc).__name__}: the Ray worker running this episode failed: {exc}"
                         ep.duration_s = time.perf_counter() - t0
@@ -116,15 +176,78 @@ class RayRollout:
                 on_episode_done(ep)
             return ep
 
-        return list(await asyncio.gather(*(_one(i, ep) for i, ep in enumerate(episodes))))
+        try:
+            return list(await asyncio.gather(*(_one(i, ep) for i, ep in enumerate(episodes))))
+        finally:
+            self._step_nodes = nodes
+
+    def metrics(self) -> dict[str, float]:
+        """`{"rollout/ray_nodes": the number of distinct nodes the last call's finished episodes ran on}`."""
+        return {"rollout/ray_nodes": float(len(self._step_nodes))}
 
     def close(self) -> None:
-        """Stop the actors (and the local Ray this pool started)."""
+        """Stop the actors, release their CPUs (and stop the local Ray this pool started)."""
         for w in self.workers:
             self._ray.kill(w)
         self.workers = []
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None
         if self._started_ray:
             self._ray.shutdown()
+            self._started_ray = False
+
+
+def placement_line(placement: list[dict[str, Any]]) -> str:
+    """One line naming where each episode worker runs: `ajet: 2 Ray episode workers on 2 node(s): worker 0 node
+    1a2b3c4d5e6f (10.0.0.1, pid 123), ...` (node ids shortened to 12 hex digits)."""
+    nodes = {p["node_id"] for p in placement}
+    where = ", ".join(f"worker {i} node {p['node_id'][:12]} ({p['ip']}, pid {p['pid']})" for i, p in enumerate(placement))
+    return f"ajet: {len(placement)} Ray episode workers on {len(nodes)} node(s): {where}"
+
+
+def _cpus(ray: Any) -> float:
+    return float(ray.cluster_resources().get("CPU", 0.0))
+
+
+def _at(address: str | None) -> str:
+    return f" at {address}" if address else ""
+
+
+def _check_fits(ray: Any, num_workers: int, address: str | None) -> None:
+    """Refuse a pool the cluster's CPUs cannot hold, before a placement group would wait for them forever.
+
+    Raises:
+        ConfigError: fewer CPUs in the whole cluster (alive nodes) than `num_workers`.
+    """
+    total = _cpus(ray)
+    if total < num_workers:
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        fit = int(total)
+        raise ConfigError(f"--with-ray {num_workers}: the Ray cluster{_at(address)} has {total:g} CPU(s) on {alive} "
+                          f"node(s) and each episode worker takes 1: run at most {fit} (--with-ray {fit}) or add "
+                          f"nodes (ray start --address=HEAD:PORT --num-cpus N on another machine)" if fit else
+                          f"--with-ray {num_workers}: the Ray cluster{_at(address)} has no CPU to run an episode "
+                          f"worker on ({alive} node(s)): add nodes with CPUs (ray start --address=HEAD:PORT)")
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a `HOST:PORT` nothing listens at within `_CONNECT_TIMEOUT_S` (ray.init would retry for minutes).
+
+    Raises:
+        ConfigError: not HOST:PORT, or no connection.
+    """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"rollout.ray_address={address!r}: give HOST:PORT of the cluster's head node (what "
+                          f"`ray start --head` printed, e.g. 10.0.0.1:6379) or `auto`")
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError(f"rollout.ray_address={address}: no Ray head answers there ({exc.strerror or exc}): start "
+                          f"it with `ray start --head --port {port}` on {host}, or correct the address") from None
 
 
 def _pickle_user_code_by_value(*objects: Any) -> None:

@@ -1,0 +1,122 @@
+"""A real two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: two raylets, one CPU each) joined by
+`ajet --ray-address`: the `--with-ray` episode workers spread over both nodes, a cluster too small for the asked
+workers is one line and exit 2, and an address nothing answers at is one too."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="--with-ray needs `ray` (pip install 'ajet[ray]')")
+
+WORKFLOW = '''
+import ray
+from ajet.workflow import Workflow, WorkflowOutput
+
+
+class WhereAmI(Workflow):
+    """One call; the output's metadata names the Ray node and process the episode ran in."""
+
+    async def execute(self, task, tuner):
+        r = await tuner.client.chat.completions.create(model=tuner.model, max_tokens=4,
+                                                       messages=[{"role": "user", "content": task.query}])
+        import os
+        return WorkflowOutput(reward=float(len(r.choices[0].message.content or "") % 2), final_answer="x",
+                              metadata={"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()})
+'''
+
+# Ray's memory monitor kills workers at 95% of the machine's memory by default; the machine is shared with
+# other runs (a vLLM server, verl), so this cluster only kills at 98%
+CLUSTER_ENV = {"RAY_memory_usage_threshold": "0.98"}
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two raylets (`node_a` the head, `node_b` the second), 1 CPU each; yields (address, {node ids})."""
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
+    small = {"object_store_memory": 80 * 2**20, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, **small})
+    try:
+        second = cluster.add_node(num_cpus=1, resources={"node_b": 1}, **small)
+        cluster.wait_for_nodes()
+        yield cluster.address, {cluster.head_node.node_id, second.node_id}
+    finally:
+        cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _ajet(tmp_path: Path, tiny_model_dir: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    (tmp_path / "wf.py").write_text(WORKFLOW)
+    tasks = [{"task_id": f"t{i}", "query": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    (tmp_path / "conf.yaml").write_text(f"""
+experiment_name: two_nodes
+workflow: wf.py:WhereAmI
+model: {{path: "{tiny_model_dir}", max_model_len: 512, device: cpu}}
+data: {{train_path: tasks.jsonl}}
+rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
+algorithm: {{lr: 1.0e-3}}
+trainer: {{total_steps: 1, tasks_per_step: 2, tensorboard: false}}
+""")
+    ajet = [shutil.which("ajet")] if shutil.which("ajet") else [sys.executable, "-m", "ajet"]
+    return subprocess.run(ajet + ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp", *args],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path,
+                          env={**os.environ, **CLUSTER_ENV})
+
+
+def test_episode_workers_spread_over_both_nodes_and_the_step_trains(two_nodes, tiny_model_dir, tmp_path):
+    address, node_ids = two_nodes
+    proc = _ajet(tmp_path, tiny_model_dir, "--with-ray", "2", "--ray-address", address, "--steps", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the episodes themselves ran on both nodes (what the workflow saw inside its worker)
+    episodes = [json.loads(line) for line in (tmp_path / "exp" / "trajectories.jsonl").read_text().splitlines()]
+    assert len(episodes) == 4 and all(e["error"] is None and e["calls"] for e in episodes)
+    ran_on = {e["output"]["metadata"]["node_id"] for e in episodes}
+    assert ran_on == node_ids, (ran_on, node_ids)
+    assert len({e["output"]["metadata"]["pid"] for e in episodes}) == 2
+    # the run says where its workers are, and records it per step
+    line = next(x for x in proc.stderr.splitlines() if "Ray episode workers on" in x)
+    assert "2 Ray episode workers on 2 node(s)" in line and all(n[:12] in line for n in node_ids), line
+    metrics = [json.loads(x) for x in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1] and metrics[0]["rollout/ray_nodes"] == 2
+    assert metrics[0]["policy_version"] == 1                       # the step trained
+    # the run gave the cluster its CPUs back: another pool of two fits at once
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    try:
+        assert ray.available_resources().get("CPU") == 2
+    finally:
+        ray.shutdown()
+
+
+def test_more_workers_than_the_cluster_has_cpus_is_one_line(two_nodes, tiny_model_dir, tmp_path):
+    address, _ = two_nodes
+    proc = _ajet(tmp_path, tiny_model_dir, "--with-ray", "4", "--ray-address", address, "--steps", "1")
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("ajet: error:")]
+    assert len(errors) == 1 and "--with-ray 4" in errors[0] and "2 CPU(s) on 2 node(s)" in errors[0], proc.stderr
+    assert "--with-ray 2" in errors[0]                              # what fits, to run instead
+
+
+def test_an_address_nothing_answers_at_is_one_line(tiny_model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:       # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        proc = _ajet(tmp_path, tiny_model_dir, "--with-ray", "2", "--ray-address", f"127.0.0.1:{port}",
+                     "--steps", "1", timeout_s=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("ajet: error:")]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "ray start --head" in errors[0], proc.stderr
