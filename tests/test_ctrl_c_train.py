@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -124,3 +125,17 @@ def test_sigterm_mid_step_exits_143_in_one_line(tiny_model_dir, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("ajet: stopped by SIGTERM at step "), lines
     assert lines[0].endswith("--resume") and "Traceback" not in everything, everything[-3000:]
     assert sqlite_leftovers(tmp_path / "exp") == []
+
+
+def test_a_closed_store_leaves_no_wal_files_even_after_a_read_only_reader(tmp_path):
+    from ajet.trajectory_store import TrajectoryStore
+
+    store = TrajectoryStore(tmp_path / "trajectories.sqlite")
+    store.add_episode(1, store.begin_attempt(0), {"episode_id": "e0", "task": {"task_id": "t0"}, "reward": 1.0,
+                                                  "calls": []})
+    store.close()
+    # as the plots read it after the run: a read-only connection of a WAL file would leave -wal and -shm behind
+    reader = sqlite3.connect((tmp_path / "trajectories.sqlite").as_uri() + "?mode=ro", uri=True)
+    assert reader.execute("SELECT COUNT(*) FROM episodes").fetchone() == (1,)
+    reader.close()
+    assert sqlite_leftovers(tmp_path) == []
