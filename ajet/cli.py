@@ -252,9 +252,12 @@ def _eval_parser() -> argparse.ArgumentParser:
                                 "tasks (never trained on): mean reward, pass@1, pass@k, workflow metrics, eval.jsonl.")
     p.add_argument("--conf", required=True, metavar="YAML", help="experiment config file")
     who = p.add_mutually_exclusive_group()
-    who.add_argument("--checkpoint", metavar="DIR", help="checkpoints/step_N folder, or an experiment folder (newest)")
+    who.add_argument("--checkpoint", metavar="DIR", help="checkpoints/step_N folder, or an experiment folder (the "
+                                                        "run's final model: its best checkpoint, else its newest)")
     who.add_argument("--model", metavar="PATH", help="hub id, local folder or smollm2-135m-instruct")
-    p.add_argument("--data", metavar="PATH", help="held-out task file (default: data.val_path)")
+    p.add_argument("--data", metavar="PATH", help="held-out task file (default: the --split set's)")
+    p.add_argument("--split", choices=["val", "test"], default="val", help="val: the validation set "
+                   "(data.val_path, the default); test: the test set (data.test_path)")
     p.add_argument("--n", type=int, metavar="K", help="episodes per task (pass@K); default eval.n")
     p.add_argument("--temperature", type=float, metavar="T", help="0 = greedy; default eval.temperature")
     p.add_argument("--out", metavar="DIR", help="output folder (default <exp_dir>/eval/<model>)")
@@ -448,7 +451,8 @@ def _eval(a: argparse.Namespace) -> int:
         flags = {"eval.n": a.n, "eval.temperature": a.temperature, "backbone": a.backbone,
                  "model.path": a.model or a.checkpoint}
         given = {k: v for k, v in _overrides(a, flags).items() if k not in flags}   # evaluate applies the flags
-        out = evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone, given)
+        out = evaluate(a.conf, a.checkpoint, a.model, a.data, a.n, a.temperature, a.out, a.backbone, given,
+                       split=a.split)
     except OSError as exc:   # an unreadable task file or checkpoint folder
         print(f"ajet: error: {exc}", file=sys.stderr)
         return 2

@@ -179,16 +179,20 @@ def write_result(result: EvalResult, out_dir: Path) -> None:
 
 
 class Validator:
-    """Validation during training (`trainer.val_freq` with `data.val_path`): at step 0, every `val_freq`
-    steps and at the last step, `validator(step)` evaluates the current policy and returns `val/*` metrics
-    (an empty dict when no validation is due). Episodes go to `exp_dir/val/step_<N>/`. Each result is printed
-    on `console` beside the first one ("held-out at step 16: pass@1 0.312 -> 0.450 | ..."); an invalid
-    evaluation (see the module docstring) is said so on `alerts`, with each distinct error of its episodes, and its
-    `val/*` carry `val/valid` 0 and no score.
+    """Validation and the test set during training (ajet/best.py picks the final model by the validation).
+
+    Validation (`trainer.val_freq` with `data.val_path`): at step 0, every `val_freq` steps and at the last step,
+    `validator(step)` evaluates the current policy and returns `val/*` metrics (an empty dict when no validation is
+    due). Episodes go to `exp_dir/val/step_<N>/`. The test set (`data.test_path`): `validator.test(step)` evaluates
+    the current policy on it and returns `test/*` metrics (episodes in `exp_dir/test/step_<N>/`); the trainer calls
+    it before step 1 and once at the end, on the run's final model. Each result is printed on `console` beside the
+    first one of its set ("held-out at step 16 (vs step 0): pass@1 31.2% -> 45.0% (+13.8 points, 72/160) | ...",
+    "test at step 8 (vs step 0): ..."); an invalid evaluation (see the module docstring) is said so on `alerts`, with each distinct error of
+    its episodes, and its metrics carry `valid` 0 and no score.
 
     Raises:
-        ConfigError: the held-out task file cannot be read (a `trainer.val_freq` without a held-out task source
-            is refused by the config's own check, ajet/config/experiment.py).
+        ConfigError: a task file cannot be read (a `trainer.val_freq` without a held-out task source is refused by
+            the config's own check, ajet/config/experiment.py).
     """
 
     def __init__(self, cfg: AjetConfig, backbone, workflow=None, judge=None, tools=None, console=None, alerts=None):
@@ -198,51 +202,71 @@ class Validator:
         invalid-evaluation line (default `console`)."""
         self.cfg, self.backbone, self.workflow, self.judge, self.tools = cfg, backbone, workflow, judge, tools
         self.console, self.alerts = console, alerts if alerts is not None else console
-        self.first: tuple[int, dict[str, float]] | None = None   # the first valid result: (step, metrics)
+        # the first valid result of each set ("val", "test"): (step, metrics)
+        self.firsts: dict[str, tuple[int, dict[str, float]]] = {}
         self.freq = cfg.trainer.val_freq
         self.tasks: list[Task] = []
-        if self.freq:
+        self.test_tasks: list[Task] = []
+        if self.freq or cfg.data.test_path:
             from ajet.judges import load_judge
             from ajet.rollout.in_process import load_workflow
             from ajet.tasks import load_tasks
 
-            self.tasks = load_tasks(cfg, "val")
+            self.tasks = load_tasks(cfg, "val") if self.freq else []
+            self.test_tasks = load_tasks(cfg, "test") if cfg.data.test_path else []
             if self.workflow is None:
                 self.workflow, self.judge = load_workflow(cfg), load_judge(cfg)
+
+    @property
+    def first(self) -> tuple[int, dict[str, float]] | None:
+        """The first valid validation: (step, metrics), or None."""
+        return self.firsts.get("val")
 
     def __call__(self, step: int) -> dict[str, float]:
         if not self.freq or not (step % self.freq == 0 or step == self.cfg.trainer.total_steps):
             return {}
+        return self._evaluate("val", self.tasks, step)
+
+    def test(self, step: int) -> dict[str, float]:
+        """The test set (`data.test_path`) on the current policy, the model of `step`: its `test/*` metrics (with
+        `test/step`), written to `exp_dir/test/step_<step>/`; {} without a test set."""
+        if not self.test_tasks:
+            return {}
+        return {**self._evaluate("test", self.test_tasks, step), "test/step": float(step)}
+
+    def _evaluate(self, split: str, tasks: list[Task], step: int) -> dict[str, float]:
+        """Evaluate `tasks` of `split` ("val" or "test") at `step`: written, printed, returned as `<split>/*`."""
         t0 = time.perf_counter()
         result = evaluate(self.cfg, self.backbone.engine, self.backbone.tokenizer, self.workflow, self.judge,
-                          self.tasks, step=step, tools=self.tools)
-        where = self.cfg.exp_path() / "val" / f"step_{step}"
+                          tasks, step=step, tools=self.tools)
+        where = self.cfg.exp_path() / split / f"step_{step}"
         write_result(result, where)
+        what = "held-out" if split == "val" else "test"
         if not result.valid and self.alerts is not None:
-            self.alerts.print(f"[bold red]held-out evaluation at step {step} "
+            self.alerts.print(f"[bold red]{what} evaluation at step {step} "
                               f"{result.invalid_reason(self.cfg.eval.max_failed_frac)}[/] (episodes: {where})")
             for line in failure_lines(result.episodes):
                 self.alerts.print(f"  {line}", markup=False, highlight=False)
         elif result.valid and self.console is not None:
-            if self.first is None:
-                self.first = (step, result.metrics)
-            progress.note(self.console, result_line(step, result.metrics, *self.first))
-        metrics = {f"val/{k}": v for k, v in result.metrics.items()}
-        metrics["val/time_s"] = time.perf_counter() - t0
+            first = self.firsts.setdefault(split, (step, result.metrics))
+            progress.note(self.console, result_line(step, result.metrics, *first, what=what))
+        metrics = {f"{split}/{k}": v for k, v in result.metrics.items()}
+        metrics[f"{split}/time_s"] = time.perf_counter() - t0
         # the evaluation's freed KV and activations, kept by the engine thread's C heap otherwise (ajet/heap.py),
         # go back before the next rollout, update or checkpoint comes on top of them
         trim_free_memory()
         return metrics
 
 
-def result_line(step: int, metrics: dict[str, float], first_step: int, first: dict[str, float]) -> str:
-    """The console line of a valid held-out evaluation at `step`: its scores (pass@k in percent, reward_mean;
-    `ajet.progress.fmt_score`) and failed episodes, each score beside the first evaluation's (`first`, at
-    `first_step`) as "before -> after" once there is an earlier one, e.g. "held-out at step 16 (vs step 0): pass@1
-    31.2% -> 45.0% (+13.8 points, 72/160) | reward_mean 0.400 -> 0.520 | failed 0/160"."""
-    later = step != first_step
+def result_line(step: int, metrics: dict[str, float], first_step: int, first: dict[str, float],
+                what: str = "held-out") -> str:
+    """The console line of a valid evaluation of set `what` ("held-out": the validation set, "test") at `step`: its
+    scores (pass@k in percent, reward_mean; `ajet.progress.fmt_score`) and failed episodes, each score beside the
+    first evaluation's (`first`, at `first_step`) as "before -> after" once there is an earlier one, e.g. "held-out at
+    step 16 (vs step 0): pass@1 31.2% -> 45.0% (+13.8 points, 72/160) | reward_mean 0.400 -> 0.520 | failed 0/160"."""
+    later = step != first_step or first is not metrics
     parts = []
     for k in sorted((k for k in metrics if k in SCORE_KEYS or k.startswith("pass@")), key=lambda k: k == "reward_mean"):
         parts.append(progress.fmt_score(k, metrics[k], first[k] if later and k in first else None, metrics["episodes"]))
     parts.append(f"failed {metrics['failed']:.0f}/{metrics['episodes']:.0f}")
-    return f"held-out at step {step}{f' (vs step {first_step})' if later else ''}: " + " | ".join(parts)
+    return f"{what} at step {step}{f' (vs step {first_step})' if later else ''}: " + " | ".join(parts)

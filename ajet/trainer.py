@@ -39,6 +39,7 @@ from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
 
 if TYPE_CHECKING:
+    from ajet.best import BestTracker
     from ajet.metrics_log import MetricsLogger
     from ajet.proxy.server import ProxyServer
     from ajet.rollout import Rollout, RolloutSource, RunMode
@@ -68,6 +69,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
 
     from ajet.backbones import load_backbone
     from ajet.backbones.capabilities import check_supported
+    from ajet.best import BestTracker, keeps_best
     from ajet.eval import Validator
     from ajet.metrics_log import alert_console
     from ajet.progress import RunEta, note, quiet
@@ -134,10 +136,13 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     failed_in_a_row, trained_steps = 0, 0
     alerts = alert_console(console)   # failure lines print even without the console logger
     seen_errors: set[tuple[str, str]] = set()   # each distinct error is spelt out once per run
+    # the run's final model: the best validated step (trainer.keep_best; ajet/best.py), else the last step's
+    best = BestTracker(exp_dir, cfg.trainer.best_metric, cfg.trainer.best_mode, cfg.model.path, keeps_best(cfg))
+    last_row: dict[str, Any] | None = None   # the last step's metrics, logged with the final model's test figures
     try:
         ctx.tools = validate.tools = _start_tools(cfg, exp_dir, console)   # stopped by _close_run
         if first_step == 1 and cfg.trainer.val_before_train:
-            _first_validation(cfg, validate, log, exp_dir)
+            _first_validation(cfg, validate, log, exp_dir, best)
         eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
         for step in range(first_step, total + 1):
             t0, gen0 = time.perf_counter(), _generated(backbone)
@@ -155,19 +160,31 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
             trained = _train_step(cfg, step, attempt, episodes, usable, backbone, store, rollout)
             metrics = {**_step_metrics(episodes, rollout_s, _generated(backbone) - gen0), **trained,
                        **source.metrics(), "time/step_s": time.perf_counter() - t0,
-                       "policy_version": backbone.engine.policy_version, **validate(step)}
-            _log_step(cfg, step, metrics, episodes, log)
+                       "policy_version": backbone.engine.policy_version, **(val := validate(step))}
+            new_best = best.observe(step, val)   # a ConfigError when trainer.best_metric is not among val/*
+            if step < total or not trained_steps:
+                _log_step(cfg, step, metrics, episodes, log)
+            else:   # logged after the run's final model is tested (below)
+                last_row = metrics
             extra = rollout.step_line(metrics) if rollout.step_line is not None else ""
             console.print(_console_line(step, total, metrics, eta.step_done(step), extra))
             if step == total and not trained_steps:   # it ends because its episodes fail: an error, no checkpoint
                 n = total - first_step + 1
                 raise AjetError(_no_usable_episode(f"the run trained nothing: no episode of its {n} step"
                                                    f"{'s' * (n != 1)} was usable", episodes, cfg, exp_dir))
-            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total:
+            if (cfg.trainer.save_freq and step % cfg.trainer.save_freq == 0) or step == total or new_best:
                 _save(exp_dir, step, attempt, backbone, source)
+            if new_best:
+                best.keep()   # after its checkpoint: best.json never names a folder not written yet
+        final_test = _final_model_test(cfg, best, validate, backbone, exp_dir, total)
+        if last_row is not None:
+            _log_step(cfg, total, {**last_row, **final_test}, episodes, log)
         rollout.after_training()
     finally:
         _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log)
+    if best.enabled or validate.test_tasks:   # the run's last line: the model it ends with, and its step
+        console.print(_final_line(best, total, final_test, validate.firsts.get("test")), markup=False,
+                      highlight=False)
     return exp_dir
 
 
@@ -238,20 +255,77 @@ def _generated(backbone: Any) -> int:
     return getattr(backbone.engine, "generated_tokens", 0)
 
 
-def _first_validation(cfg: AjetConfig, validate: Any, log: MetricsLogger, exp_dir: Path) -> None:
-    """The held-out evaluation before step 1 (when validation is on), logged at step 0.
+def _first_validation(cfg: AjetConfig, validate: Any, log: MetricsLogger, exp_dir: Path, best: BestTracker) -> None:
+    """The evaluations before step 1, logged at step 0: the validation set (when validation is on; the initial
+    policy is the final model's first candidate, `best`) and the test set (`data.test_path`).
 
     Raises:
-        AjetError: it is invalid (too many failed episodes) and `trainer.stop_on_invalid_eval` is set.
+        AjetError: the validation is invalid (too many failed episodes) and `trainer.stop_on_invalid_eval` is set.
+        ConfigError: `trainer.best_metric` is not among the validation's metrics (ajet/best.py `score`).
     """
-    if not (val := validate(0)):
-        return
-    log.log(0, val)
-    if not val.get("val/valid", 1.0) and cfg.trainer.stop_on_invalid_eval:
+    val = validate(0)
+    if val and not val.get("val/valid", 1.0) and cfg.trainer.stop_on_invalid_eval:
+        log.log(0, val)
         raise AjetError(f"the held-out evaluation before step 1 is invalid (above): its failures, not the "
                         f"policy, would set every later score. Fix what the episodes fail on (each is in "
                         f"{exp_dir / 'val' / 'step_0'}), raise eval.max_failed_frac, or set "
                         f"trainer.stop_on_invalid_eval: false to train on")
+    if best.observe(0, val):
+        best.keep()   # the initial model: no checkpoint to write
+    if first := {**val, **validate.test(0)}:
+        log.log(0, first)
+
+
+def _final_model_test(cfg: AjetConfig, best: BestTracker, validate: Any, backbone: Any, exp_dir: Path,
+                      total: int) -> dict[str, float]:
+    """The test set (`data.test_path`) on the run's final model, after the last step's checkpoint is written: the
+    best validated step's weights (`trainer.keep_best`; loaded from its checkpoint when it is not the last step),
+    else the last step's. Returns its `test/*` figures (`test/step`: the model's step; {} without a test set). The
+    initial model (best at step 0) is not evaluated again: its figures are the test set's at step 0
+    (`exp_dir/test/step_0/eval_metrics.json`; {} when the run has none)."""
+    if not validate.test_tasks:
+        return {}
+    b = best.best
+    if b is None or b.step == total:
+        return validate.test(total)
+    if b.step == 0:
+        import json
+
+        try:
+            figures = json.loads((exp_dir / "test" / "step_0" / "eval_metrics.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return {**{f"test/{k}": v for k, v in figures.items()}, "test/step": 0.0}
+    backbone.load_checkpoint(exp_dir / b.checkpoint)   # the best's weights (the last step's stay on disk)
+    return validate.test(b.step)
+
+
+def _final_line(best: BestTracker, total: int, test: dict[str, float],
+                first_test: tuple[int, dict[str, float]] | None = None) -> str:
+    """The run's last line: the model it ends with (`ajet eval --checkpoint EXP_DIR` evaluates the same), why, and
+    its test pass@1 when there is a test set, beside the test set's first figure (`first_test`: (step, metrics) of
+    the run's first valid test evaluation), e.g. "final model: step 8 (checkpoints/step_8), the best val/pass@1 51.6%
+    (max of the validations) | test pass@1 31.2% -> 45.0% (+13.8 points, 72/160; step 0 -> step 8)"."""
+    from ajet.progress import fmt_score
+
+    b = best.best
+    if b is None:
+        why = ("trainer.keep_best is off" if not best.enabled else
+               f"no valid validation gave {best.metric}")
+        line = f"final model: step {total} (checkpoints/step_{total}), the last step ({why})"
+    else:
+        line = (f"final model: {b.name()}, the best val/{fmt_score(b.metric[len('val/'):], b.value)} ({b.mode} of "
+                f"the validations"
+                f"{'' if b.step else '; no step beat the initial model: no checkpoint is needed'})")
+    if "test/pass@1" in test:
+        step, episodes = int(test["test/step"]), test.get("test/episodes")
+        before = first_test if first_test is not None and first_test[0] != step and "pass@1" in first_test[1] else None
+        score = fmt_score("pass@1", test["test/pass@1"], before[1]["pass@1"] if before else None, episodes)
+        line += f" | test {score[:-1]}; step {before[0]} -> step {step})" if before and score.endswith(")") else \
+            f" | test {score} (step {step})"
+    elif test:
+        line += " | test evaluation INVALID (no score)"
+    return line
 
 
 def _log_step(cfg: AjetConfig, step: int, metrics: dict[str, Any], episodes: list[Episode],

@@ -109,8 +109,8 @@ def _unset_or_zero(v: Any) -> bool:
 AJET_SIDE = frozenset("""
     workflow harnesses judge backbone
     model.chat_template
-    data.train_path data.train data.val_path data.format data.split data.val_split data.columns data.generator
-    data.generator_args data.env_service data.shuffle data.max_tasks
+    data.train_path data.train data.val_path data.format data.split data.val_split data.test_path data.test_split
+    data.columns data.generator data.generator_args data.env_service data.shuffle data.max_tasks
     rollout.sampling_policy rollout.max_concurrency rollout.episode_timeout_s rollout.failed_episode_policy
     rollout.ray_workers rollout.ray_address
     proxy.host proxy.max_body_bytes proxy.accepted_models proxy.retry_after_s
@@ -118,8 +118,8 @@ AJET_SIDE = frozenset("""
     algorithm.dynamic_sampling.enabled algorithm.dynamic_sampling.max_oversample algorithm.guards.stale_policy
     algorithm.train_greedy_calls algorithm.group_by_agent_tag algorithm.trainable_targets
     trainer.save_freq trainer.exp_dir trainer.tensorboard trainer.loggers trainer.save_trajectories trainer.resume
-    trainer.max_failed_steps trainer.val_freq trainer.val_before_train trainer.stop_on_invalid_eval trainer.progress
-    trainer.progress_interval_s
+    trainer.max_failed_steps trainer.val_freq trainer.val_before_train trainer.keep_best trainer.best_metric
+    trainer.best_mode trainer.stop_on_invalid_eval trainer.progress trainer.progress_interval_s
     serve.host serve.port serve.secret serve.episode_idle_timeout_s serve.local_workers
     tools.mcp_servers tools.max_calls_per_episode tools.call_timeout_s tools.startup_timeout_s
     tools.health_check_interval_s tools.max_result_chars

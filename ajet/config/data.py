@@ -43,8 +43,11 @@ class DataConfig(_Section):
     generator: `module:function` called as function(split="train"|"val", **generator_args), yielding tasks;
     env_service: {url, env_type}, the task ids the service lists.
 
-    val_path: held-out tasks (same forms as train_path), never trained on (`ajet eval`, `trainer.val_freq`);
+    val_path: the validation set (same forms as train_path), never trained on: evaluated during the run
+    (`trainer.val_freq`) to pick the checkpoint the run ends with (`trainer.keep_best`), and by `ajet eval`;
     with a generator or env service, the "val" split is asked for instead.
+    test_path: the test set (same forms), never trained on and never used for a decision: evaluated before step 1
+    and once at the end, on the run's final model (logged as test/*); `ajet eval --split test`.
     """
 
     train_path: str | None = Field(None, description="training tasks: a JSONL file (GSM8K rows or {task_id, query, "
@@ -54,13 +57,18 @@ class DataConfig(_Section):
     train: list[DatasetConfig] | None = Field(
         None, min_length=1, description="several training datasets `[{name, path, weight, max_tasks}]` in one run; "
                                         "each GRPO group's task comes from one of them, drawn by weight")
-    val_path: str | None = Field(None, description="held-out tasks (the forms train_path takes), never trained on: "
-                                                   "read by `ajet eval` and trainer.val_freq")
+    val_path: str | None = Field(None, description="the validation set (the forms train_path takes), never trained "
+                                                   "on: evaluated every trainer.val_freq steps to pick the run's "
+                                                   "final model (trainer.keep_best); read by `ajet eval`")
+    test_path: str | None = Field(None, description="the test set (the forms train_path takes), never trained on nor "
+                                                    "used for a decision: evaluated before step 1 and once at the end "
+                                                    "on the run's final model (test/*); `ajet eval --split test`")
     format: Literal["auto", "jsonl", "hf"] = Field(
         "auto", description="auto reads `.jsonl` files as JSONL and anything else through Hugging Face `datasets`; "
                             "jsonl or hf forces one reader")
     split: str = Field("train", description="the split of a Hugging Face DatasetDict that training reads")
-    val_split: str | None = Field(None, description="the split that held-out evaluation reads (None: `split`)")
+    val_split: str | None = Field(None, description="the split that the validation set reads (None: `split`)")
+    test_split: str | None = Field(None, description="the split that the test set reads (None: `split`)")
     columns: dict[str, str] = Field(default_factory=dict, description="ajet field (query, answer, task_id) -> column")
     generator: str | None = Field(None, description="`module:function`, called as function(split=\"train\"|\"val\", "
                                                     "**generator_args) and yielding tasks, e.g. "

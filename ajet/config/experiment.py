@@ -176,6 +176,12 @@ class AjetConfig(_Section):
         d = self.data
         if self.trainer.val_freq and not (d.val_path or d.generator or d.env_service) and self.mode != "eval":
             raise ValueError("trainer.val_freq is set but data.val_path is not: name the held-out task file")
+        if self.trainer.keep_best and not self.trainer.val_freq and self.mode != "eval":
+            raise ValueError("trainer.keep_best picks the run's final model by its validation score, but "
+                             "trainer.val_freq is 0: set trainer.val_freq (and data.val_path), or drop keep_best")
+        if self.trainer.keep_best and self.mode == "gateway":
+            raise ValueError("trainer.keep_best: the gateway chooses the policy it serves with gateway.gate (and "
+                             "`ajet gateway rollback`), not by a best checkpoint: drop trainer.keep_best")
         from_dir = None if self.sft is None else Path(self.sft.from_dir).expanduser().resolve()
         if from_dir is not None and from_dir == self.exp_path().resolve():
             raise ValueError(f"sft.from_dir {from_dir} is also this run's experiment folder: give the SFT run its own "

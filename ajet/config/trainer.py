@@ -80,11 +80,21 @@ class TrainerConfig(_Section):
                                                                "stdout is not a terminal (the environment variable "
                                                                "AJET_PROGRESS_INTERVAL_S overrides it)")
     max_failed_steps: int = Field(3, ge=1, description="stop after this many steps in a row with no usable episode")
-    val_freq: int = Field(0, ge=0, description="evaluate on data.val_path at step 0, every N steps and at the "
-                                               "last step (logged as val/*); 0 = never")
-    val_before_train: bool = Field(True, description="with val_freq, evaluate before step 1 too (logged at step 0; "
-                                                     "verl's name); false skips it, e.g. for many seeds of one "
-                                                     "model, whose initial score `ajet eval` measures once")
+    val_freq: int = Field(0, ge=0, description="evaluate the validation set (data.val_path) at step 0, every N "
+                                               "steps and at the last step (logged as val/*); 0 = never")
+    val_before_train: bool = Field(True, description="evaluate the validation set (with val_freq) and the test set "
+                                                     "(data.test_path) before step 1 too (logged at step 0; verl's "
+                                                     "name); false skips both, e.g. for many seeds of one model, "
+                                                     "whose initial score `ajet eval` measures once")
+    keep_best: bool | None = Field(None, description="end the run with the checkpoint of the best validation score "
+                                                     "(best_metric), the initial model (step 0) included, instead "
+                                                     "of the last step's; None: on when the run validates "
+                                                     "(val_freq > 0), except in mode gateway")
+    best_metric: str = Field("val/pass@1",
+                             description="the validation metric keep_best compares: a val/* key of metrics.jsonl, "
+                                         "e.g. val/pass@1, val/reward_mean, val/workflow/<name>")
+    best_mode: Literal["max", "min"] = Field("max", description="max: the highest best_metric wins; min: the "
+                                                                "lowest; a tie keeps the earlier step")
     stop_on_invalid_eval: bool = Field(True, description="stop the run (exit status 2) when the held-out "
                                                          "evaluation before step 1 is invalid (more than "
                                                          "eval.max_failed_frac of its episodes failed); false "
@@ -102,6 +112,14 @@ class TrainerConfig(_Section):
             raise ValueError(f"logger {missing[0]!r} needs its package: pip install 'ajet[{_LOGGER_EXTRAS[missing[0]]}]' "
                              f"(or remove it from trainer.loggers)")
         return list(dict.fromkeys(loggers))
+
+    @field_validator("best_metric")
+    @classmethod
+    def _best_metric_is_validation(cls, name: str) -> str:
+        if not name.startswith("val/") or len(name) == len("val/") or any(c.isspace() for c in name):
+            raise ValueError("must name a validation metric, a val/* key of metrics.jsonl such as val/pass@1 or "
+                             "val/reward_mean")
+        return name
 
     def active_loggers(self) -> list[str]:
         """`loggers`, without tensorboard when `tensorboard: false`."""

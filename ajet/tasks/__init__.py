@@ -25,7 +25,8 @@ __all__ = ["load_tasks", "read_datasets", "read_jsonl_tasks", "row_to_task"]
 
 
 def load_tasks(cfg: AjetConfig, split: str, path: str | None = None) -> list[Task]:
-    """The tasks of `split` ("train" or "val") as `cfg.data` describes them; `path` overrides the split's file.
+    """The tasks of `split` ("train", "val" or "test") as `cfg.data` describes them; `path` overrides the split's
+    file. The test set is read only from `data.test_path` (a generator or env service is never asked for it).
 
     Raises:
         ConfigError: no source for the split (e.g. no `data.val_path` for "val"), or the source's own
@@ -34,7 +35,7 @@ def load_tasks(cfg: AjetConfig, split: str, path: str | None = None) -> list[Tas
     from ajet.config import resolve_path
 
     d = cfg.data
-    path = path or (d.train_path if split == "train" else d.val_path)
+    path = path or {"train": d.train_path, "test": d.test_path}.get(split, d.val_path)
     limit = d.max_tasks if split == "train" else None
     if path:
         p = resolve_path(cfg, path)
@@ -43,8 +44,10 @@ def load_tasks(cfg: AjetConfig, split: str, path: str | None = None) -> list[Tas
             return read_jsonl_tasks(p, limit)
         from ajet.tasks.hf import read_hf_tasks
 
-        hf_split = d.split if split == "train" else (d.val_split or d.split)
+        hf_split = d.split if split == "train" else ((d.test_split if split == "test" else d.val_split) or d.split)
         return read_hf_tasks(p, hf_split, d.columns, limit)
+    if split == "test":
+        raise ConfigError("no test tasks: set data.test_path")
     if d.generator:
         from ajet.tasks.generator import read_generator_tasks
 
@@ -77,5 +80,5 @@ def read_datasets(cfg: AjetConfig) -> dict[str, list[Task]]:
 def task_source_name(cfg: AjetConfig, split: str) -> str:
     """A short description of where `split`'s tasks come from (for log lines)."""
     d = cfg.data
-    path = d.train_path if split == "train" else d.val_path
+    path = {"train": d.train_path, "test": d.test_path}.get(split, d.val_path)
     return str(Path(path)) if path else (d.generator or (d.env_service.url if d.env_service else "?"))

@@ -4,7 +4,15 @@ Sized for a 135M model: mostly one-step additions and subtractions of numbers up
 multiplications of small numbers and a few two-step problems, so SmolLM2-135M-Instruct solves a few at
 step 0 (GRPO needs reward variance within a group) and has room to improve.
 
-    python tutorial/example_math_agent/make_tasks.py     # rewrites tasks/train.jsonl and tasks/val.jsonl
+    python tutorial/example_math_agent/make_tasks.py     # rewrites tasks/train.jsonl, test.jsonl and val.jsonl
+
+Three disjoint sets (no question text in two of them), each from its own seed of the generator:
+
+    train.jsonl  512 problems (seed 0)  what the run trains on
+    test.jsonl   160 problems (seed 1)  the reported figure: evaluated before step 1 and once at the end, on the
+                                        run's final model; never used for a decision
+    val.jsonl     64 problems (seed 2)  the validation set: evaluated during the run (`trainer.val_freq`) to pick
+                                        the checkpoint the run ends with (`trainer.keep_best`)
 """
 
 from __future__ import annotations
@@ -47,13 +55,20 @@ def make_tasks(n: int, seed: int, prefix: str, exclude: set[str] = frozenset()) 
     return rows
 
 
+def splits() -> dict[str, list[dict]]:
+    """The three sets by name: train (512, seed 0), test (160, seed 1, no question of train) and val (64, seed 2,
+    no question of train or test)."""
+    train = make_tasks(512, 0, "train")
+    test = make_tasks(160, 1, "test", exclude={row["query"] for row in train})
+    val = make_tasks(64, 2, "val", exclude={row["query"] for row in train + test})
+    return {"train": train, "test": test, "val": val}
+
+
 def main() -> None:
-    """train.jsonl: 512 problems; val.jsonl: 160 held-out problems, none with a question text of train."""
+    """Write tasks/train.jsonl, tasks/test.jsonl and tasks/val.jsonl (see the module docstring)."""
     out = Path(__file__).resolve().parent / "tasks"
     out.mkdir(exist_ok=True)
-    train = make_tasks(512, 0, "train")
-    val = make_tasks(160, 1, "val", exclude={row["query"] for row in train})
-    for name, rows in (("train", train), ("val", val)):
+    for name, rows in splits().items():
         with open(out / f"{name}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
