@@ -199,7 +199,8 @@ class Job:
 
         Raises:
             ConfigError: the workflow or judge cannot be imported by path (defined in `__main__`, a script or a
-                notebook; a lambda; defined inside a function): the message names each, and nothing is written.
+                notebook; a lambda; defined inside a function): the message names each, and nothing is written; a
+                job read from a YAML file (`from_yaml`) written into another folder (its relative paths would move).
         """
         import yaml
 
@@ -207,6 +208,10 @@ class Job:
 
         path = Path(path)
         folder = Path(os.path.abspath(path)).parent
+        read_from = self.config.config_dir
+        if read_from is not None and folder.resolve() != read_from.resolve():
+            raise ConfigError(f"Job.to_yaml: this job's config was read from {read_from}, whose relative paths resolve "
+                              f"against that folder: write it there (or copy its files along)")
         data = self.config.model_dump(mode="json", by_alias=True, exclude_unset=True)
         refused = []
         for key, obj in (("workflow", self._workflow_obj), ("judge", self._judge_obj)):
@@ -230,7 +235,7 @@ class Job:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Job({c.experiment_name!r}, workflow={self._workflow!r}, model={c.model.path!r}, "
+        return (f"Job({c.experiment_name!r}, workflow={self._workflow or c.workflow!r}, model={c.model.path!r}, "
                 f"steps={c.trainer.total_steps}, exp_dir={str(c.exp_path())!r})")
 
     # ---- internals ---------------------------------------------------------------------------------------------

@@ -161,3 +161,18 @@ def test_to_yaml_of_importable_objects_runs_under_the_cli_as_the_job_runs(tiny_m
     same = ("rollout/episodes", "rollout/failed", "reward/mean", "rollout/generated_tokens", "tracker/loss_tokens")
     assert {k: cli_steps[0][k] for k in same} == {k: from_job.steps[0][k] for k in same}
     assert from_job.steps[0]["rollout/failed"] == 0 and from_job.checkpoint is not None
+
+
+def test_from_yaml_applies_keywords_as_the_command_lines_overrides(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps(TASKS[0]) + "\n")
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("workflow: wf.py:W\ndata: {train_path: t.jsonl}\ntrainer: {total_steps: 5, seed: 7}\n")
+    job = ajet.Job.from_yaml(conf, trainer={"total_steps": 2}, **{"rollout.num_repeat": 3})
+    # a section's dict merges into the file's section (seed kept), as `trainer.total_steps=2` on the command line
+    assert (job.config.trainer.total_steps, job.config.trainer.seed, job.config.rollout.num_repeat) == (2, 7, 3)
+    assert job.config == load_config(conf, {"trainer.total_steps": 2, "rollout.num_repeat": 3})
+    with pytest.raises(ConfigError, match=r"^Job.from_yaml keywords: unknown key `trainer.total_step`. did you mean"):
+        ajet.Job.from_yaml(conf, trainer={"total_step": 2})
+    with pytest.raises(ConfigError, match=r"read from .*, whose relative paths resolve against that folder"):
+        job.to_yaml(tmp_path / "elsewhere" / "conf.yaml")
+    assert job.to_yaml(tmp_path / "again.yaml") and load_config(tmp_path / "again.yaml").trainer.total_steps == 2
