@@ -141,9 +141,10 @@ def parse_overrides(sets: list[str]) -> dict:
 
 
 def held_out_subset(folder: Path, n: int) -> Path:
-    """`folder/val.jsonl`: the first `n` problems of the main job's held-out set (`tasks/val.jsonl`)."""
+    """`folder/val.jsonl`: the first `n` problems of the main job's 160 held-out problems (its test set,
+    `tasks/test.jsonl`)."""
     val = folder / "val.jsonl"
-    val.write_text("\n".join((CONF.parent / "tasks" / "val.jsonl").read_text().splitlines()[:n]) + "\n")
+    val.write_text("\n".join((CONF.parent / "tasks" / "test.jsonl").read_text().splitlines()[:n]) + "\n")
     return val
 
 
@@ -242,7 +243,7 @@ def main() -> None:
     cfg = load_config(CONF, {"trainer.total_steps": args.steps, "trainer.val_freq": args.steps,
                              "trainer.save_freq": args.save_freq, "trainer.seed": args.seed,
                              "trainer.exp_dir": str(exp), "trainer.progress": False,
-                             "data.val_path": str(val), "backbone": "debug",
+                             "data.val_path": str(val), "data.test_path": None, "backbone": "debug",
                              **parse_overrides(args.set)})
 
     mem = PhaseMemory().start()

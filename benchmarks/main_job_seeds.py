@@ -91,7 +91,9 @@ class Run:
 
 
 def held_out(exp_dir: Path, before: dict | None = None) -> dict:
-    """A run's figures from its `metrics.jsonl`: `val/pass@1` (fraction of the held-out tasks answered right,
+    """A run's figures from its `metrics.jsonl`, of its test set (`test/*`, data.test_path: the main job's 160
+    held-out problems) when it logged one, else of its validation set (`val/*`; the key names below say `val/`):
+    `val/pass@1` (fraction of the held-out tasks answered right,
     greedy) at its first and last evaluation with their steps, the gain in points (100 x (after - before)), the
     held-out valid and grounded tool calls per episode at both (`val/workflow/valid_tool_calls`,
     `val/workflow/grounded_tool_calls`; None where not logged), the mean training reward over its steps
@@ -99,9 +101,13 @@ def held_out(exp_dir: Path, before: dict | None = None) -> dict:
     {} when it logged no evaluation. The before is the run's evaluation at step 0 (before step 1) or, for a run
     that did not evaluate there, `before`: the initial policy's held-out figures evaluated once for every run
     (`--before-once`: its `val/*` keys, at step 0); without either the before figures are None and there is no
-    gain. The after is the run's last evaluation after a step (None for a run stopped before it)."""
+    gain. The after is the run's last evaluation after a step (None for a run stopped before it); a test set's
+    after is measured on the run's final model, whose step (`test/step`) is the after step."""
     path = exp_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if any("test/pass@1" in r for r in rows):   # the reported set: renamed to the val/ keys read below
+        rows = [{**{k: v for k, v in r.items() if not k.startswith("val/")},
+                 **{f"val/{k[len('test/'):]}": v for k, v in r.items() if k.startswith("test/")}} for r in rows]
     vals = [r for r in rows if "val/pass@1" in r]
     if not vals and not before:
         return {}
@@ -112,7 +118,7 @@ def held_out(exp_dir: Path, before: dict | None = None) -> dict:
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     kept = [r["sft/kept_episodes"] for r in rows if "sft/kept_episodes" in r]
     return {"before": first.get("val/pass@1"), "after": last.get("val/pass@1"), "val_tasks": first.get("val/tasks"),
-            "before_step": first.get("step"), "after_step": last.get("step"),
+            "before_step": first.get("step"), "after_step": last.get("val/step", last.get("step")),
             # rounded to 1e-6 points: 56/160 - 40/160 is 0.0999... in floats, and +10 points must count as +10
             **({"gain_points": round(100 * (last["val/pass@1"] - first["val/pass@1"]), 6)} if last and first else {}),
             "valid_calls_before": first.get("val/workflow/valid_tool_calls"),
@@ -136,8 +142,8 @@ def eval_before(out_dir: Path) -> dict | None:
 
 
 def absolute_paths(conf: Path, data: dict) -> dict:
-    """CONF's `workflow`, `judge`, `data.train_path` and `data.val_path` as absolute paths where they name a file
-    in CONF's folder (a derived config written elsewhere then finds the same files)."""
+    """CONF's `workflow`, `judge`, `data.train_path`, `val_path` and `test_path` as absolute paths where they name a
+    file in CONF's folder (a derived config written elsewhere then finds the same files)."""
     def fix(value: str) -> str:
         file, sep, attr = value.rpartition(":") if ".py:" in value else (value, "", "")
         return str((conf.parent / file).resolve()) + sep + attr if (conf.parent / file).exists() else value
@@ -145,7 +151,7 @@ def absolute_paths(conf: Path, data: dict) -> dict:
     for key in ("workflow", "judge"):
         if isinstance(data.get(key), str):
             data[key] = fix(data[key])
-    for key in ("train_path", "val_path"):
+    for key in ("train_path", "val_path", "test_path"):
         if isinstance((data.get("data") or {}).get(key), str):
             data["data"][key] = fix(data["data"][key])
     return data
@@ -422,7 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     pending: list[tuple[str, list[str]]] = [(run_name(c, s), grpo(run_name(c, s), path, s))
                                             for s in seeds for c, path in configs.items()]
     if args.before_once:
-        pending.insert(0, ("before", ajet + ["eval", "--conf", str(conf), "--out", str(out / "before"), "--quiet"]))
+        split = ["--split", "test"] if config_data(conf, {}).get("data", {}).get("test_path") else []
+        pending.insert(0, ("before", ajet + ["eval", "--conf", str(conf), *split, "--out", str(out / "before"),
+                                             "--quiet"]))
     runs: dict[str, Run] = {}
     print(f"[{time.monotonic() - t0:6.0f} s] {len(pending)} runs, {parallel} at once (OMP_NUM_THREADS={threads}) "
           f"-> {out}", flush=True)

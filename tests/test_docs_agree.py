@@ -13,7 +13,7 @@ BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 # what a user reads: the docs site, the README, the tutorials' READMEs and configs
 PROSE = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "tutorial").rglob("*.md")])
 CONFIGS = sorted((ROOT / "tutorial").rglob("*.yaml"))
-HELD_OUT = 160  # tutorial/example_math_agent/tasks/val.jsonl
+HELD_OUT = 160  # tutorial/example_math_agent/tasks/test.jsonl, the main job's test set
 
 
 def _section(text: str, heading: str) -> str:
