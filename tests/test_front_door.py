@@ -95,7 +95,8 @@ def test_init_math_writes_the_main_job_as_the_tutorial_holds_it(tmp_path):
     assert "cd job && ajet --conf math_agent.yaml --backbone=debug" in text
     assert "ajet view experiments/math_agent" in text
     tutorial = ROOT / "tutorial" / "example_math_agent"
-    for rel in ("math_agent.yaml", "math_workflow.py", "calculator.py", "tasks/train.jsonl", "tasks/val.jsonl"):
+    for rel in ("math_agent.yaml", "math_workflow.py", "calculator.py", "tasks/train.jsonl", "tasks/val.jsonl",
+                "tasks/test.jsonl"):
         assert (tmp_path / "job" / rel).read_text() == (tutorial / rel).read_text(), rel
     cfg = ajet.config.load_config(tmp_path / "job" / "math_agent.yaml")   # its relative paths resolve there
     assert cfg.experiment_name == "math_agent" and ajet.config.resolve_path(cfg, cfg.data.train_path).is_file()
