@@ -1,6 +1,7 @@
-"""A real two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: two raylets, one CPU each) joined by
-`ajet --ray-address`: the `--with-ray` episode workers spread over both nodes, a cluster too small for the asked
-workers is one line and exit 2, and an address nothing answers at is one too."""
+"""A real two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: two raylets, the head with 2 CPUs, the
+second with 1) joined by `ajet --ray-address`: the `--with-ray` episode workers spread over both nodes (the head
+alone could hold both: packing them there fails the test), a cluster too small for the asked workers is one line
+and exit 2, and an address nothing answers at is one too."""
 
 import json
 import os
@@ -36,13 +37,13 @@ CLUSTER_ENV = {"RAY_memory_usage_threshold": "0.98"}
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """Two raylets (`node_a` the head, `node_b` the second), 1 CPU each; yields (address, {node ids})."""
+    """Two raylets (`node_a` the head with 2 CPUs, `node_b` the second with 1); yields (address, {node ids})."""
     from ray.cluster_utils import Cluster
 
     saved = {k: os.environ.get(k) for k in CLUSTER_ENV}
     os.environ.update(CLUSTER_ENV)
     small = {"object_store_memory": 80 * 2**20, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, **small})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, **small})
     try:
         second = cluster.add_node(num_cpus=1, resources={"node_b": 1}, **small)
         cluster.wait_for_nodes()
@@ -94,7 +95,7 @@ def test_episode_workers_spread_over_both_nodes_and_the_step_trains(two_nodes, t
     # the run gave the cluster its CPUs back: another pool of two fits at once
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
-        assert ray.available_resources().get("CPU") == 2
+        assert ray.available_resources().get("CPU") == 3
     finally:
         ray.shutdown()
 
@@ -105,8 +106,8 @@ def test_more_workers_than_the_cluster_has_cpus_is_one_line(two_nodes, tiny_mode
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [x for x in proc.stderr.splitlines() if x.startswith("ajet: error:")]
-    assert len(errors) == 1 and "--with-ray 4" in errors[0] and "2 CPU(s) on 2 node(s)" in errors[0], proc.stderr
-    assert "--with-ray 2" in errors[0]                              # what fits, to run instead
+    assert len(errors) == 1 and "--with-ray 4" in errors[0] and "3 CPU(s) on 2 node(s)" in errors[0], proc.stderr
+    assert "--with-ray 3" in errors[0]                              # what fits, to run instead
 
 
 def test_an_address_nothing_answers_at_is_one_line(tiny_model_dir, tmp_path):
