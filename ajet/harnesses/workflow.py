@@ -18,8 +18,9 @@ runs and shows how many are running the harness and how many their tests (open f
 last of a burst); an install shows as a phase "harness NAME install" (npm or pip may take minutes).
 
 The harness's own exit status does not fail the episode (its work is judged by the tests, and a model that
-trips the harness still made calls worth training on); a repository task that cannot be read, or a harness that
-cannot be installed, fails it with the reason (recorded and skipped, as every broken episode).
+trips the harness still made calls worth training on); a repository task that cannot be read, a harness that
+cannot be installed, or a test command that cannot run (no pytest: a `JudgeError`, ajet/judges/tests.py), fails it
+with the reason (recorded and skipped, as every broken episode).
 """
 
 from __future__ import annotations
