@@ -36,6 +36,21 @@ class Slow(Workflow):
         return WorkflowOutput(reward=float(len(text) % 3), final_answer=text)
 
 
+class Stuck(Workflow):
+    """Says it started, then waits; cancelled (the run stopping), it blocks the event loop for a minute."""
+
+    async def execute(self, task, tuner):
+        import sys
+        import time
+
+        print("episode started", file=sys.stderr, flush=True)
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            time.sleep(60)
+            raise
+
+
 class Boom(Workflow):
     """Raises in every episode."""
 
@@ -65,10 +80,11 @@ def ajet(root: Path, args: list[str], slow_s: float = 0, timeout_s: float = 240)
                           timeout=timeout_s, env={**os.environ, "AJET_TEST_SLOW_S": str(slow_s)})
 
 
-def stop_when(root: Path, args: list[str], pattern: str, signum: int, slow_s: float) -> tuple[int, list[str], str]:
+def stop_when(root: Path, args: list[str], pattern: str, signum: int, slow_s: float,
+              again_after_s: float | None = None) -> tuple[int, list[str], str]:
     """Run `ajet ARGS` in `root` with each episode `slow_s` seconds long, send `signum` once `pattern` is in its
-    output, wait for it to end. Returns (exit status, the lines it wrote after the signal (stdout and stderr),
-    everything it wrote)."""
+    output (and again `again_after_s` seconds later, asserting it has not ended by then), wait for it to end.
+    Returns (exit status, the lines it wrote after the signal (stdout and stderr), everything it wrote)."""
     out, err = root / "stdout.txt", root / "stderr.txt"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "ajet", *args], stdout=o, stderr=e, cwd=root,
@@ -80,6 +96,10 @@ def stop_when(root: Path, args: list[str], pattern: str, signum: int, slow_s: fl
             time.sleep(0.05)
         seen = (len(out.read_text()), len(err.read_text()))
         proc.send_signal(signum)
+        if again_after_s is not None:
+            time.sleep(again_after_s)
+            assert proc.poll() is None, out.read_text() + err.read_text()   # still stopping
+            proc.send_signal(signum)
         rc = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -139,3 +159,13 @@ def test_a_closed_store_leaves_no_wal_files_even_after_a_read_only_reader(tmp_pa
     assert reader.execute("SELECT COUNT(*) FROM episodes").fetchone() == (1,)
     reader.close()
     assert sqlite_leftovers(tmp_path) == []
+
+
+def test_a_second_ctrl_c_exits_at_once_while_the_first_one_cleans_up(tiny_model_dir, tmp_path):
+    write_project(tmp_path, tiny_model_dir, steps=1, workflow="Stuck")
+    args = ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp"]
+    # the first Ctrl-C cancels the episodes, and one blocks for a minute while it is cancelled
+    rc, lines, everything = stop_when(tmp_path, args, "episode started", signal.SIGINT, slow_s=0, again_after_s=2)
+    assert rc == 130, everything[-3000:]
+    # (another episode may say it started just after the output was read)
+    assert [line for line in lines if line != "episode started"] == ["ajet: second Ctrl-C: exiting now"], lines
