@@ -1,7 +1,7 @@
 """Slow and abandoned requests on `ajet gateway`'s front: they cannot starve the model, and leave no rows.
 
 The gateway app is served by the proxy's own uvicorn server (`ProxyServer.start`, the protocol the gateway
-sets: ajet/gateway/timeouts.py) on 127.0.0.1 over a scripted engine, with `read_timeout_s` 3, 2 calls decoded
+sets: ajet/gateway/timeouts.py; httptools', and h11's where httptools is missing) on 127.0.0.1 over a scripted engine, with `read_timeout_s` 3, 2 calls decoded
 together and 2 more allowed to wait. Raw sockets play the slow clients (bounded in count and time):
 
 - 96 uploads that send their headers and 10 of 1,000 body bytes, then stall, plus connections that stall in
@@ -30,6 +30,7 @@ from ajet.gateway.gate import LiveHold
 from ajet.gateway.sessions import SessionBook
 from ajet.gateway.source import attach
 from ajet.gateway.store import GatewayStore
+from ajet.gateway.timeouts import ReadTimeouts, _h11_protocol
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from tests.scripted_engine import ScriptedEngine
@@ -38,8 +39,10 @@ STALLED = 96
 READ_TIMEOUT_S = 3.0
 
 
-@pytest.fixture
-def gateway(tokenizer, tmp_path):
+@pytest.fixture(params=["httptools", "h11"])
+def gateway(request, tokenizer, tmp_path, monkeypatch):
+    if request.param == "h11":                     # the protocol used where httptools is not installed
+        monkeypatch.setattr(ReadTimeouts, "protocol", lambda self: _h11_protocol(self))
     engine = ScriptedEngine(tokenizer, ["The answer is 7."])
     proxy = ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=16), max_model_len=64)
     store = GatewayStore(tmp_path / "gateway.sqlite")
