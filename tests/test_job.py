@@ -176,3 +176,25 @@ def test_from_yaml_applies_keywords_as_the_command_lines_overrides(tmp_path):
     with pytest.raises(ConfigError, match=r"read from .*, whose relative paths resolve against that folder"):
         job.to_yaml(tmp_path / "elsewhere" / "conf.yaml")
     assert job.to_yaml(tmp_path / "again.yaml") and load_config(tmp_path / "again.yaml").trainer.total_steps == 2
+
+
+def test_tasks_as_task_objects_and_a_dataset_are_the_rows_the_reader_reads_back(tmp_path):
+    import datasets
+
+    from ajet.task import Task
+    from ajet.tasks import read_jsonl_tasks
+
+    async def episode(task, tuner):
+        return WorkflowOutput(reward=0.0)
+
+    given = [Task("a", "What is 1 plus 1?", "2", {"level": 1}), Task("b", "Say hi.")]
+    job = ajet.Job(episode, tasks=given, val_tasks=datasets.Dataset.from_list(TASKS),
+                   trainer={"exp_dir": str(tmp_path / "exp")})
+    read = job._mode().read_datasets(job.config)   # what the run reads, after the trainer's folder check
+    assert read == {"train": given}
+    assert job.config.data.val_path == str(tmp_path / "exp" / "tasks" / "val.jsonl")
+    assert [t.query for t in read_jsonl_tasks(job.config.data.val_path)] == [t["query"] for t in TASKS]
+    with pytest.raises(ConfigError, match=r"the train tasks are given twice, as tasks= and data.train_path"):
+        ajet.Job(episode, tasks=given, data={"train_path": "t.jsonl"})
+    with pytest.raises(ConfigError, match=r"tasks= is a mapping \(a DatasetDict\?\)"):
+        ajet.Job(episode, tasks=datasets.DatasetDict({"train": datasets.Dataset.from_list(TASKS)}))
