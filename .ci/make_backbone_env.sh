@@ -45,9 +45,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 t0=$(date +%s)
 venv="${AJET_BACKBONE_VENVS:-.venvs}/$name"   # AJET_BACKBONE_VENVS: build elsewhere (e.g. to time a build)
 cache="${AJET_CI_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ajet/ci-venvs}"
-reqs() {   # reqs core|NAME: ajet's core requirements or the extra NAME's, one a line (pyproject.toml or metadata),
-           # each as `packaging` writes it without its marker (those whose marker is false here left out), so that
-           # both sources give the same lines
+reqs() {   # reqs core|NAME: ajet's core requirements (its dependencies and the `train` extra's: the trainer's)
+           # or the extra NAME's, one a line (pyproject.toml or metadata), each as `packaging` writes it without its
+           # marker (those whose marker is false here left out), so that both sources give the same lines
   "$py" - "$1" "$mode" <<'EOF'
 import sys
 from packaging.requirements import Requirement
@@ -55,19 +55,23 @@ what, mode = sys.argv[1:]
 if mode == "checkout":
     import tomllib
     project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-    lines = project.get("dependencies", []) if what == "core" else project["optional-dependencies"][what]
+    extras = project["optional-dependencies"]
+    lines = project.get("dependencies", []) + extras["train"] if what == "core" else extras[what]
     reqs = [Requirement(line) for line in lines]
     reqs = [r for r in reqs if r.marker is None or r.marker.evaluate()]
 else:
     from importlib.metadata import requires
     reqs = []
+    wanted = ["", "train"] if what == "core" else [what]   # "": the requirements outside any extra
     for line in requires("ajet") or []:
         req = Requirement(line)
         extra = req.marker is not None and "extra" in str(req.marker)
-        if extra == (what != "core") and (req.marker is None or req.marker.evaluate({"extra": what})):
+        if any(extra == (e != "") and (req.marker is None or req.marker.evaluate({"extra": e})) for e in wanted):
             reqs.append(req)
 out = []
 for req in reqs:
+    if req.name == "ajet":   # ajet[train] of the verl/trinity extras: its requirements are the core ones here
+        continue
     req.marker = None
     out.append(str(req))
 print("\n".join(out))

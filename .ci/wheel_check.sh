@@ -11,13 +11,17 @@
 # system site-packages, PYTHONPATH is unset, and the script fails if `ajet` or `ajet.backbones` is imported from the
 # checkout.
 #
+# Installed both ways: first the client (`pip install ajet`: the wheel alone, no extra) in a venv of its own, which
+# must import ajet.client without torch and refuse `ajet --conf` in one line naming ajet[train]; then the trainer
+# (the wheel with its `train` extra), which runs the checks below.
 # Dependencies come through uv (its cache makes a rerun take seconds). torch is the wheel that pip resolves for
 # `torch==2.13.0` (the README's pin, through pip's own configuration: on a CPU machine that is the CPU wheel);
 # a torch that requires nvidia-* CUDA packages is refused before anything is installed.
 # Prints the seconds each part took. On the 2-core machine shared at load 13-15: 2 min 8 s with a warm uv cache,
 # 3 min 5 s with a cold one (build 18 s, venv 36 s, training step 118 s, cleanup 12 s); 37 s of CPU in all. At load
 # 8, 2026-12-06: 4 min 50 s, of which the vLLM venv's part 41 s with it cached (linking it 1 s; the rest is
-# importing vLLM, and torch for the engine's lookup).
+# importing vLLM, and torch for the engine's lookup). The client install's part (a venv with the wheel and no extra,
+# its checks) took 16 s at load 10 with uv's cache warm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
@@ -41,18 +45,48 @@ find "$work/src" -name __pycache__ -prune -exec rm -rf {} +
 python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
 wheel=$(echo "$work"/dist/ajet-*.whl)
 
-# 2) a fresh venv: torch first (pip picks the file, uv installs it), then the wheel and its dependencies
 . .ci/uv_cpu_torch.sh   # ci_uv, ci_cpu_torch_wheel (a torch that requires nvidia-* packages is refused)
 uv=$(ci_uv "$work")
-step "installing $(basename "$wheel") into a fresh venv"
+
+# 2) the client install: the wheel without an extra (httpx, openai, pydantic, pyyaml), from a folder outside the
+#    checkout: ajet.client and the workflow API import without torch, --version works, a trainer command says
+#    what to install in one line (exit 2)
+step "installing $(basename "$wheel") without extras (the client) into a fresh venv"
+"$uv" venv -q --python "$(command -v python3)" "$work/client"
+"$uv" pip install -q --python "$work/client/bin/python" "$wheel"
+mkdir "$work/client-run"
+(
+  cd "$work/client-run"
+  "$work/client/bin/python" -c "
+import sys
+import ajet, ajet.client
+from ajet import Task, Workflow, WorkflowOutput
+heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'starlette', 'uvicorn', 'rich'})
+if heavy:
+    sys.exit(f'wheel_check: importing ajet.client imported {heavy}')
+print('client install: ajet.client imports without torch')"
+  "$work/client/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" || {
+    echo "wheel_check: the wheel without extras installed torch" >&2; exit 1; }
+  [ "$("$work/client/bin/ajet" --version)" = "$(python3 -c "import tomllib; print('ajet', tomllib.load(open('$repo/pyproject.toml', 'rb'))['project']['version'])")" ] || {
+    echo "wheel_check: the client install's ajet --version is wrong" >&2; exit 1; }
+  rc=0; "$work/client/bin/ajet" --conf x.yaml > out.txt 2> err.txt || rc=$?
+  want="ajet --conf needs the training dependencies: pip install 'ajet[train]'"
+  [ "$rc" = 2 ] && [ "$(cat err.txt)" = "$want" ] && [ ! -s out.txt ] || {
+    cat out.txt err.txt >&2; echo "wheel_check: the client's ajet --conf exited $rc, not 2 with: $want" >&2; exit 1; }
+  echo "client install: $want (exit 2)"
+)
+
+# 3) the trainer install, in a fresh venv: torch first (pip picks the file, uv installs it), then the wheel with its
+#    `train` extra and their dependencies
+step "installing $(basename "$wheel")[train] into a fresh venv"
 torch_wheel=$(ci_cpu_torch_wheel "$work/torch")
 "$uv" venv -q --python "$(command -v python3)" "$work/venv"
-"$uv" pip install -q --python "$work/venv/bin/python" "$torch_wheel" "$wheel"
+"$uv" pip install -q --python "$work/venv/bin/python" "$torch_wheel" "ajet[train] @ file://$wheel"
 if "$uv" pip list --python "$work/venv/bin/python" 2>/dev/null | grep -i '^nvidia-' | grep -vi '^nvidia-ml-py'; then
   echo "wheel_check: the venv pulled nvidia-* CUDA packages" >&2; exit 1
 fi
 
-# 3) the installed commands, from a folder outside the checkout
+# 4) the installed commands, from a folder outside the checkout
 run="$work/run"
 mkdir -p "$run"
 cd "$run"
@@ -98,7 +132,7 @@ echo "main job written by ajet init; backbone-env's cached venv would be $cache"
 ajet harnesses | tee harnesses.txt
 grep -q "^codex " harnesses.txt || { echo "wheel_check: ajet harnesses did not list the built-in registry" >&2; exit 1; }
 
-# 4) one training step of the tiny random model (its builder and workflow are the tests' own, copied here)
+# 5) one training step of the tiny random model (its builder and workflow are the tests' own, copied here)
 step "one training step of the tiny model"
 cp "$repo/tests/tiny_model.py" "$repo/tests/tiny_experiment.py" "$run/"
 "$work/venv/bin/python" - <<'EOF'
@@ -131,7 +165,7 @@ if not trained:
 print(f"trained {len(trained)} step(s); metrics keys: {len(trained[-1])}")
 EOF
 
-# 5) the vLLM engine's venv from the wheel (the machine's cache; .venvs/vllm here links it)
+# 6) the vLLM engine's venv from the wheel (the machine's cache; .venvs/vllm here links it)
 if [ "${AJET_CI_VLLM_ENV:-1}" != 0 ]; then
   step "ajet backbone-env vllm (the machine's venv cache)"
   ajet backbone-env vllm > vllm-env.txt 2>&1 || {

@@ -482,6 +482,32 @@ SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _g
                "backbone-env": (_backbone_env_parser, _backbone_env)}
 
 
+# the commands that train, serve or evaluate a policy, or show a run: they need the `train` extra, which `pip install
+# ajet` (the client: ajet.client, Workflow, Task) leaves out; any other command that imports a package of it stops
+# with the same line
+_TRAINER_COMMANDS = {"", "serve", "gateway", "gateway rollback", "doctor", "eval", "sft", "view", "show"}
+
+
+def _needs_train_extra(name: str, module: str | None = None) -> str | None:
+    """The one line saying that command `name` ("" for training) needs the `train` extra, when a package of it
+    (ajet.importing.EXTRAS) is not installed: `module`'s top-level package (the name a ModuleNotFoundError gave),
+    else any of them, looked up on sys.path without importing it. None when it is installed."""
+    import importlib.util
+
+    from ajet.importing import EXTRAS
+
+    wanted = [m for m, extra in EXTRAS.items() if extra == "train"]
+    if module is not None:
+        wanted = [m for m in wanted if m == module.split(".")[0]]
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    prog = f"ajet {name}" if name else "ajet --conf"
+    line = f"{prog} needs the training dependencies: pip install 'ajet[train]'"
+    # a client install lacks them all; otherwise the few that are missing are named
+    return line if len(missing) > 3 else f"{line} (not installed: {', '.join(missing)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` and run the command. Returns the exit status (2 for user errors, printed without a
     traceback)."""
@@ -496,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         command, args = _train, _parse(build_parser(), argv)
+    name = argv[0] if argv and argv[0] in SUBCOMMANDS else ""
+    if name in _TRAINER_COMMANDS and (line := _needs_train_extra(name)):   # a `pip install ajet` client
+        print(line, file=sys.stderr)
+        return 2
     from ajet.errors import AjetError
 
     if getattr(args, "quiet", False):
@@ -518,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             elif isinstance(exc, AjetError):
                 print(f"ajet: error: {exc}", file=sys.stderr)
+                return 2
+            elif isinstance(exc, ModuleNotFoundError) and (line := _needs_train_extra(name, exc.name)):
+                print(line, file=sys.stderr)
                 return 2
             else:
                 raise

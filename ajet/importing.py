@@ -22,8 +22,13 @@ from typing import Any
 from ajet.errors import WorkflowLoadError
 
 
-# the optional packages of ajet's extras (pyproject.toml's [project.optional-dependencies]), by top-level module
-EXTRAS = {"agentscope": "agentscope", "langchain_openai": "langchain", "langgraph": "langchain",
+# the optional packages of ajet's extras (pyproject.toml's [project.optional-dependencies]), by top-level module;
+# `train` is the trainer's (torch, transformers, the proxy's server, ...): `pip install ajet` alone is the client
+EXTRAS = {"torch": "train", "transformers": "train", "accelerate": "train", "safetensors": "train",
+          "tokenizers": "train", "gguf": "train", "starlette": "train", "uvicorn": "train", "aiohttp": "train",
+          "orjson": "train", "jsonschema": "train", "rich": "train", "tensorboard": "train", "mcp": "train",
+          "matplotlib": "train", "peft": "train",
+          "agentscope": "agentscope", "langchain_openai": "langchain", "langgraph": "langchain",
           "langchain_core": "langchain", "langchain": "langchain", "ray": "ray", "wandb": "wandb",
           "datasets": "datasets", "reasoning_gym": "reasoning-gym"}
 

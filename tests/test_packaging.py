@@ -248,3 +248,60 @@ def test_backbone_env_runs_from_the_installed_wheel_with_the_machines_cache(whee
                                            "print(find_vllm_python())", cwd=tmp_path / "elsewhere")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(vllm_base / "bin" / "python")
+
+
+# ---- the client install: `pip install ajet` (no extra) is ajet.client without torch; the trainer is ajet[train] ----
+
+# packages of the trainer that a client install must not pull (a few gigabytes with torch's)
+TRAINER_ONLY = ("torch", "transformers", "safetensors", "starlette", "uvicorn", "tensorboard", "matplotlib", "peft")
+NEEDS_TRAIN = "needs the training dependencies: pip install 'ajet[train]'"
+
+
+def test_the_wheel_without_extras_is_a_client_without_torch(wheel, tmp_path):
+    """The wheel installed with its dependencies and no extra into a fresh venv (no system site-packages): the
+    client API imports and no trainer package is there; `ajet --help`/`--version` work; a trainer command, config
+    or not, stops in one line naming ajet[train] (exit 2); a command that reaches a trainer package later
+    (`harnesses --install`: rich) says the same."""
+    uv = _uv()
+    venv = tmp_path / "client"
+    subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, timeout=120)
+    proc = subprocess.run([uv, "pip", "install", "-q", "--python", str(venv / "bin" / "python"), str(wheel)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "AJET_PYTHON")}
+
+    code = f"""
+import importlib.util, json, sys
+import ajet, ajet.client
+from ajet import Task, Workflow, WorkflowOutput
+from ajet.client import AjetClient, AsyncAjetClient
+print(json.dumps({{"file": ajet.__file__, "imported": sorted({{m.split(".")[0] for m in sys.modules}}),
+                  "installed": [m for m in {TRAINER_ONLY!r} if importlib.util.find_spec(m) is not None]}}))
+"""
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=run, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["file"]).is_relative_to(venv), out["file"]          # the wheel's, not the checkout's
+    assert out["installed"] == [], f"the client install pulled trainer packages: {out['installed']}"
+    assert not set(TRAINER_ONLY) & set(out["imported"]), out["imported"]
+    assert {"httpx", "ajet"} <= set(out["imported"])
+
+    def ajet(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(venv / "bin" / "ajet"), *args], cwd=run, env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert ajet("--version").stdout.strip() == f"ajet {version}"
+    shown = ajet("--help")
+    assert shown.returncode == 0 and "ajet serve " in shown.stdout, shown.stderr
+    (run / "conf.yaml").write_text("workflow: wf.py:W\ndata: {train_path: tasks.jsonl}\n")
+    for args, prog in ((["--conf", "x.yaml"], "ajet --conf"), (["--conf", "conf.yaml", "--steps", "1"], "ajet --conf"),
+                       (["serve", "--conf", "conf.yaml"], "ajet serve"), (["eval", "--conf", "conf.yaml"], "ajet eval")):
+        proc = ajet(*args)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"{prog} {NEEDS_TRAIN}\n"), (args, proc)
+    proc = ajet("harnesses", "--install", "aider")
+    assert (proc.returncode, proc.stderr) == (2, f"ajet harnesses {NEEDS_TRAIN} (not installed: rich)\n"), proc
+    assert not (run / "experiments").exists()

@@ -21,6 +21,18 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
     assert (ROOT / conf).is_file()
 
 
+def test_both_readme_commands_install_the_trainer():
+    """`pip install ajet` alone is the client (no torch): the main job's command installs the `train` extra, the
+    test command the `test` extra, which includes it."""
+    import tomllib
+
+    main_job, tests = _commands()
+    assert 'pip install -e ".[train]"' in main_job and 'pip install -e ".[test]"' in tests
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "ajet[train]" in project["optional-dependencies"]["test"]
+    assert not any(d.startswith(("torch", "transformers")) for d in project["dependencies"]), project["dependencies"]
+
+
 def test_the_docs_copies_of_the_two_commands_are_the_readmes():
     """docs/getting-started.md gives the test command as the README does and the main job's command in two blocks
     (install, then run) that join into the README's; any other install line in docs/ is one of the two or the start
