@@ -1,11 +1,12 @@
 """The run's final model is its best validated checkpoint (`trainer.keep_best`, ajet/best.py), and the test set
 (`data.test_path`) is measured on it.
 
-Two real `ajet` runs of the tiny model (debug backbone) whose validation score moves as a schedule says: the
-workflow scores the k-th validation by `SCHEDULE[k]` (counted in the run's process), every other episode by its
-answer. The first run peaks at step 1 of 3: its final model must be step 1's checkpoint (written although
-`save_freq` is 0), named on the run's last line and by `ajet eval --checkpoint EXP_DIR`, and the test set at the end
-must run on step 1's weights. The second never beats the initial model: the final model is step 0, with no checkpoint.
+Two real `ajet` runs of the tiny model (debug backbone). In the first the validation score moves as a schedule says
+(the workflow scores the k-th validation by `SCHEDULE[k]`, counted in the run's process; every other episode by its
+answer) and peaks at step 1 of 3: its final model must be step 1's checkpoint (written although `save_freq` is 0),
+named on the run's last line and by `ajet eval --checkpoint EXP_DIR`, and the test set at the end must run on step
+1's weights. The second degrades for real: a learning rate of 1.0 collapses the answers (the reward: an answer of at
+least 6 distinct characters), so no step beats the initial model, which is then the final model, with no checkpoint.
 Selection itself (ties, direction, invalid evaluations, a metric the validation lacks) is tested without a model.
 """
 
@@ -43,24 +44,38 @@ class Scheduled(Workflow):
         if task.task_id.startswith("v"):   # the validation set: the schedule's score
             return WorkflowOutput(reward=SCHEDULE[next(_val_episodes) // N_VAL], final_answer=text)
         return WorkflowOutput(reward=float(len(text) % 2), final_answer=text)   # train and test: the answer's
+
+
+class Distinct(Workflow):
+    async def execute(self, task, tuner):
+        r = await tuner.client.chat.completions.create(model=tuner.model,
+                                                       messages=[{"role": "user", "content": task.query}])
+        text = r.choices[0].message.content or ""
+        return WorkflowOutput(reward=float(len(set(text)) >= 6), final_answer=text)
 '''
+TOPICS = ["cats", "dogs", "rain", "sun", "sea", "trees", "bread", "music"]
 
 
-def _experiment(root: Path, model_dir: str, schedule: str, steps: int = 3) -> tuple[subprocess.CompletedProcess, Path]:
+def _experiment(root: Path, model_dir: str, schedule: str = "0", steps: int = 3, workflow: str = "Scheduled",
+                lr: float = 5e-2) -> tuple[subprocess.CompletedProcess, Path]:
     """Run `ajet` in `root` for `steps` steps, validating every step; returns (the process, the experiment folder)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "wf.py").write_text(WORKFLOW)
-    for name, prefix, n in (("train", "t", 4), ("val", "v", 2), ("test", "x", 3)):
+    sizes = (("train", "t", 4), ("val", "v", 2), ("test", "x", 3)) if workflow == "Scheduled" else \
+        (("train", "t", 8), ("val", "v", 8), ("test", "x", 3))
+    for name, prefix, n in sizes:
         (root / f"{name}.jsonl").write_text("".join(
-            json.dumps({"task_id": f"{prefix}{i}", "query": f"What is {i} plus {prefix}?", "answer": "0"}) + "\n"
+            json.dumps({"task_id": f"{prefix}{i}", "answer": "0",
+                        "query": f"What is {i} plus {prefix}?" if workflow == "Scheduled"
+                        else f"Say something about {TOPICS[i]} number {i}."}) + "\n"
             for i in range(n)))
     (root / "conf.yaml").write_text(textwrap.dedent(f"""
         experiment_name: best
-        workflow: wf.py:Scheduled
+        workflow: wf.py:{workflow}
         model: {{path: "{model_dir}", max_model_len: 512}}
         data: {{train_path: train.jsonl, val_path: val.jsonl, test_path: test.jsonl, shuffle: false}}
         rollout: {{num_repeat: 2, max_tokens: 8, temperature: 1.0}}
-        algorithm: {{lr: 5.0e-2}}
+        algorithm: {{lr: {lr}}}
         trainer: {{total_steps: {steps}, tasks_per_step: 2, val_freq: 1, save_freq: 0, tensorboard: false}}
     """))
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp"],
@@ -120,15 +135,19 @@ def test_the_run_ends_with_its_best_checkpoint_and_tests_it(tiny_model_dir, tmp_
         assert a["completion_logprobs"] == pytest.approx(b["completion_logprobs"], abs=1e-4)
 
 
-def test_the_initial_model_is_the_final_model_when_no_step_beats_it(tiny_model_dir, tmp_path):
-    proc, exp = _experiment(tmp_path, tiny_model_dir, "1,0,1", steps=2)   # step 2 ties step 0: the earlier stays
+def test_a_run_that_degrades_ends_with_the_initial_model(tiny_model_dir, tmp_path):
+    proc, exp = _experiment(tmp_path, tiny_model_dir, steps=2, workflow="Distinct", lr=1.0)
+    rows = _rows(exp)
+    val = [rows[s]["val/pass@1"] for s in range(3)]
+    assert val[2] < val[0], val                    # it degraded: the last step is worse than the initial policy
+    assert max(val[1:]) <= val[0], val             # and no step beat the initial policy (a tie keeps step 0)
     best = read_best(exp)
     assert (best.step, best.checkpoint, best.model) == (0, None, tiny_model_dir)
     assert sorted(p.name for p in (exp / "checkpoints").iterdir()) == ["step_2"]   # no checkpoint for step 0
     assert final_model(exp) == (tiny_model_dir, best)
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"final model: the initial model (step 0, {tiny_model_dir}), the best val/pass@1 100.0%"), last
-    rows = _rows(exp)
+    assert last.startswith(f"final model: the initial model (step 0, {tiny_model_dir}), the best val/pass@1 "
+                           f"{100 * val[0]:.1f}%"), last
     # the initial model's test figures are the ones measured before step 1: not evaluated again
     assert rows[2]["test/step"] == 0 and rows[2]["test/pass@1"] == rows[0]["test/pass@1"]
     assert not (exp / "test" / "step_2").exists()
