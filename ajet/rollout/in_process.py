@@ -38,8 +38,8 @@ def load_workflow(cfg) -> Workflow:
         ConfigError: no `workflow` in the config, or it cannot be loaded.
     """
     if cfg.workflow is None:
-        raise ConfigError("the config names no `workflow` (a `file.py:Class`, a `module:Class`, or "
-                          "`{command: [...]}`); only `ajet serve` runs without one")
+        raise ConfigError("the config names no `workflow` (a `file.py:Class`, a `module:Class`, an async episode "
+                          "function `file.py:function`, or `{command: [...]}`); only `ajet serve` runs without one")
     if isinstance(cfg.workflow, CommandWorkflowConfig):
         return CommandWorkflow(cfg.workflow, cfg.config_dir)
     if isinstance(cfg.workflow, HarnessWorkflowConfig):
