@@ -134,11 +134,11 @@ class Job:
             elif given is not None:
                 self._rows[split] = _rows(given, split)
                 overrides[f"data.{key}"] = f"tasks/{split}.jsonl"   # the run's own file, set below
-        if not any(overrides.get(f"data.{k}") is not None for k in _SOURCES):
+        if "data" not in overrides and not any(overrides.get(f"data.{k}") is not None for k in _SOURCES):
             raise ConfigError("Job(...): no training tasks: pass tasks= (a list of dicts or Tasks, a datasets.Dataset, "
                               "or a task file's path), or data={...} naming a task source")
         cfg = config_from_mapping({}, "Job(...)", overrides, overrides_source=None)
-        for split in self._rows:   # written into the experiment folder when the run starts (`_read_datasets`)
+        for split in self._rows:   # written into the experiment folder when the run starts (`_mode`)
             setattr(cfg.data, SPLITS[split], str(cfg.exp_path() / "tasks" / f"{split}.jsonl"))
         self.config: AjetConfig = cfg
         """The validated experiment (`ajet.config.AjetConfig`); what `run` trains and `to_yaml` writes."""
