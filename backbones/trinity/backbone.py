@@ -11,6 +11,11 @@
                                                        full state dict into Trinity's Synchronizer actor
         Synchronizer.get_model_state_dict()            ajet's engine loads those tensors (no file per step)
 
+With `engine: {kind: vllm}` a vLLM server generates instead of the HFEngine (`ajet.engines.vllm`: started by ajet
+from its own venv on the model folder's weights, or `engine.urls`), and the synchronizer's tensors reach it by
+`publish_weights`, the debug backbone's sync (written as safetensors, reloaded by the server); no copy of the
+policy stays in this process.
+
 Trinity's own `Trainer` class (trinity/trainer/trainer.py) wraps the same `VERLTrainer` with a loop that
 pulls experiences from Trinity's buffer; ajet hands its experiences over directly instead, and drives the
 weight sync the way Trinity's explorer does with `sync_method: memory`.
@@ -18,7 +23,8 @@ weight sync the way Trinity's explorer does with `sync_method: memory`.
 On a machine without CUDA the worker group runs on a local Ray cluster with logical GPU slots and the
 verl changes of `backbones/trinity/cpu.py` (gloo, a CPU engine registration, pure-torch padding helpers,
 fp32, sdpa attention, FSDP2), one Ray worker per FSDP rank (`trinity: {cluster: {gpu_per_node: N}}`). On CUDA
-the same code trains on GPUs; generation stays ajet's engine (Trinity's vLLM explorer is not used).
+the same code trains on GPUs; generation stays ajet's engine, in-process or vLLM (Trinity's own vLLM explorer is
+not used).
 """
 
 from __future__ import annotations
@@ -62,8 +68,8 @@ class TrinityBackbone:
         self.cfg = cfg
         self.on_cpu = not torch.cuda.is_available()
         self.world_size = world_size_of(cfg, self.on_cpu)   # FSDP ranks: `trinity: {cluster: {gpu_per_node: N}}`
-        path = str(resolve_model_path(cfg.model.path))
-        self.model, self.tokenizer, self.engine = _explorer_engine(cfg, path)
+        path = self.model_path = str(resolve_model_path(cfg.model.path))
+        self.model, self.tokenizer, self.engine = _explorer_engine(cfg, path)    # model None with vLLM
         exp_dir = Path(cfg.trainer.exp_dir) if cfg.trainer.exp_dir else Path(".")
         self.config = trinity_config(cfg, path, str((exp_dir / "trinity").resolve()), self.world_size, self.on_cpu)
         if self.on_cpu:
@@ -133,11 +139,8 @@ class TrinityBackbone:
         except ray.exceptions.RayError as exc:
             raise RuntimeError(f"Trinity's trainer step failed: {str(exc).splitlines()[0]}") from exc
         t1 = time.perf_counter()
-        self._run(self.trainer.upload_state_dict())
-        state, version = ray.get(self.synchronizer.get_model_state_dict.remote())
-        with self.engine.weights_lock:
-            self.model.load_state_dict({k: v.to(self.model.dtype) for k, v in state.items()})
-            self.engine.policy_version += 1
+        state, version = self._trainer_state()
+        synced = self._serve(state, self.engine.policy_version + 1)
         del state
         out = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         bad = nonfinite_figure(out)   # verl's engine (under Trinity) skipped such a step itself: counted, said
@@ -146,8 +149,29 @@ class TrinityBackbone:
             out = {k: v for k, v in out.items() if math.isfinite(v)}   # metrics.jsonl holds only valid JSON
         out[NONFINITE_SKIPPED] = float(bad is not None)
         out.update(optimizer_steps=float(self.trainer.config.actor.ppo_epochs), update_s=t1 - t0,
-                   sync_s=time.perf_counter() - t1, trinity_step=float(version))
+                   sync_s=time.perf_counter() - t1, trinity_step=float(version), **synced)
         return out
+
+    def _trainer_state(self) -> tuple[dict[str, torch.Tensor], int]:
+        """(the trainer's full weights under Hugging Face names, Trinity's step): Trinity's MEMORY sync, the worker
+        gathering the state dict into the Synchronizer actor, read back through Ray's object store."""
+        import ray
+
+        self._run(self.trainer.upload_state_dict())
+        return ray.get(self.synchronizer.get_model_state_dict.remote())
+
+    def _serve(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Serve `state` as policy `version`: loaded into the in-process engine's model, or written and reloaded by
+        the vLLM server (`publish_weights`, the debug backbone's sync). Returns the sync's figures
+        (`weight_sync_s`, ...; {} in-process)."""
+        from ajet.engines.vllm import publish_weights
+
+        dtype = self.model.dtype if self.model is not None else getattr(torch, self.cfg.model.dtype)
+        state = {k: v.to(dtype) for k, v in state.items()}
+        with self.engine.weights_lock:
+            if self.model is not None:
+                self.model.load_state_dict(state)
+            return publish_weights(self.engine, version, lambda: state)
 
     def sleep_rollout(self) -> None:
         """No-op: ajet's engine keeps its weights while Trinity's workers train their own copy."""
@@ -159,24 +183,36 @@ class TrinityBackbone:
     def save_checkpoint(self, path: Path) -> None:
         """The policy in Hugging Face format (ajet's engine holds the trained weights after every sync) plus
         Trinity's actor checkpoint under `path/actor` (FSDP shards, optimizer, scheduler; written by verl's
-        checkpoint manager through Trinity's worker) and `backbone_state.pt` (policy version, engine RNG)."""
+        checkpoint manager through Trinity's worker) and `backbone_state.pt` (policy version, engine RNG; with the
+        vLLM engine the folder's weights are the trainer's, from the synchronizer, and there is no engine RNG: every
+        call carries its own seed)."""
         path.mkdir(parents=True, exist_ok=True)
-        with self.engine.weights_lock:
-            self.model.save_pretrained(path)
+        if self.model is None:
+            from ajet.engines.vllm import save_hf_folder
+
+            save_hf_folder(self.model_path, path, self._trainer_state()[0])
+        else:
+            with self.engine.weights_lock:
+                self.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         self.trainer.actor_rollout_wg.save_checkpoint(local_path=str((path / "actor").resolve()),
                                                       global_step=self.trainer.global_steps)
         self.trainer.actor_rollout_wg.wait_on_save_thread()
         torch.save({"policy_version": self.engine.policy_version, "trinity_step": self.trainer.global_steps,
-                    "engine_rng": self.engine._generator.get_state()}, path / "backbone_state.pt")
+                    "engine_rng": self.engine._generator.get_state() if self.model is not None else None},
+                   path / "backbone_state.pt")
 
     def load_checkpoint(self, path: Path) -> None:
-        """Restore what `save_checkpoint` wrote: Trinity's actor (weights + optimizer) and ajet's engine."""
+        """Restore what `save_checkpoint` wrote: Trinity's actor (weights + optimizer) and ajet's engine (a vLLM
+        server reloads the restored actor's weights before the first call)."""
         from transformers import AutoModelForCausalLM
 
         state = torch.load(path / "backbone_state.pt", weights_only=False)
         self.trainer.actor_rollout_wg.load_checkpoint(str((path / "actor").resolve()), del_local_after_load=False)
         self.trainer.global_steps = state["trinity_step"]
+        if self.model is None:
+            self._serve(self._trainer_state()[0], state["policy_version"])
+            return
         saved = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype)
         with self.engine.weights_lock:
             self.model.load_state_dict(saved.state_dict())
@@ -235,12 +271,17 @@ class _ExplorerHandle:
 
 def _explorer_engine(cfg: AjetConfig, path: str):
     """(model, tokenizer, engine): the policy copy ajet's proxy generates with, served by the debug backbone's
-    `HFEngine` (token ids and logprobs exactly as sampled)."""
+    `HFEngine` (token ids and logprobs exactly as sampled); with `engine: {kind: vllm}` (None, tokenizer,
+    `VLLMEngine`) on the folder's weights, which Trinity's trainer starts from too."""
     from ajet.engines.in_process import HFEngine
     from ajet.model import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(path, cfg.model.chat_template)
-    model = load_model(path, cfg.model.dtype, cfg.model.device).eval()
+    model = load_model(path, cfg.model.dtype, cfg.model.device if cfg.engine.kind != "vllm" else "cpu").eval()
+    if cfg.engine.kind == "vllm":
+        from ajet.engines.vllm import vllm_engine
+
+        return None, tokenizer, vllm_engine(cfg, path, model.state_dict())
     model.config.use_cache = True
     eos = {tokenizer.eos_token_id}
     g = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -2,8 +2,11 @@
 
 One class, two rollouts (`config.rollout_choice`: verl's key `actor_rollout_ref.rollout.name`):
 
-    ajet (default without CUDA)   ajet's in-process engine (`HFEngine`) generates; after every update the
-                                  actor's weights come back through verl's weight export (`weights.py`)
+    ajet (default without CUDA,   ajet's engine generates: the in-process `HFEngine`, or with `engine: {kind: vllm}`
+    or with `engine: {kind:       a vLLM server (`ajet.engines.vllm`, started by ajet from its own venv, or
+    vllm}`)                       `engine.urls`); after every update the actor's weights come back through verl's
+                                  weight export (`weights.py`) and reach the engine by `publish_weights`, the
+                                  debug backbone's sync (the vLLM server reloads them from a safetensors file)
     vllm | sglang (CUDA)          verl's rollout servers generate (`RayPPOTrainer.init_workers`, hybrid engine);
                                   `checkpoint_manager.sleep_replicas / update_weights` sync the weights
 
@@ -41,6 +44,7 @@ from ajet import progress
 from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
+from ajet.ray_cluster import check_groups, check_reachable
 from ajet.engines.pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
@@ -117,8 +121,16 @@ class VerlBackbone:
             runtime_env["env_vars"].update(worker_env())
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
+            check_reachable(cfg.rollout.ray_address)    # ray.init retries an address nothing answers at for minutes
+            # a local Ray: the ranks, two spare CPUs and the --with-ray episode workers (1 CPU each)
             ray.init(address=cfg.rollout.ray_address, runtime_env=runtime_env, include_dashboard=False,
-                     num_cpus=None if cfg.rollout.ray_address else max(os.cpu_count() or 1, self.dp_size + 2))
+                     num_cpus=None if cfg.rollout.ray_address else max(os.cpu_count() or 1,
+                                                                        self.dp_size + 2 + cfg.rollout.ray_workers))
+        t = self.config.trainer     # verl's pools wait forever for groups the cluster cannot hold: refuse them now
+        check_groups(ray, int(t.nnodes), int(t.n_gpus_per_node), "GPU" if cuda else "CPU",
+                     f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} (verl's ranks: one "
+                     f"group per node)", "lower verl.trainer.nnodes or n_gpus_per_node, or join more nodes (`ray "
+                     "start --address=HEAD:PORT` on each) and pass --ray-address HEAD:PORT (docs/scale-out.md)")
         with explain_ray_oom(f"Starting verl's worker group ({self.dp_size} rank(s))", self._oom_advice()):
             if self.rollout == "ajet":
                 self._init_ajet_rollout()
@@ -138,7 +150,9 @@ class VerlBackbone:
                 f"ranks (verl: {{trainer: {{n_gpus_per_node: N}}}}), or free memory that other programs use.")
 
     def _init_ajet_rollout(self) -> None:
-        """verl's actor worker group on Ray (`dp_size` FSDP ranks), ajet's engine on a copy of the weights."""
+        """verl's actor worker group on Ray (`dp_size` FSDP ranks), ajet's engine on a copy of the weights: the
+        in-process engine on a model in this process, or a vLLM server (`engine: {kind: vllm}`) started on the
+        actor's exported weights (no model in this process)."""
         import ray
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
@@ -159,8 +173,14 @@ class VerlBackbone:
                                        device_name="cuda" if cuda else "cpu")
         self.actor_wg.init_model()
         self.ref_wg = self.actor_wg
-        self.model = load_model(self.config.actor_rollout_ref.model.path, self.cfg.model.dtype,
-                                "cuda" if cuda else "cpu").eval()
+        path = self.config.actor_rollout_ref.model.path
+        if self.cfg.engine.kind == "vllm":          # the server starts on exactly the actor's weights
+            from ajet.engines.vllm import vllm_engine
+
+            self.model = None
+            self.engine = vllm_engine(self.cfg, path, self._exported())
+            return
+        self.model = load_model(path, self.cfg.model.dtype, "cuda" if cuda else "cpu").eval()
         self.engine = engine_for(self.model, self.tokenizer, self.cfg)
         self._sync_weights()          # the engine serves exactly the actor's weights from the start
 
@@ -226,11 +246,11 @@ class VerlBackbone:
                         for k, v in stats.items():
                             sums[k] = sums.get(k, 0.0) + v
                     bar.advance(1)
-            self.engine.policy_version += 1
-            if self.rollout == "ajet":
-                self._sync_weights()
+            synced = self._sync_weights(self.engine.policy_version + 1) if self.rollout == "ajet" else {}
+            if self.rollout != "ajet":
+                self.engine.policy_version += 1
         return {**{k: v / max(1, steps - skipped) for k, v in sums.items()}, "optimizer_steps": float(steps),
-                NONFINITE_SKIPPED: float(skipped), "update_s": time.perf_counter() - t0}
+                NONFINITE_SKIPPED: float(skipped), **synced, "update_s": time.perf_counter() - t0}
 
     def _optimizer_step(self, rows: list[Sample], num_episodes: int) -> dict[str, float]:
         """One verl `update_actor` call on `rows` (one mini-batch: one optimizer step on every rank)."""
@@ -271,11 +291,22 @@ class VerlBackbone:
 
         return self.engine.weights_lock if self.rollout == "ajet" else contextlib.nullcontext()
 
-    def _sync_weights(self) -> None:
-        """ajet's engine <- the actor's weights (verl's export, through Ray's object store)."""
-        from ajet.backbones.verl.weights import load_into
+    def _exported(self) -> dict[str, torch.Tensor]:
+        """The actor's full weights `{hf_name: tensor}` (verl's per-tensor export, through Ray's object store)."""
+        return self.actor_wg.export_weights()[0]
 
-        load_into(self.model, self.actor_wg.export_weights()[0])
+    def _sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """ajet's engine <- the actor's weights, served as policy `version` (None: the engine's own): copied into the
+        in-process engine's model, or written and reloaded by the vLLM server (`publish_weights`, the debug
+        backbone's sync). Returns the sync's figures (`weight_sync_s`, ...; {} in-process)."""
+        from ajet.engines.vllm import publish_weights
+
+        if self.model is not None:
+            from ajet.backbones.verl.weights import load_into
+
+            load_into(self.model, self._exported())
+        version = self.engine.policy_version if version is None else version
+        return publish_weights(self.engine, version, self._exported)
 
     def sleep_rollout(self) -> None:
         """verl's rollout servers release their weights and KV cache (no-op for ajet's engine)."""
@@ -292,12 +323,17 @@ class VerlBackbone:
         """verl's actor checkpoint under `path/actor` (FSDP shards + optimizer + `huggingface/` config, by verl's
         checkpoint manager; `python -m verl.model_merger merge --backend fsdp --local_dir path/actor
         --target_dir OUT` turns it into a HF folder), the tokenizer, and `backbone_state.json` (policy version,
-        episode-shuffle RNG). With ajet's engine, `path` is also a HF folder of the served weights."""
+        episode-shuffle RNG). With ajet's engine, `path` is also a HF folder of the served weights (with the vLLM
+        engine: the actor's export, which the server holds)."""
         path.mkdir(parents=True, exist_ok=True)
         self.actor_wg.save_checkpoint(str(path / "actor"), None, self.engine.policy_version, None)
         self.tokenizer.save_pretrained(path)
         state = {"policy_version": self.engine.policy_version, "update_rng": _jsonable(self._rng.getstate())}
-        if self.rollout == "ajet":
+        if self.rollout == "ajet" and self.model is None:     # vLLM: every call carries its own seed, no engine RNG
+            from ajet.engines.vllm import save_hf_folder
+
+            save_hf_folder(self.config.actor_rollout_ref.model.path, path, self._exported())
+        elif self.rollout == "ajet":
             with self.engine.weights_lock:
                 self.model.save_pretrained(path)
                 state["engine_rng"] = self.engine._generator.get_state().tolist()
@@ -305,16 +341,19 @@ class VerlBackbone:
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore what `save_checkpoint` wrote (verl's actor + optimizer, RNGs, policy version), then serve
-        those weights."""
+        those weights (a vLLM server reloads them before the first call)."""
         self.actor_wg.load_checkpoint(str(path / "actor"), del_local_after_load=False)
         state = json.loads((path / "backbone_state.json").read_text())
         self._rng.setstate(_tuples(state["update_rng"]))
-        self.engine.policy_version = state["policy_version"]
-        if self.rollout == "ajet":
+        if self.rollout == "ajet" and self.model is None:
+            self._sync_weights(state["policy_version"])
+        elif self.rollout == "ajet":
+            self.engine.policy_version = state["policy_version"]
             with self.engine.weights_lock:
                 self.engine._generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
                 self._sync_weights()
         else:
+            self.engine.policy_version = state["policy_version"]
             self.trainer.checkpoint_manager.update_weights(self.engine.policy_version)
 
     def close(self) -> None:

@@ -24,13 +24,18 @@ def unsupported_keys(cfg: AjetConfig) -> list[str]:
 
 def rollout_choice(cfg: AjetConfig, cuda: bool) -> str:
     """Who serves generation: `actor_rollout_ref.rollout.name` from the `verl:` block (verl's `vllm` / `sglang`,
-    or `ajet`: ajet's in-process engine fed by verl's weight export), else `vllm` with CUDA and `ajet` without.
+    or `ajet`: ajet's engine fed by verl's weight export), else `ajet` with `engine: {kind: vllm}` (ajet's vLLM
+    engine, CPU or CUDA), else `vllm` with CUDA and `ajet` without.
 
     Raises:
-        ConfigError: vLLM/SGLang asked for on a machine without CUDA, or an unknown name.
+        ConfigError: vLLM/SGLang asked for on a machine without CUDA, verl's own rollout asked for together with
+            `engine: {kind: vllm}`, or an unknown name.
     """
     name = flatten(cfg.verl).get("actor_rollout_ref.rollout.name") if isinstance(cfg.verl, dict) else None
-    name = name or ("vllm" if cuda else "ajet")
+    if cfg.engine.kind == "vllm" and name not in (None, "ajet"):
+        raise ConfigError(f"engine.kind=vllm with actor_rollout_ref.rollout.name={name}: ajet's vLLM engine serves "
+                          f"the rollout (verl's weight export feeds it); remove one of the two")
+    name = name or ("vllm" if cuda and cfg.engine.kind != "vllm" else "ajet")
     if name not in ("ajet", "vllm", "sglang"):
         raise ConfigError(f"actor_rollout_ref.rollout.name={name!r}: choose ajet, vllm or sglang")
     if name != "ajet" and not cuda:
@@ -61,8 +66,9 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
         raise ConfigError("model.path='smollm2-135m-instruct' is ajet's embedded GGUF model, which vLLM/SGLang cannot "
                           "serve: give a Hugging Face id or folder (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
     if rollout_name == "ajet" and m.lora:
-        raise ConfigError("model.lora with the verl backbone's ajet rollout (no CUDA) is not supported yet: the weight "
-                          "sync sends full weights only; remove model.lora, or use --backbone=debug for LoRA on CPU")
+        raise ConfigError("model.lora with the verl backbone's ajet rollout (ajet's in-process or vLLM engine) is not "
+                          "supported yet: the weight sync sends full weights only; remove model.lora, or use "
+                          "--backbone=debug for LoRA served by ajet's engines")
     if a.loss_agg_mode == "seq-mean-token-sum-norm" and a.loss_scale_factor is None:
         raise ConfigError("algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor on the "
                           "verl backbone (verl's default, the padded response width, changes from step to step here)")
