@@ -135,12 +135,19 @@ def write_best(exp_dir: Path, best: Best) -> None:
     os.replace(tmp, exp_dir / BEST_FILE)
 
 
-def read_best(exp_dir: Path) -> Best | None:
+def read_best(exp_dir: str | Path) -> Best | None:
     """The best recorded in `exp_dir/best.json`, or None (no file, or one that is not a record of a best)."""
     try:
         return Best(**json.loads((Path(exp_dir) / BEST_FILE).read_text()))
     except (OSError, ValueError, TypeError):
         return None
+
+
+def describe(best: Best) -> str:
+    """How commands name a run's kept model: "step 8 (checkpoints/step_8), the best val/pass@1 51.6%"."""
+    from ajet.progress import fmt_score
+
+    return f"{best.name()}, the best val/{fmt_score(best.metric[len('val/'):], best.value)}"
 
 
 def final_model(exp_dir: Path) -> tuple[str, Best | None]:

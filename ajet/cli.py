@@ -429,8 +429,12 @@ def _sft(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from ajet.commands.export import export_hf
 
+    from ajet.best import describe, read_best
+
     out, rows = export_hf(args.exp_dir, args.out, args.min_reward, args.agent)
     print(f"{rows} samples -> {out} (datasets.load_from_disk)")
+    if (best := read_best(args.exp_dir)) is not None:   # the samples of every step; the model the run kept
+        print(f"the run's final model: {describe(best)}")
     return 0
 
 
@@ -568,7 +572,8 @@ def _stopped(argv: list[str], args: argparse.Namespace, signum: int) -> str:
     how, name = signal_name(signum), argv[0] if argv and argv[0] in SUBCOMMANDS else ""
     prog, cfg = f"ajet {name}".rstrip(), getattr(args, "loaded_config", None)
     if name in ("", "sft", "serve", "gateway") and cfg is not None:
-        return f"{prog}: {stopped_line(how, cfg.exp_path(), cfg.trainer.total_steps, argv)}"
+        server = name in ("serve", "gateway")
+        return f"{prog}: {stopped_line(how, cfg.exp_path(), cfg.trainer.total_steps, argv, server)}"
     if name in ("", "sft", "serve", "gateway", "eval"):
         return f"{prog}: stopped by {how} before it finished; run it again with: {continue_command(argv, False)}"
     return f"{prog}: stopped by {how}"

@@ -129,6 +129,11 @@ def test_the_run_ends_with_its_best_checkpoint_and_tests_it(tiny_model_dir, tmp_
                         env={**os.environ, "BEST_SCHEDULE": "0"})
     assert ev.returncode == 0, ev.stdout[-3000:] + ev.stderr[-3000:]
     assert "the run's final model, step 1 (checkpoints/step_1)" in ev.stdout
+    # `ajet export` writes every step's samples and names the model the run kept
+    ex = subprocess.run([sys.executable, "-m", "ajet", "export", "--format", "hf", "exp", "samples"],
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert ex.returncode == 0, ex.stderr[-3000:]
+    assert "the run's final model: step 1 (checkpoints/step_1), the best val/pass@1 100.0%" in ex.stdout, ex.stdout
     again = _calls(tmp_path / "eval_best")
     assert [c["completion_ids"] for c in again] == [c["completion_ids"] for c in final_calls]
     for a, b in zip(again, final_calls):

@@ -26,7 +26,7 @@ def _checkpoint_folder(path: str) -> tuple[str, str]:
     Raises:
         ConfigError: neither a checkpoint folder nor an experiment folder with a saved model.
     """
-    from ajet.best import final_model
+    from ajet.best import describe, final_model
 
     p = Path(path).expanduser()
     if any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin")):
@@ -37,8 +37,7 @@ def _checkpoint_folder(path: str) -> tuple[str, str]:
     model, best = final_model(p)
     if best is None:
         return model, f"--checkpoint {path}: its newest checkpoint, {Path(model).name}"
-    return model, (f"--checkpoint {path}: the run's final model, {best.name()}, the best "
-                   f"val/{progress.fmt_score(best.metric[len('val/'):], best.value)}")
+    return model, f"--checkpoint {path}: the run's final model, {describe(best)}"
 
 
 def main(conf: str, checkpoint_dir: str | None = None, model: str | None = None, data: str | None = None,
