@@ -104,6 +104,7 @@ class Job:
             it for a YAML file (named `Job(...)`); no tasks, or two sources for one split; a task that is no
             task (the row's index named); a workflow that is neither a Workflow nor an async function.
         WorkflowLoadError: a workflow or judge given as text that cannot be imported.
+        AjetError: the training dependencies are not installed (`pip install 'ajet[train]'`).
     """
 
     def __init__(self, workflow: Any = None, *, judge: Any = None, tasks: Any = None, val_tasks: Any = None,
@@ -111,6 +112,7 @@ class Job:
                  **settings: Any) -> None:
         from ajet.config.loading import config_from_mapping
 
+        _check_train_extra()
         overrides = _dotted(settings)
         self._workflow_obj = None if workflow is None or isinstance(workflow, (str, Mapping)) else workflow
         self._judge_obj = None if judge is None or isinstance(judge, str) else judge
@@ -153,9 +155,11 @@ class Job:
         Raises:
             ConfigError: what `ajet --conf PATH KEY=VALUE ...` says of the file and the overrides.
             WorkflowLoadError: the file's workflow or judge cannot be imported.
+            AjetError: the training dependencies are not installed (`pip install 'ajet[train]'`).
         """
         from ajet.config import load_config
 
+        _check_train_extra()
         job = cls.__new__(cls)
         job._workflow_obj = job._judge_obj = None
         job._rows = {}
@@ -271,6 +275,20 @@ class Job:
         from ajet.trainer import run
 
         return JobResult.read(run(self.config, self._mode()))
+
+
+def _check_train_extra() -> None:
+    """Raise `AjetError` in one line when a package of the `train` extra is missing (`pip install ajet` is the
+    client of `ajet serve` only), naming the few missing ones (all of them: none named), as the `ajet` command does."""
+    import importlib.util
+
+    from ajet.errors import AjetError
+    from ajet.importing import EXTRAS
+
+    missing = [m for m, extra in EXTRAS.items() if extra == "train" and importlib.util.find_spec(m) is None]
+    if missing:
+        raise AjetError("ajet.Job needs the training dependencies: pip install 'ajet[train]'"
+                        + (f" (not installed: {', '.join(missing)})" if len(missing) <= 3 else ""))
 
 
 def import_spec(obj: Any, base_dir: Path | None = None) -> str:

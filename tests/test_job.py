@@ -198,3 +198,15 @@ def test_tasks_as_task_objects_and_a_dataset_are_the_rows_the_reader_reads_back(
         ajet.Job(episode, tasks=given, data={"train_path": "t.jsonl"})
     with pytest.raises(ConfigError, match=r"tasks= is a mapping \(a DatasetDict\?\)"):
         ajet.Job(episode, tasks=datasets.DatasetDict({"train": datasets.Dataset.from_list(TASKS)}))
+
+
+def test_without_the_training_dependencies_a_job_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from ajet.errors import AjetError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    with pytest.raises(AjetError) as missing:
+        ajet.Job(None, tasks=TASKS)
+    assert str(missing.value) == "ajet.Job needs the training dependencies: pip install 'ajet[train]' (not installed: torch)"
