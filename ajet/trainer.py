@@ -179,6 +179,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
         final_test = _final_model_test(cfg, best, validate, backbone, exp_dir, total)
         if last_row is not None:
             _log_step(cfg, total, {**last_row, **final_test}, episodes, log)
+        elif final_test and first_step > total:   # resumed after the last checkpoint: its row died with the run
+            log.log(total, final_test)
         rollout.after_training()
     finally:
         _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log)
