@@ -68,7 +68,7 @@ def _project(tmp_path: Path, tiny_model_dir: str, workflow: str, extra: str = ""
 @pytest.mark.parametrize("source, said", [
     (NAME_ERROR, "ajet: error: workflow wf.py:4: NameError: name 'fooo' is not defined"),
     (SYNTAX_ERROR, "ajet: error: workflow wf.py:5: SyntaxError: expected ':'"),
-])
+], ids=["NameError", "SyntaxError"])
 def test_a_workflow_that_fails_on_import_is_one_line_with_its_file_and_line(source, said, tiny_model_dir, tmp_path):
     (tmp_path / "wf.py").write_text(source)
     conf = _project(tmp_path, tiny_model_dir, "wf.py:W")
@@ -85,7 +85,7 @@ def test_a_workflow_that_fails_on_import_is_one_line_with_its_file_and_line(sour
     ("math_agent_agentscope.yaml", "agentscope",
      r"workflow math_workflow_agentscope\.py:(\d+): ModuleNotFoundError: No module named 'agentscope' "
      r"\(pip install 'ajet\[agentscope\]'\)"),
-])
+], ids=["langchain", "agentscope"])
 def test_the_math_jobs_framework_variants_without_their_packages_name_the_extra(variant, hide, said, tmp_path, capsys):
     project = tmp_path / "math"
     assert main(["init", str(project), "--kind", "math"]) == 0
