@@ -31,11 +31,12 @@ class RolloutConfig(_Section):
     failed_episode_policy: Literal["drop_episode", "drop_group"] = Field(
         "drop_episode", description="a failed episode (raised, timed out, non-finite or missing reward) is never "
                                     "trained on; drop_group also leaves the rest of its GRPO group out of the update")
-    ray_workers: int = Field(0, ge=0, description="with --with-ray: episodes run on this many Ray actors (0: in this "
-                                                  "process)")
-    ray_address: str | None = Field(None, description="with --with-ray: the Ray cluster to join; None starts a local "
-                                                      "Ray (ray.init()), `auto` joins the cluster `ray start` made on"
-                                                      " this node")
+    ray_workers: int = Field(0, ge=0, description="with --with-ray: episodes run on this many Ray actors, 1 CPU "
+                                                  "each, spread over the cluster's nodes (0: in this process)")
+    ray_address: str | None = Field(None, description="the Ray cluster to join (--ray-address): HOST:PORT of its "
+                                                      "head node, or `auto` for the cluster `ray start` made on this "
+                                                      "machine; None starts a local Ray. Read by --with-ray, the verl "
+                                                      "backbone and, on GPU, the trinity backbone")
 
 
 class ProxyConfig(_Section):

@@ -10,7 +10,9 @@ is recorded with the Ray error as its `error` (and the calls it made before dyin
 for the next step. Locally `ray.init()` starts a private Ray sized to hold the pool; on a cluster, `ray start
 --head` on the first node, `ray start --address=HEAD:6379` on the others and `--ray-address HEAD:6379` (or
 `rollout.ray_address`, `auto` for the cluster of this node; docs/scale-out.md). With several machines the proxy
-must listen where the workers can reach it (`proxy.host: 0.0.0.0`).
+must listen where the workers can reach it (`proxy.host: 0.0.0.0`): a worker then gets the proxy's URL with this
+node's IP (as Ray knows it) in place of 0.0.0.0, and a proxy on 127.0.0.1 with a worker on another machine is a
+`ConfigError` before the first episode (`worker_url`).
 
 Placement: each worker takes 1 CPU, reserved by one placement group of `num_workers` one-CPU bundles with the
 SPREAD strategy (Ray puts the bundles on as many nodes as it can), worker i in bundle i. Before reserving, the
@@ -24,21 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import time
 from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
 
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.proxy.server import ProxyServer
+from ajet.ray_cluster import check_cpus, check_reachable
 from ajet.rollout.episodes import Judge, execute_episode, new_episodes, seed_key
 from ajet.task import Task
 from ajet.workflow import Workflow
 
 
 _RESTART_WAIT_S = 0.5   # between two sends of an episode a restarting actor refused (for up to its timeout_s)
-_CONNECT_TIMEOUT_S = 5.0   # a `--ray-address` nothing answers at is refused after this long (ray.init retries ~minutes)
 
 
 class _EpisodeWorker:
@@ -95,14 +97,17 @@ class RayRollout:
         self._started_ray = not ray.is_initialized()
         joins = address is not None or bool(os.environ.get("RAY_ADDRESS"))
         if self._started_ray:
-            if address not in (None, "auto"):
-                _check_reachable(address)
+            check_reachable(address)
             # a local Ray gets a CPU for every worker even on a smaller machine (the workers mostly wait on HTTP)
             sized = {} if joins else {"num_cpus": max(os.cpu_count() or 1, num_workers)}
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
         try:
-            _check_fits(ray, num_workers, address)
+            fit = int(_cpus(ray))
+            more = "add nodes (`ray start --address=HEAD:PORT --num-cpus N` on another machine)"
+            check_cpus(ray, num_workers, f"--with-ray {num_workers} (episode workers, on the cluster"
+                       f"{_at(address) or ' this run started'})",
+                       f"run at most {fit} (--with-ray {fit}) or {more}" if fit else more)
             self._pg = placement_group([{"CPU": 1}] * num_workers, strategy="SPREAD")
             if not self._pg.wait(placement_timeout_s):
                 free = ray.available_resources().get("CPU", 0.0)
@@ -120,6 +125,7 @@ class RayRollout:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
             ).remote() for i in range(num_workers)]
             self.placement: list[dict[str, Any]] = ray.get([w.where.remote() for w in self.workers])
+            self.driver_ip = ray.util.get_node_ip_address()
         except BaseException:
             self.close()
             raise
@@ -142,6 +148,8 @@ class RayRollout:
         if tools is not None:
             raise ConfigError("tools.mcp_servers cannot be used with --with-ray yet (the MCP sessions live in the "
                               "trainer process): drop one of the two")
+        for p in self.placement:      # a proxy the workers cannot reach: refused before any episode starts
+            worker_url(proxy.url, self.driver_ip, p["ip"])
         _pickle_user_code_by_value(workflow, judge)
         sem = semaphore or asyncio.Semaphore(max_concurrency)
         wf_ref, judge_ref = self._ray.put(workflow), self._ray.put(judge)
@@ -154,9 +162,11 @@ class RayRollout:
                 while True:
                     endpoint = proxy.open_episode(ep.episode_id, seed_key(ep))
                     try:
-                        out = await self.workers[i % len(self.workers)].run.remote(
-                            wf_ref, judge_ref, ep.task, ep.episode_id, endpoint.base_url, endpoint.api_key, timeout_s,
-                            "ajet-policy")
+                        w = i % len(self.workers)
+                        out = await self.workers[w].run.remote(
+                            wf_ref, judge_ref, ep.task, ep.episode_id,
+                            worker_url(endpoint.base_url, self.driver_ip, self.placement[w]["ip"]), endpoint.api_key,
+                            timeout_s, "ajet-policy")
                         ep.output, ep.reward, ep.error = out["output"], out["reward"], out["error"]
                         ep.duration_s = out["duration_s"]
                         nodes.add(out["node_id"])
@@ -204,8 +214,34 @@ def placement_line(placement: list[dict[str, Any]]) -> str:
     """One line naming where each episode worker runs: `ajet: 2 Ray episode workers on 2 node(s): worker 0 node
     1a2b3c4d5e6f (10.0.0.1, pid 123), ...` (node ids shortened to 12 hex digits)."""
     nodes = {p["node_id"] for p in placement}
-    where = ", ".join(f"worker {i} node {p['node_id'][:12]} ({p['ip']}, pid {p['pid']})" for i, p in enumerate(placement))
+    where = ", ".join(f"worker {i} node {p['node_id'][:12]} ({p['ip']}, pid {p['pid']})"
+                      for i, p in enumerate(placement))
     return f"ajet: {len(placement)} Ray episode workers on {len(nodes)} node(s): {where}"
+
+
+def worker_url(url: str, driver_ip: str, worker_ip: str) -> str:
+    """The proxy URL (`url`, on this trainer's node `driver_ip`) as a worker on node `worker_ip` must call it.
+
+    A proxy listening on all addresses (`proxy.host: 0.0.0.0` or `::`) is reached at `driver_ip`; one on a
+    loopback address only from this machine.
+
+    Returns:
+        `url`, its host replaced by `driver_ip` when it is 0.0.0.0 / ::.
+
+    Raises:
+        ConfigError: the proxy listens on a loopback address (127.0.0.1, localhost, ::1) and `worker_ip` is another
+            machine's.
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if host in ("0.0.0.0", "::"):
+        ip = f"[{driver_ip}]" if ":" in driver_ip else driver_ip
+        return urlunsplit(parts._replace(netloc=f"{ip}:{parts.port}"))
+    if host in ("127.0.0.1", "localhost", "::1") and worker_ip != driver_ip:
+        raise ConfigError(f"proxy.host={host}: the proxy is private to this machine ({driver_ip}) but a --with-ray "
+                          f"episode worker runs on {worker_ip}: set proxy.host=0.0.0.0 (every episode still needs "
+                          f"its own key)")
+    return url
 
 
 def _cpus(ray: Any) -> float:
@@ -214,40 +250,6 @@ def _cpus(ray: Any) -> float:
 
 def _at(address: str | None) -> str:
     return f" at {address}" if address else ""
-
-
-def _check_fits(ray: Any, num_workers: int, address: str | None) -> None:
-    """Refuse a pool the cluster's CPUs cannot hold, before a placement group would wait for them forever.
-
-    Raises:
-        ConfigError: fewer CPUs in the whole cluster (alive nodes) than `num_workers`.
-    """
-    total = _cpus(ray)
-    if total < num_workers:
-        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-        fit = int(total)
-        raise ConfigError(f"--with-ray {num_workers}: the Ray cluster{_at(address)} has {total:g} CPU(s) on {alive} "
-                          f"node(s) and each episode worker takes 1: run at most {fit} (--with-ray {fit}) or add "
-                          f"nodes (ray start --address=HEAD:PORT --num-cpus N on another machine)" if fit else
-                          f"--with-ray {num_workers}: the Ray cluster{_at(address)} has no CPU to run an episode "
-                          f"worker on ({alive} node(s)): add nodes with CPUs (ray start --address=HEAD:PORT)")
-
-
-def _check_reachable(address: str) -> None:
-    """Refuse a `HOST:PORT` nothing listens at within `_CONNECT_TIMEOUT_S` (ray.init would retry for minutes).
-
-    Raises:
-        ConfigError: not HOST:PORT, or no connection.
-    """
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"rollout.ray_address={address!r}: give HOST:PORT of the cluster's head node (what "
-                          f"`ray start --head` printed, e.g. 10.0.0.1:6379) or `auto`")
-    try:
-        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ConfigError(f"rollout.ray_address={address}: no Ray head answers there ({exc.strerror or exc}): start "
-                          f"it with `ray start --head --port {port}` on {host}, or correct the address") from None
 
 
 def _pickle_user_code_by_value(*objects: Any) -> None:

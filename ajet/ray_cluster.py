@@ -1,0 +1,81 @@
+"""Whether a Ray cluster can hold what a run asks of it, checked before anything waits on it.
+
+Ray never refuses a request it cannot meet: `ray.init(address=...)` retries an address nothing answers at for
+minutes, and a placement group that no node can hold stays pending forever (verl's `RayResourcePool` waits on
+its groups with a plain `ray.get`). Used by the `--with-ray` episode pool (`ajet.rollout.ray`) and the verl
+backbone (`trainer.nnodes` x `trainer.n_gpus_per_node`), each check turns such a wait into one `ConfigError`
+naming what the cluster has and what to change.
+
+Reference: Ray's placement groups, https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from ajet.errors import ConfigError
+
+CONNECT_TIMEOUT_S = 5.0   # how long `check_reachable` waits for the head node's port, seconds
+
+
+def check_reachable(address: str | None) -> None:
+    """Refuse a `HOST:PORT` (or `ray://HOST:PORT`) nothing accepts a connection at within `CONNECT_TIMEOUT_S`;
+    None and `auto` (Ray finds the cluster itself) pass.
+
+    Raises:
+        ConfigError: not HOST:PORT, or no connection.
+    """
+    if address in (None, "auto"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"rollout.ray_address={address!r}: give HOST:PORT of the cluster's head node (what "
+                          f"`ray start --head` printed, e.g. 10.0.0.1:6379) or `auto`")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError(f"rollout.ray_address={address}: no Ray head answers there ({exc.strerror or exc}): start "
+                          f"it with `ray start --head --port {port}` on {host}, or correct the address") from None
+
+
+def alive_nodes(ray: Any) -> list[dict[str, Any]]:
+    """The cluster's alive nodes, as `ray.nodes()` gives them (each with its total `Resources`)."""
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def check_groups(ray: Any, groups: int, per_group: int, resource: str, what: str, fix: str) -> None:
+    """Refuse `groups` placement groups of `per_group` units of `resource` (each group on one node, as verl's
+    STRICT_PACK / PACK groups of one node's ranks) when the alive nodes' totals cannot hold them all.
+
+    Args:
+        ray: the `ray` module, initialized.
+        groups: how many groups (e.g. verl's trainer.nnodes).
+        per_group: units of `resource` in each (e.g. trainer.n_gpus_per_node ranks x 1).
+        resource: "CPU" or "GPU".
+        what: the request in the config's words, first in the message.
+        fix: what to change, last in the message.
+
+    Raises:
+        ConfigError: "WHAT: the Ray cluster has N node(s) with R RESOURCE(s) ...: FIX".
+    """
+    nodes = alive_nodes(ray)
+    totals = [float(n.get("Resources", {}).get(resource, 0.0)) for n in nodes]
+    fits = sum(int(t // per_group) for t in totals) if per_group > 0 else groups
+    if fits < groups:
+        have = ", ".join(f"{t:g}" for t in sorted(totals, reverse=True)) or "none"
+        raise ConfigError(f"{what}: the Ray cluster has {len(nodes)} node(s) with {have} {resource}(s), room for "
+                          f"{fits} group(s) of {per_group}: {fix}")
+
+
+def check_cpus(ray: Any, needed: int, what: str, fix: str) -> None:
+    """Refuse `needed` one-CPU workers when the alive nodes hold fewer CPUs in all.
+
+    Raises:
+        ConfigError: "WHAT: the Ray cluster has C CPU(s) on N node(s) ...: FIX".
+    """
+    nodes = alive_nodes(ray)
+    total = sum(float(n.get("Resources", {}).get("CPU", 0.0)) for n in nodes)
+    if total < needed:
+        raise ConfigError(f"{what}: the Ray cluster has {total:g} CPU(s) on {len(nodes)} node(s) and each takes 1: "
+                          f"{fix}")
