@@ -572,7 +572,8 @@ def _stopped(argv: list[str], args: argparse.Namespace, signum: int) -> str:
     how, name = signal_name(signum), argv[0] if argv and argv[0] in SUBCOMMANDS else ""
     prog, cfg = f"ajet {name}".rstrip(), getattr(args, "loaded_config", None)
     if name in ("", "sft", "serve", "gateway") and cfg is not None:
-        return f"{prog}: {stopped_line(how, cfg.exp_path(), cfg.trainer.total_steps, argv)}"
+        server = name in ("serve", "gateway")
+        return f"{prog}: {stopped_line(how, cfg.exp_path(), cfg.trainer.total_steps, argv, server)}"
     if name in ("", "sft", "serve", "gateway", "eval"):
         return f"{prog}: stopped by {how} before it finished; run it again with: {continue_command(argv, False)}"
     return f"{prog}: stopped by {how}"

@@ -27,6 +27,14 @@ from typing import Any, Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+_stopping: list[int] = []   # the signal of the `StopSignals` stopping the process now (empty: none)
+
+
+def stopping() -> bool:
+    """Whether a stop signal is being handled (the command's cleanup runs after Ctrl-C or SIGTERM): cleanup that
+    only adds to what is kept (the run's plots) is skipped, so the process ends promptly."""
+    return bool(_stopping)
+
 
 def signal_name(signum: int) -> str:
     """How a stop by `signum` is named to the user: "Ctrl-C" for SIGINT, else the signal's name ("SIGTERM")."""
@@ -82,6 +90,8 @@ class StopSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self.signum is not None and self.signum in _stopping:
+            _stopping.remove(self.signum)
         self._unmute()
 
     @property
@@ -94,6 +104,7 @@ class StopSignals:
             self._say(f"ajet: second {signal_name(signum)}: exiting now")
             os._exit(exit_status(self.signum))
         self.signum = signum
+        _stopping.append(signum)
         for callback in self.on_stop:
             callback()
         self._mute()
@@ -144,13 +155,15 @@ def continue_command(argv: list[str], resume: bool) -> str:
     return shlex.join(["ajet", *args, *(["--resume"] if resume else [])])
 
 
-def stopped_line(how: str, exp_dir: Path, total_steps: int, argv: list[str]) -> str:
-    """The one line a training command (train, sft, serve, gateway) prints after it was stopped by `how`
-    ("Ctrl-C", "SIGTERM"): the step reached (from `exp_dir/metrics.jsonl`: the last step logged), what is kept
-    (the newest complete checkpoint), and the command that continues (`argv` with --resume), e.g.
-    "stopped by Ctrl-C at step 3 of 16; checkpoint of step 2 kept in experiments/x; continue with: ajet --conf
-    x.yaml --resume". A run that trained no step says that the same command starts afresh."""
+def stopped_line(how: str, exp_dir: Path, total_steps: int, argv: list[str], server: bool = False) -> str:
+    """The one line a training command (train, sft, serve, gateway; `server` for the last two) prints after it was
+    stopped by `how` ("Ctrl-C", "SIGTERM"): the step reached (from `exp_dir/metrics.jsonl`: the last step logged),
+    what is kept (the newest complete checkpoint, else what `ajet.run_folder.kept_work` keeps), and the command that
+    continues (`argv` with --resume), e.g. "stopped by Ctrl-C at step 3 of 16; checkpoint of step 2 kept in
+    experiments/x; continue with: ajet --conf x.yaml --resume". When nothing is kept (the folder would be moved
+    aside: `ajet.run_folder.check_exp_dir`) it says that the same command starts afresh."""
     from ajet import checkpoint
+    from ajet.run_folder import kept_work
 
     done = _last_logged_step(exp_dir / "metrics.jsonl")
     where = (f"after step {done} of {total_steps}" if done >= total_steps
@@ -160,11 +173,12 @@ def stopped_line(how: str, exp_dir: Path, total_steps: int, argv: list[str]) -> 
         step = newest[-1][0]
         return (f"stopped by {how} {where}; checkpoint of step {step} kept in {exp_dir}; continue with: "
                 f"{continue_command(argv, True)}")
-    if done:
-        return (f"stopped by {how} {where}; no checkpoint yet (trainer.save_freq), so the run starts again at step "
-                f"1 with: {continue_command(argv, True)}")
-    return (f"stopped by {how} {where} before any step was trained; nothing to continue: the same command starts "
-            f"afresh: {continue_command(argv, False)}")
+    kept = kept_work(exp_dir, server)
+    if kept:
+        return (f"stopped by {how} {where}; no checkpoint yet (trainer.save_freq), and {exp_dir} holds {kept}: "
+                f"continue from step 1 with: {continue_command(argv, True)}")
+    return (f"stopped by {how} {where}; nothing trained to keep: the same command starts afresh: "
+            f"{continue_command(argv, False)}")
 
 
 def _last_logged_step(path: Path) -> int:

@@ -48,7 +48,7 @@ def check_exp_dir(exp_dir: Path, resume: bool, server: bool = False) -> str | No
     found = [n for n in MARKERS if (exp_dir / n).exists()]
     if not found or resume:
         return None
-    kept = _kept_work(exp_dir, server)
+    kept = kept_work(exp_dir, server)
     if kept:
         raise ConfigError(f"the experiment folder {exp_dir} already holds a run ({kept}): add --resume to continue "
                           f"it, or choose another folder with --exp-dir (or trainer.exp_dir / experiment_name in "
@@ -62,10 +62,11 @@ def check_exp_dir(exp_dir: Path, resume: bool, server: bool = False) -> str | No
             f"starting afresh")
 
 
-def _kept_work(exp_dir: Path, server: bool) -> str:
+def kept_work(exp_dir: Path, server: bool = False) -> str:
     """What in `exp_dir` a fresh start must not move aside, in words ("" when nothing): a checkpoint, an update
-    in the trajectory store's ledger, a gateway's data, (for a server) finished episodes, or a store that is open
-    elsewhere or unreadable."""
+    in the trajectory store's ledger, a gateway's data, (for a server: `ajet serve`, `ajet gateway`) finished
+    episodes, or a store that is open elsewhere or unreadable. `check_exp_dir` refuses a folder with any of them
+    without --resume."""
     done = checkpoint.complete(exp_dir)
     if done:
         return f"a checkpoint of step {done[-1][0]}"

@@ -344,7 +344,9 @@ def _log_step(cfg: AjetConfig, step: int, metrics: dict[str, Any], episodes: lis
 def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, proxy: ProxyServer, backbone: Any,
                store: TrajectoryStore, log: MetricsLogger) -> None:
     """Close what a started run holds, in order (source, MCP servers, proxy, backbone, store, logger, live
-    display), then write EXP_DIR/plots/*.png (also after a failed run)."""
+    display), then write EXP_DIR/plots/*.png (also after a failed run; not after Ctrl-C or SIGTERM, which ends the
+    process promptly: the next run's end, or `python -m ajet.viewer.plots EXP_DIR`, draws them)."""
+    from ajet.interrupt import stopping
     from ajet.progress import quiet, reporter
     from ajet.viewer.plots import write_plots_safely
 
@@ -356,7 +358,8 @@ def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, p
     store.close()
     log.close()
     reporter().close()   # a phase an error left open: its live display stops
-    write_plots_safely(exp_dir, None if quiet() else console)
+    if not stopping():
+        write_plots_safely(exp_dir, None if quiet() else console)
 
 
 def _open_run(cfg: AjetConfig, exp_dir: Path, store: TrajectoryStore | None, attempt: int,
