@@ -160,7 +160,7 @@ def main() -> None:
                 # the main job as the CLI runs it, doing TRL's work: no held-out evaluation (TRL's run has none),
                 # no dynamic sampling (TRL rolls out each step's 4 tasks only), TRL's groups and turns (EQUAL_WORK)
                 overrides = {"backbone": "debug", "trainer.total_steps": total, "trainer.exp_dir": str(run_dir),
-                             "trainer.val_freq": 0, "algorithm.dynamic_sampling.enabled": False,
+                             "trainer.val_freq": 0, "data.test_path": None, "algorithm.dynamic_sampling.enabled": False,
                              "rollout.num_repeat": GROUP, "trainer.tasks_per_step": TASKS_PER_STEP,
                              "workflow": EQUAL_WORK}
                 peak = run_measured([sys.executable, "-c", "import sys, json; from ajet.config import load_config; "
