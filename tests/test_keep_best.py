@@ -239,3 +239,19 @@ def test_keep_best_settings_that_cannot_work_are_refused_in_one_line(tmp_path, t
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "c.yaml"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_keep_best_is_on_where_the_run_validates_except_in_the_gateway(tmp_path):
+    from ajet.best import keeps_best
+    from ajet.config import load_config
+
+    (tmp_path / "v.jsonl").write_text(json.dumps({"task_id": "a", "query": "q", "answer": "1"}) + "\n")
+    (tmp_path / "c.yaml").write_text("workflow: w.py:W\ndata: {train_path: v.jsonl, val_path: v.jsonl}\n")
+
+    def kept(mode: str = "train", **trainer) -> bool:
+        return keeps_best(load_config(tmp_path / "c.yaml", {f"trainer.{k}": v for k, v in trainer.items()}, mode=mode))
+
+    assert kept(val_freq=2) and not kept() and not kept(val_freq=2, keep_best=False)
+    assert not kept("gateway", val_freq=2)          # the gateway's gate picks the policy it serves
+    with pytest.raises(ConfigError, match="the gateway chooses the policy it serves with gateway.gate"):
+        kept("gateway", val_freq=2, keep_best=True)
