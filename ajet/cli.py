@@ -543,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TQDM_DISABLE", "1")
     from ajet.interrupt import StopSignals
 
-    # Ctrl-C / SIGTERM: the command's cleanup runs muted, then one line says where it stopped (exit 130 / 143)
+    # Ctrl-C / SIGTERM: the command's cleanup runs muted, then one line says where it stopped (exit 130 / 143; a
+    # command that ends normally on it, as a gateway serving after its last update, keeps its own status)
+    status = None
     with StopSignals() as stop:
         try:
             status = command(args)
@@ -560,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
     if stop.signum is not None:
         print(_stopped(argv, args, stop.signum), file=sys.stderr, flush=True)
-        return stop.exit_status
+        return stop.exit_status if status is None else status
     return status
 
 
