@@ -8,8 +8,8 @@
 The first signal mutes the process (its stdout and stderr file descriptors point at /dev/null, logging is off, and
 errors of threads and of objects being collected are not printed) while the command's cleanup runs, so what the
 proxy, asyncio or the engine say while they are torn down (cancelled requests, "Task exception was never
-retrieved") never reaches the terminal; `StopSignals.__exit__` unmutes it and the caller prints its one line
-(`stopped_line`). A second signal exits at once (`os._exit`) with the same status. Exit statuses are the shell's:
+retrieved") never reaches the terminal; `StopSignals.__exit__` gives stdout and stderr back and the caller prints
+its one line (`stopped_line`); logging and the error hooks stay off, as the process is ending. A second signal exits at once (`os._exit`) with the same status. Exit statuses are the shell's:
 128 + the signal (130 for SIGINT, 143 for SIGTERM).
 """
 
@@ -77,7 +77,6 @@ class StopSignals:
         self.on_stop = list(on_stop)
         self._previous: dict[int, Any] = {}
         self._saved_fds: dict[int, int] = {}
-        self._hooks: tuple[Any, Any] | None = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
@@ -128,11 +127,13 @@ class StopSignals:
                 os.dup2(null, fd)
             os.close(null)
         logging.disable(logging.CRITICAL)
-        self._hooks = (threading.excepthook, sys.unraisablehook)
         threading.excepthook = lambda _args: None
         sys.unraisablehook = lambda _args: None
 
     def _unmute(self) -> None:
+        """Give fds 1 and 2 back (for the caller's one line). Logging and the two error hooks stay off: the process
+        is ending, and what is collected on the way out (asyncio's "Task exception was never retrieved") must not
+        follow the line."""
         if not self._saved_fds:
             return
         for stream in (sys.stdout, sys.stderr):   # what the cleanup printed goes to /dev/null, not after the line
@@ -143,9 +144,6 @@ class StopSignals:
                 os.dup2(saved, fd)
                 os.close(saved)
         self._saved_fds.clear()
-        logging.disable(logging.NOTSET)
-        if self._hooks is not None:
-            threading.excepthook, sys.unraisablehook = self._hooks
 
 
 def continue_command(argv: list[str], resume: bool) -> str:

@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -178,3 +179,22 @@ def test_a_second_ctrl_c_exits_at_once_while_the_first_one_cleans_up(tiny_model_
     rc, lines, everything = stop_when(tmp_path, args, "episode started", signal.SIGINT, slow_s=0, again_after_s=2)
     assert rc == 130, everything[-3000:]
     assert lines == ["ajet: second Ctrl-C: exiting now"], lines
+
+
+def test_outside_the_main_thread_no_handler_is_installed():
+    from ajet.interrupt import StopSignals
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    seen: list = []
+
+    def in_thread():
+        with StopSignals() as stop:   # Python refuses signal handlers outside the main thread: nothing to refuse
+            seen.append(({s: signal.getsignal(s) for s in before}, stop.signum))
+
+    t = threading.Thread(target=in_thread)
+    t.start()
+    t.join(30)
+    assert seen == [(before, None)]
+    with StopSignals() as stop:      # in the main thread: its handler, and the old one back afterwards
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    assert {s: signal.getsignal(s) for s in before} == before
