@@ -209,7 +209,7 @@ VERL: dict[str, Support] = {
     "model.device": honoured("`auto` or this machine's device (CUDA GPUs when present, else CPU)"),
     "model.max_model_len": translated("actor_rollout_ref.rollout.max_model_len"),
     "model.lora": translated("actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules} (with verl's "
-                             "vLLM/SGLang rollout)"),
+                             "vLLM/SGLang rollout, or ajet's vLLM engine: the adapter alone is synced)"),
     "model.gradient_checkpointing": refused("not wired into the verl translation; its CPU actor runs as configured "
                                             "there"),
     "agents": refused(_NO_AGENTS.format(who="verl's actor")),
@@ -242,7 +242,8 @@ VERL: dict[str, Support] = {
     "sft": refused(_SFT_UNTESTED),
     "engine": honoured("`vllm`: ajet's vLLM engine generates (a server ajet starts from its own venv, or "
                        "`engine.urls`; CPU or CUDA) and reloads the actor's full weights, from verl's per-tensor "
-                       "export, after every update; not with `model.lora` yet (docs/engines.md)"),
+                       "export, after every update (with `model.lora`, loads the adapter under new names; "
+                       "docs/engines.md)"),
     "verl": honoured("passed through to verl's config, applied last"),
     "trinity": refused(_ONLY_TRINITY),
 }

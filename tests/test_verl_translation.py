@@ -202,6 +202,10 @@ def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
         rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: vllm}}}\n"), cuda=False)
     with pytest.raises(ConfigError, match=r"model\.lora with the verl backbone's ajet rollout"):
         verl_overrides(_cfg(tmp_path, "model: {path: /x, lora: {rank: 4}}\n"), cuda=False)
+    # ajet's vLLM engine serves the adapter: LoRA is translated as for verl's own rollouts
+    o = verl_overrides(_cfg(tmp_path, "model: {path: some-org/some-model, lora: {rank: 4}}\nengine: {kind: vllm}\n"),
+                       cuda=False)
+    assert o["actor_rollout_ref.model.lora_rank"] == 4
     # ajet's vLLM engine serves the rollout on CPU and CUDA alike; verl's own rollout beside it is refused
     assert rollout_choice(_cfg(tmp_path, "engine: {kind: vllm}\n"), cuda=True) == "ajet"
     assert rollout_choice(_cfg(tmp_path, "engine: {kind: vllm}\n"), cuda=False) == "ajet"

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -178,7 +179,11 @@ class VerlBackbone:
             from ajet.engines.vllm import vllm_engine
 
             self.model = None
-            self.engine = vllm_engine(self.cfg, path, self._exported())
+            if self.lora:       # the base weights never train: the folder's are served, the adapter travels
+                base = load_model(path, self.cfg.model.dtype, "cpu").state_dict()
+                self.engine = vllm_engine(self.cfg, path, base, self._write_adapter)
+            else:
+                self.engine = vllm_engine(self.cfg, path, self._exported())
             return
         self.model = load_model(path, self.cfg.model.dtype, "cuda" if cuda else "cpu").eval()
         self.engine = engine_for(self.model, self.tokenizer, self.cfg)
@@ -295,6 +300,14 @@ class VerlBackbone:
         """The actor's full weights `{hf_name: tensor}` (verl's per-tensor export, through Ray's object store)."""
         return self.actor_wg.export_weights()[0]
 
+    def _write_adapter(self, folder: Path) -> None:
+        """The actor's LoRA adapter (verl's export, `AjetActorWorker.export_adapter`) in peft's format into
+        `folder/default/`, the one adapter the vLLM engine serves for `model.lora`."""
+        from ajet.backbones.verl.weights import save_adapter
+
+        tensors, peft_config = self.actor_wg.export_adapter()[0]
+        save_adapter(folder / "default", tensors, peft_config)
+
     def _sync_weights(self, version: int | None = None) -> dict[str, float]:
         """ajet's engine <- the actor's weights, served as policy `version` (None: the engine's own): copied into the
         in-process engine's model, or written and reloaded by the vLLM server (`publish_weights`, the debug
@@ -306,7 +319,7 @@ class VerlBackbone:
 
             load_into(self.model, self._exported())
         version = self.engine.policy_version if version is None else version
-        return publish_weights(self.engine, version, self._exported)
+        return publish_weights(self.engine, version, self._exported, self._write_adapter if self.lora else None)
 
     def sleep_rollout(self) -> None:
         """verl's rollout servers release their weights and KV cache (no-op for ajet's engine)."""
@@ -329,7 +342,12 @@ class VerlBackbone:
         self.actor_wg.save_checkpoint(str(path / "actor"), None, self.engine.policy_version, None)
         self.tokenizer.save_pretrained(path)
         state = {"policy_version": self.engine.policy_version, "update_rng": _jsonable(self._rng.getstate())}
-        if self.rollout == "ajet" and self.model is None:     # vLLM: every call carries its own seed, no engine RNG
+        if self.rollout == "ajet" and self.model is None and self.lora:    # vLLM: every call carries its own seed
+            self._write_adapter(path / "adapter_tmp")
+            shutil.rmtree(path / "adapter", ignore_errors=True)
+            (path / "adapter_tmp" / "default").rename(path / "adapter")
+            shutil.rmtree(path / "adapter_tmp")
+        elif self.rollout == "ajet" and self.model is None:
             from ajet.engines.vllm import save_hf_folder
 
             save_hf_folder(self.config.actor_rollout_ref.model.path, path, self._exported())

@@ -65,10 +65,10 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
     if rollout_name != "ajet" and m.path.lower() == "smollm2-135m-instruct":
         raise ConfigError("model.path='smollm2-135m-instruct' is ajet's embedded GGUF model, which vLLM/SGLang cannot "
                           "serve: give a Hugging Face id or folder (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
-    if rollout_name == "ajet" and m.lora:
-        raise ConfigError("model.lora with the verl backbone's ajet rollout (ajet's in-process or vLLM engine) is not "
-                          "supported yet: the weight sync sends full weights only; remove model.lora, or use "
-                          "--backbone=debug for LoRA served by ajet's engines")
+    if rollout_name == "ajet" and m.lora and cfg.engine.kind != "vllm":
+        raise ConfigError("model.lora with the verl backbone's ajet rollout needs engine.kind vllm (the adapter is "
+                          "loaded into the vLLM server; the in-process engine's sync sends full weights only): set "
+                          "engine: {kind: vllm}, or use --backbone=debug for LoRA in ajet's in-process engine")
     if a.loss_agg_mode == "seq-mean-token-sum-norm" and a.loss_scale_factor is None:
         raise ConfigError("algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor on the "
                           "verl backbone (verl's default, the padded response width, changes from step to step here)")

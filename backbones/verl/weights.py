@@ -48,6 +48,22 @@ class AjetActorWorker(ActorRolloutRefWorker):
         return out if torch.distributed.get_rank() == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_adapter(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The actor's LoRA adapter as peft saves it: ({name: tensor} under peft's names, e.g.
+        `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, on CPU; its peft config as a dict), from
+        verl's per-tensor export with the base weights served already (`base_sync_done`: the adapter alone); None
+        on ranks other than 0 (every rank must take part in the gather).
+
+        Raises:
+            ValueError: the actor has no LoRA adapter (or verl merges it: `actor_rollout_ref.model.lora.merge`).
+        """
+        params, peft_config = self.actor.engine.get_per_tensor_param(base_sync_done=True)
+        if peft_config is None:
+            raise ValueError("export_adapter: the actor has no unmerged LoRA adapter")
+        out = {name: t.detach().to("cpu").clone() for name, t in params}
+        return (out, peft_config) if torch.distributed.get_rank() == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def record_grads(self) -> None:
         """From now on, keep the gradients each optimizer step starts from (before verl clips them; verl zeroes
         them when its train mode exits): `export_grads` returns the last ones. For conformance checks."""
@@ -69,6 +85,23 @@ class AjetActorWorker(ActorRolloutRefWorker):
     def export_grads(self) -> dict[str, torch.Tensor] | None:
         """`{name: full gradient}` of the last optimizer step since `record_grads` (rank 0; None elsewhere)."""
         return self._last_grads if torch.distributed.get_rank() == 0 else None
+
+
+def save_adapter(folder, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+    """Write an adapter from `AjetActorWorker.export_adapter` in peft's format into `folder` (created):
+    `adapter_model.safetensors` and `adapter_config.json` (what `peft.PeftModel.from_pretrained` and vLLM's
+    `/v1/load_lora_adapter` read). Raises OSError when it cannot write."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps(
+        peft_config, indent=2, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
 
 
 @torch.no_grad()

@@ -1,0 +1,254 @@
+"""`engine: {kind: vllm}` with `--backbone verl` and `--backbone trinity`: each backbone's `ajet` run, in its own
+venv (.venvs/verl, .venvs/trinity), generates through a vLLM server (.venvs/vllm) on SmolLM2-135M, and after every
+update the trainer's weights reach the server (verl's per-tensor export / Trinity's synchronizer -> safetensors ->
+the server's `reload_weights`), for two steps of a one-call workflow.
+
+Per backbone, two runs of the same config (2 steps, a checkpoint every step):
+1. killed with SIGKILL once step 2's episodes are stored (`AJET_TEST_KILL_AT=stored@2`: step 1's update and
+   checkpoint are done, step 2 generated on the synced weights). verl's run uses a server ajet starts and owns, whose
+   process group must be gone after the kill (the watchdog); Trinity's uses the module's server (`engine.urls`).
+2. `--resume`d to the end against the module's server (`engine.urls`; the server first gets the starting weights,
+   then the checkpoint's, before the first call).
+Checked, with a transformers forward in fp32 as the reference (vLLM's fp32 logprobs agree with it to ~2e-5,
+tests/test_vllm_engine.py): in both runs step 1's calls record policy version 0 and step 2's version 1, and the
+logprobs the server returned at step 2 are those of step 1's checkpoint (the trainer's weights after update 1),
+not the starting weights'; after the resumed run the server answers a fixed prompt with the logprobs of step 2's
+checkpoint. Trinity's first run meets the module's server holding verl's trained weights: its step-1 calls must
+have the starting weights' logprobs (ajet sends a server at `engine.urls` the starting weights). The module's
+server (tests/test_vllm_engine.py's fixture) is started only after verl's first run, so that two servers never
+run at once.
+
+In CI a missing venv FAILS these tests (tests/backbone_conformance/venvs.py, tests/test_vllm_engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from ajet.trajectory_store import TrajectoryStore
+from tests.backbone_conformance.venvs import venv_python
+from tests.test_vllm_engine import (  # noqa: F401 - module fixtures: the SmolLM2 folder and the module's server
+    EAGER,
+    START_LIMIT_S,
+    _vllm_direct,
+    _wait_group_gone,
+    model_path,
+    server,
+    vllm_python,
+)
+
+RUN_S = START_LIMIT_S + 1500      # a bound on one CLI run on a loaded 2-core machine, not a speed target
+SAME = 2e-3                       # |vLLM - transformers| logprob, max over a call's tokens, for the same weights
+MOVED = 2e-2                      # at least this far apart somewhere: the update moved the weights (lr below)
+CALLS_CHECKED = 4                 # step-2 calls whose logprobs are recomputed (per run)
+
+WORKFLOW = '''
+from ajet.workflow import Workflow, WorkflowOutput
+
+
+class OneCall(Workflow):
+    """One call; the reward is the answer's length mod 5 (a group almost never ties, so every step trains)."""
+
+    async def execute(self, task, tuner):
+        r = await tuner.client.chat.completions.create(
+            model=tuner.model, messages=[{"role": "user", "content": task.query}])
+        text = r.choices[0].message.content or ""
+        return WorkflowOutput(reward=float(len(text) % 5), final_answer=text)
+'''
+
+
+def _experiment(folder: Path, model: str, engine: dict, **model_extra) -> Path:
+    """The run's folder: workflow, 4 tasks, and the config (2 steps of 2 tasks x 4 repeats, 16 tokens at T 1.0,
+    lr 5e-5 (2e-3 with `lora` in `model_extra`), a checkpoint every step, no evaluation) with `engine`. Returns the
+    config's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "wf.py").write_text(WORKFLOW)
+    tasks = [{"task_id": f"t{i}", "query": f"Name {i + 2} colours.", "answer": "-"} for i in range(4)]
+    (folder / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    conf = {"experiment_name": "vllm_backbone", "workflow": "wf.py:OneCall",
+            "model": {"path": model, "max_model_len": 1024, **model_extra},
+            "data": {"train_path": "tasks.jsonl", "shuffle": False},
+            "rollout": {"num_repeat": 4, "max_tokens": 16, "temperature": 1.0, "episode_timeout_s": RUN_S},
+            "algorithm": {"lr": 2e-3 if "lora" in model_extra else 5e-5},
+            "trainer": {"total_steps": 2, "tasks_per_step": 2, "save_freq": 1, "val_freq": 0, "tensorboard": False},
+            "engine": engine}
+    path = folder / "conf.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # Ray's memory monitor would kill a worker at its default 95% on a machine shared with a vLLM server; a Ray
+    # cluster someone started on this machine (`ray start`) is not joined: the run starts its own
+    return {**os.environ, "RAY_memory_usage_threshold": "0.98", "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1",
+            **extra}
+
+
+def _run(python: str, conf: Path, backbone: str, *extra: str, env: dict, watch=None) -> tuple[int, str]:
+    """`ajet --conf conf --backbone backbone --exp-dir exp -q extra...` in `conf`'s folder: (exit status, output).
+    `watch(proc)` is called every second while it runs."""
+    out = conf.parent / f"out-{len(list(conf.parent.glob('out-*')))}.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([python, "-m", "ajet", "--conf", conf.name, "--backbone", backbone, "--exp-dir", "exp",
+                                 "-q", *extra], stdout=f, stderr=subprocess.STDOUT, cwd=conf.parent, env=env)
+    deadline = time.monotonic() + RUN_S
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"ajet --backbone {backbone} ran past {RUN_S} s: {out.read_text()[-4000:]}")
+        if watch is not None:
+            watch(proc)
+        time.sleep(1)
+    return proc.returncode, out.read_text()
+
+
+def _server_group(cwd: Path) -> int | None:
+    """The process group (the watchdog's pid) of a running vLLM server started in folder `cwd` (ajet's working
+    folder, which the server inherits), or None."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+                if b"vllm.entrypoints.openai.api_server" in cmd and Path(os.readlink(d / "cwd")) == cwd:
+                    return os.getpgid(int(d.name))
+            except (OSError, ProcessLookupError):
+                continue
+    return None
+
+
+def _calls(exp: Path, attempt: int) -> dict[int, list[dict]]:
+    """step -> the calls of the episodes `attempt` stored at that step (trajectory store)."""
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    try:
+        return {step: [c for e in store.episodes(step=step, attempt=attempt) for c in e["calls"]] for step in (1, 2)}
+    finally:
+        store.close()
+
+
+@torch.no_grad()
+def _logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> torch.Tensor:
+    """`[completion_len]` log-probabilities of `completion_ids` after `prompt_ids` under `model` at `temperature`
+    (no nucleus: top_p 1), by a plain forward."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def _max_diffs(calls: list[dict], model) -> list[float]:
+    """max |recorded - `model`'s| logprob of each call."""
+    out = []
+    for c in calls:
+        ref = _logprobs(model, c["prompt_ids"], c["completion_ids"], c["sampling"]["temperature"])
+        out.append(float((ref - torch.tensor(c["completion_logprobs"])).abs().max()))
+    return out
+
+
+def _load(folder: Path | str):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _check_run(exp: Path, attempt: int, start, step1) -> None:
+    """Step 1's calls (attempt 0 only: the resumed run starts at step 2) record version 0 and the starting weights'
+    logprobs; step 2's record version 1 and step 1's checkpoint's logprobs (within SAME), not the starting
+    weights' (MOVED apart somewhere)."""
+    calls = _calls(exp, attempt)
+    assert calls[2], f"attempt {attempt} stored no step-2 episode"
+    assert {c["policy_version"] for c in calls[2]} == {1}, [c["policy_version"] for c in calls[2]]
+    if attempt == 0:      # version 0 is the starting weights, whatever the server held before (engine.urls)
+        assert calls[1] and {c["policy_version"] for c in calls[1]} == {0}
+        first = _max_diffs(calls[1][:CALLS_CHECKED], start)
+        assert max(first) < SAME, f"step-1 calls vs the starting weights: {first}"
+    checked = calls[2][:CALLS_CHECKED]
+    trained = _max_diffs(checked, step1)
+    assert max(trained) < SAME, f"step-2 calls vs the trainer's weights after update 1: {trained}"
+    assert max(_max_diffs(checked, start)) > MOVED, "the update did not move the served logprobs: nothing checked"
+
+
+def _check_server_holds(url: str, tokenizer, model) -> None:
+    """The server's greedy answer to a fixed prompt, with its logprobs, is `model`'s."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    ids, lps = _vllm_direct(url, prompt, max_tokens=8, temperature=0.0)      # greedy: logprobs at T 1
+    ref = _logprobs(model, prompt, ids, 1.0)
+    diff = float((ref - torch.tensor(lps)).abs().max())
+    assert diff < SAME, f"the server's logprobs vs the trainer's last weights: max |diff| {diff}"
+
+
+def test_verl_lora_through_vllm_serves_each_update_as_a_new_adapter(model_path, tmp_path):  # noqa: F811
+    """`model.lora` with verl and a server ajet starts: the adapter alone travels (verl's export of the LoRA
+    weights, written in peft's format, loaded under a new name per version); step 2's calls record version 1 and
+    have the logprobs of the base model with step 1's adapter (peft), not the base model's. Runs before the module's
+    server starts (one server at a time)."""
+    from peft import PeftModel
+
+    python = venv_python("verl")
+    engine = {"kind": "vllm", "python": vllm_python(), "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S,
+              "extra_args": EAGER}
+    conf = _experiment(tmp_path, model_path, engine, lora={"rank": 8, "alpha": 16})
+    code, out = _run(python, conf, "verl", "--steps", "2", env=_env(AJET_TEST_KILL_AT="stored@2"))
+    assert code == -signal.SIGKILL, out[-4000:]
+    exp = tmp_path / "exp"
+    log = (exp / "engine" / "vllm.log").read_text()
+    loads = [ln for ln in log.splitlines() if '"POST /v1/load_lora_adapter HTTP/1.1" 200' in ln]
+    assert len(loads) == 2, log[-3000:]                 # version 0 before the first call, version 1 after update 1
+    start = _load(model_path)
+    step1 = PeftModel.from_pretrained(_load(model_path), exp / "checkpoints" / "step_1" / "adapter").eval()
+    _check_run(exp, 0, start, step1)
+    shutil.rmtree(exp / "checkpoints")
+
+
+@pytest.mark.parametrize("backbone", ["verl", "trinity"])
+def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, model_path, request,  # noqa: F811
+                                                                     tmp_path):
+    from transformers import AutoTokenizer
+
+    python = venv_python(backbone)
+    vllm = vllm_python()
+    folder = tmp_path / backbone
+    exp = folder / "exp"
+    if backbone == "verl":       # a server ajet starts and owns: SIGKILL of ajet must take it down
+        engine = {"kind": "vllm", "python": vllm, "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S,
+                  "extra_args": EAGER}
+        groups: list[int] = []
+
+        def watch(_proc):
+            if not groups and (g := _server_group(folder.resolve())) is not None:
+                groups.append(g)
+    else:
+        engine = {"kind": "vllm", "urls": [request.getfixturevalue("server")["url"]]}
+        watch = None
+    conf = _experiment(folder, model_path, engine)
+    code, out = _run(python, conf, backbone, env=_env(AJET_TEST_KILL_AT="stored@2"), watch=watch)
+    assert code == -signal.SIGKILL, out[-4000:]
+    if backbone == "verl":
+        assert groups, f"no vLLM server was seen running: {out[-3000:]}"
+        assert _wait_group_gone(groups[0]), "the vLLM server outlived the ajet process killed with SIGKILL"
+    start = _load(model_path)
+    step1 = _load(exp / "checkpoints" / "step_1")
+    _check_run(exp, 0, start, step1)
+
+    # resumed against the module's server, which holds other weights (the starting ones, or the other backbone's)
+    url = request.getfixturevalue("server")["url"]
+    conf = _experiment(folder, model_path, {"kind": "vllm", "urls": [url]})
+    code, out = _run(python, conf, backbone, "--resume", env=_env())
+    assert code == 0, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    _check_run(exp, 1, start, step1)
+    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    last = metrics[-1]
+    assert last["step"] == 2 and last["policy_version"] == 2 and last["train/weight_sync_s"] > 0, last
+    _check_server_holds(url, AutoTokenizer.from_pretrained(model_path), _load(exp / "checkpoints" / "step_2"))
+    shutil.rmtree(exp / "checkpoints")          # checked: GBs the suite's disk need not hold (kept on a failure)
