@@ -105,8 +105,9 @@ def _overrides(args: argparse.Namespace, flags: dict[str, object] | None = None)
 
 def _quiet_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress display and no status lines: only the "
-                                                              "step lines (or the evaluation's result) and errors; "
-                                                              "a server also prints its address")
+                                                              "step lines and the run's final model (or the "
+                                                              "evaluation's result) and errors; a server also "
+                                                              "prints its address")
     return p
 
 
