@@ -146,7 +146,8 @@ def test_the_live_display_leaves_step_lines_and_log_lines_whole(tiny_model_dir, 
 
 
 def test_quiet_prints_only_the_step_lines(tiny_model_dir, tmp_path):
-    """`ajet --quiet` with progress lines due every 0.05 s and a held-out evaluation: stdout is the two step lines."""
+    """`ajet --quiet` with progress lines due every 0.05 s and a held-out evaluation: stdout is the two step lines and
+    the run's last line, its final model (a validated run's result, docs/evaluation.md)."""
     conf = _project(tmp_path, tiny_model_dir)
     (tmp_path / "release").write_text("go")
     env = {**os.environ, "AJET_PROGRESS_INTERVAL_S": "0.05", "COLUMNS": "400"}   # (rich wraps a log at 80)
@@ -155,7 +156,8 @@ def test_quiet_prints_only_the_step_lines(tiny_model_dir, tmp_path):
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 2 and all(STEP_LINE.match(line) for line in lines), proc.stdout
+    assert len(lines) == 3 and all(STEP_LINE.match(line) for line in lines[:2]), proc.stdout
+    assert lines[2].startswith("final model: "), proc.stdout
     assert [json.loads(x)["step"] for x in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
