@@ -41,9 +41,11 @@ class Backbone(Protocol):
     read.
 
     Attributes:
-        engine: where generation is served: an in-process `Engine` (debug) or a `RemoteEngine` over the
-            backbone's token-in-token-out rollout servers (verl, trinity); it serves the newest weights
-            once `wake_rollout` returned. `engine.policy_version` is the backbone's policy version.
+        engine: where generation is served: ajet's in-process `HFEngine`, ajet's `VLLMEngine` (`engine: {kind:
+            vllm}`, every backbone: the trainer's weights reach it through `ajet.engines.vllm.publish_weights`
+            after each update and after `load_checkpoint`), or a `ServerPool` over verl's own rollout servers;
+            it serves the newest weights once `wake_rollout` returned. `engine.policy_version` is the backbone's
+            policy version.
         tokenizer: the policy's tokenizer (with the chat template the proxy renders with).
     """
 
