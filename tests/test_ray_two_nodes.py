@@ -66,19 +66,24 @@ def two_nodes():
                 os.environ[k] = v
 
 
-def _ajet(tmp_path: Path, tiny_model_dir: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+def _write_run(tmp_path: Path, tiny_model_dir: str) -> None:
+    """conf.yaml (one step of 2 tasks x 2 episodes of `WhereAmI` on the tiny model), wf.py and tasks.jsonl."""
     (tmp_path / "wf.py").write_text(WORKFLOW)
     tasks = [{"task_id": f"t{i}", "query": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
     (tmp_path / "conf.yaml").write_text(f"""
 experiment_name: two_nodes
 workflow: wf.py:WhereAmI
-model: {{path: "{tiny_model_dir}", max_model_len: 512, device: cpu}}
+model: {{path: "{tiny_model_dir}", max_model_len: 512}}
 data: {{train_path: tasks.jsonl}}
 rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
 algorithm: {{lr: 1.0e-3}}
 trainer: {{total_steps: 1, tasks_per_step: 2, tensorboard: false}}
 """)
+
+
+def _ajet(tmp_path: Path, tiny_model_dir: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    _write_run(tmp_path, tiny_model_dir)
     ajet = [shutil.which("ajet")] if shutil.which("ajet") else [sys.executable, "-m", "ajet"]
     return subprocess.run(ajet + ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp", *args],
                           capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path,
@@ -189,18 +194,7 @@ def test_verl_trains_a_step_with_one_rank_on_each_of_two_nodes(tiny_model_dir, t
     try:
         address = _read_line(cluster, 240)
         assert ":" in address, address
-        (tmp_path / "wf.py").write_text(WORKFLOW)
-        tasks = [{"task_id": f"t{i}", "query": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
-        (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-        (tmp_path / "conf.yaml").write_text(f"""
-experiment_name: verl_two_nodes
-workflow: wf.py:WhereAmI
-model: {{path: "{tiny_model_dir}", max_model_len: 512}}
-data: {{train_path: tasks.jsonl}}
-rollout: {{num_repeat: 2, max_tokens: 4, temperature: 1.0}}
-algorithm: {{lr: 1.0e-3}}
-trainer: {{total_steps: 1, tasks_per_step: 2, tensorboard: false}}
-""")
+        _write_run(tmp_path, tiny_model_dir)
         cmd = [py, "-m", "ajet", "--conf", "conf.yaml", "--backbone", "verl", "--ray-address", address]
         env = {**os.environ, **CLUSTER_ENV}
         # three groups of one CPU on a cluster of two one-CPU nodes: refused at once, in one line
@@ -226,3 +220,17 @@ trainer: {{total_steps: 1, tasks_per_step: 2, tensorboard: false}}
             cluster.kill()
     ranks = {a["name"].rsplit("AjetActorWorker_", 1)[1]: a["node"] for a in actors if a["cls"] == "AjetActorWorker"}
     assert sorted(ranks) == ["0:0", "1:0"] and set(ranks.values()) == nodes and len(nodes) == 2, (ranks, nodes)
+
+
+def test_verl_with_ray_workers_on_the_ray_ajet_starts(tiny_model_dir, tmp_path):
+    """No cluster: the episode pool starts the local Ray (before verl's backbone loads, which joins it) with room
+    for verl's rank beside the workers' CPUs, whatever the machine's core count."""
+    py = venv_python("verl")
+    _write_run(tmp_path, tiny_model_dir)
+    run = subprocess.run([py, "-m", "ajet", "--conf", "conf.yaml", "--backbone", "verl", "--exp-dir", "exp",
+                          "--with-ray", "2"], capture_output=True, text=True, timeout=480, cwd=tmp_path,
+                         env={**os.environ, **CLUSTER_ENV})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 Ray episode workers on 1 node(s)" in run.stderr
+    metrics = [json.loads(x) for x in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["train/optimizer_steps"] == 1.0 and metrics[0]["rollout/ray_nodes"] == 1

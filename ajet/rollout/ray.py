@@ -67,13 +67,14 @@ class RayRollout:
 
     Args:
         num_workers: actors in the pool (each a separate process taking 1 CPU, spread over the cluster's nodes).
-        address: None starts a local Ray (`ray.init()`, with at least `num_workers` CPUs); "auto" or "HOST:PORT"
-            joins an existing cluster.
+        address: None starts a local Ray (`ray.init()`, declaring the machine's CPUs plus one per worker) unless
+            one runs in this process already; "auto" or "HOST:PORT" joins an existing cluster.
         episodes_per_worker: workflows one actor runs at once.
         placement_timeout_s: how long to wait for the cluster to free the pool's CPUs, seconds.
 
     Attributes:
         placement: `[num_workers]` dicts {"node_id", "ip", "pid"}: where each worker started.
+        driver_ip: this process's node IP as Ray knows it (what `worker_url` puts in place of 0.0.0.0).
 
     Raises:
         ImportError: with the install hint, when `ray` is not installed.
@@ -98,8 +99,9 @@ class RayRollout:
         joins = address is not None or bool(os.environ.get("RAY_ADDRESS"))
         if self._started_ray:
             check_reachable(address)
-            # a local Ray gets a CPU for every worker even on a smaller machine (the workers mostly wait on HTTP)
-            sized = {} if joins else {"num_cpus": max(os.cpu_count() or 1, num_workers)}
+            # a local Ray: the machine's CPUs for what else runs on it (verl's ranks join this Ray when it started
+            # first), and one more for each worker, whatever the core count (the workers mostly wait on HTTP)
+            sized = {} if joins else {"num_cpus": (os.cpu_count() or 1) + num_workers}
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
         try:

@@ -379,9 +379,11 @@ class VerlBackbone:
 
         if self.rollout == "ajet":
             self.engine.close()
-            for w in self.actor_wg.workers:
+            # a Ray that --with-ray's episode pool started (this backbone joined it) and closed already took the
+            # workers with it: a kill would start a new Ray only to fail
+            for w in self.actor_wg.workers if ray.is_initialized() else []:
                 ray.kill(w)
-            for pg in self._pool.pgs or []:
+            for pg in self._pool.pgs if ray.is_initialized() and self._pool.pgs else []:
                 ray.util.remove_placement_group(pg)
         if self._owns_ray:
             ray.shutdown()
