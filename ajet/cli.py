@@ -6,6 +6,7 @@ command runs, so `ajet --help` is instant.
     ajet serve --conf X.yaml [--host H] [--port N] [--resume] ...                     training server
     ajet gateway --conf X.yaml [--host H] [--port N] [--resume] ...                   live endpoint, learns from feedback
     ajet gateway rollback --conf X.yaml [--to VERSION]                                serve an earlier policy version
+    ajet gateway keys [--client N] [--admin N]                                        new api keys for gateway.keys
     ajet doctor --model MODEL                                                         chat-template check
     ajet eval --conf X.yaml [--checkpoint DIR | --model M] [--n K] ...                 held-out evaluation
     ajet view EXP_DIR [--port N]                                                      trajectories in the browser
@@ -238,6 +239,28 @@ def _gateway_rollback(args: argparse.Namespace) -> int:
     from ajet.commands.gateway import rollback_main
 
     return rollback_main(args.conf, args.exp_dir, args.to, args.wait, _overrides(args))
+
+
+def _gateway_keys_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet gateway keys", description="Print new random api keys as a `gateway.keys` "
+                                "YAML block to paste into a gateway's config (docs/gateway.md).")
+    p.add_argument("--client", type=_key_count, default=1, metavar="N",
+                   help="client keys (model calls and their own sessions; default 1)")
+    p.add_argument("--admin", type=_key_count, default=1, metavar="N",
+                   help="admin keys (every route and session; default 1)")
+    return p
+
+
+def _key_count(text: str) -> int:
+    if not text.isdigit() or int(text) > 100:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 100, got {text!r}")
+    return int(text)
+
+
+def _gateway_keys(args: argparse.Namespace) -> int:
+    from ajet.commands.gateway import keys_main
+
+    return keys_main(args.client, args.admin)
 
 
 def doctor_parser() -> argparse.ArgumentParser:
@@ -480,7 +503,8 @@ def _show(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS = {"serve": (_serve_parser, _serve), "gateway": (_gateway_parser, _gateway),
-               "gateway rollback": (_gateway_rollback_parser, _gateway_rollback), "doctor": (doctor_parser, _doctor),
+               "gateway rollback": (_gateway_rollback_parser, _gateway_rollback),
+               "gateway keys": (_gateway_keys_parser, _gateway_keys), "doctor": (doctor_parser, _doctor),
                "view": (_view_parser, _view), "show": (_show_parser, _show), "eval": (_eval_parser, _eval),
                "harnesses": (_harnesses_parser, _harnesses),
                "sft": (_sft_parser, _sft), "export": (_export_parser, _export), "init": (_init_parser, _init),
@@ -517,8 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` and run the command. Returns the exit status (2 for user errors, printed without a
     traceback)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["gateway", "rollback"]:   # a command of its own
-        argv = ["gateway rollback", *argv[2:]]
+    if argv[:2] in (["gateway", "rollback"], ["gateway", "keys"]):   # a command of its own
+        argv = [f"gateway {argv[1]}", *argv[2:]]
     if argv and argv[0] in SUBCOMMANDS:
         make_parser, command = SUBCOMMANDS[argv[0]]
         args = _parse(make_parser(), argv[1:])

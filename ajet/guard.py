@@ -14,8 +14,11 @@ JSON-only POSTs and the secret, shared by the recording proxy, `ajet gateway`, `
                       Access-Control-Allow-* header, ever), so a page cannot read an answer or send JSON either.
     secret            the one place that reads it: `server_secret(configured)` (the section's `secret`, else
                       AJET_SECRET, else generated), `bearer_token(scope)` and `api_key(scope)` (what a client's
-                      SDK sends: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key`, `?key=`; the proxy's
-                      episode tokens too), `secret_matches(given, secret)` in constant time.
+                      SDK sends: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key`, and `?key=` only where
+                      the caller allows it; the proxy's episode tokens too), `secret_matches(given, secret)` in
+                      constant time.
+    scoped keys       `KeyRing`: named keys, each `client` or `admin` (`gateway.keys`), identified in constant
+                      time (`KeyRing.identify` -> `Caller`); `new_key()` makes one.
 
 `Guard` is the ASGI middleware doing the first two; `check(scope, ...)` raises `Refused` for servers that answer
 in an error shape of their own (the gateway's dialects).
@@ -27,6 +30,7 @@ import ipaddress
 import math
 import os
 import secrets
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 from urllib.parse import parse_qs
 
@@ -134,13 +138,19 @@ def bearer_token(scope: dict[str, Any]) -> str | None:
     return auth[7:].strip() if auth[:7].lower() == "bearer " else None
 
 
-def api_key(scope: dict[str, Any]) -> str:
-    """The api key the request carries: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or the query's
-    `key` (what the OpenAI, Anthropic and Gemini SDKs send); "" when none."""
+def api_key(scope: dict[str, Any], query: bool = True) -> str:
+    """The api key the request carries: `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or, with `query`,
+    the query's `key` (what the OpenAI, Anthropic and Gemini SDKs send); "" when none."""
     headers = Headers(scope=scope)
     found = bearer_token(scope) or headers.get("x-api-key") or headers.get("x-goog-api-key")
-    if found:
-        return found
+    if found or not query:
+        return found or ""
+    return query_key(scope)
+
+
+def query_key(scope: dict[str, Any]) -> str:
+    """The `key` parameter of the request's URL query ("" when none): a key there ends up in browser history,
+    Referer headers and proxy logs, so servers accept it only when configured to."""
     return (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key") or [""])[0]
 
 
@@ -160,6 +170,63 @@ def server_secret(configured: str | None) -> tuple[str, bool]:
 def secret_matches(given: str, secret: str) -> bool:
     """Whether `given` is `secret` (constant time)."""
     return secrets.compare_digest(given.encode(), secret.encode())
+
+
+SCOPES = ("client", "admin")
+NEW_KEY_BYTES = 32   # `new_key()`'s randomness: 256 bits, 43 URL-safe characters
+
+
+def new_key() -> str:
+    """A new random api key (`secrets.token_urlsafe`, NEW_KEY_BYTES bytes: 43 characters)."""
+    return secrets.token_urlsafe(NEW_KEY_BYTES)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the `name` of the key it carried and that key's `scope` ("client" or "admin")."""
+
+    name: str
+    scope: str
+
+    @property
+    def admin(self) -> bool:
+        """Whether the key is an admin key (every route, every session)."""
+        return self.scope == "admin"
+
+
+class KeyRing:
+    """The api keys a server accepts, each with a name and a scope.
+
+    Args:
+        entries: (name, key, scope) triples; scope is "client" or "admin".
+
+    Raises:
+        ValueError: an empty name or key, a scope other than client/admin, two entries with one name, or one key
+            given twice (under any names: it could not say who calls).
+    """
+
+    def __init__(self, entries: Iterable[tuple[str, str, str]]):
+        self.entries = [(name, key.encode(), scope) for name, key, scope in entries]
+        names = [n for n, _, _ in self.entries]
+        for name, key, scope in self.entries:
+            if not name or not key:
+                raise ValueError("every key needs a name and a non-empty key")
+            if scope not in SCOPES:
+                raise ValueError(f"key {name!r}: scope must be client or admin, got {scope!r}")
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"two keys are named {dup[0]!r}: give each key its own name")
+        keys = [k for _, k, _ in self.entries]
+        if len(set(keys)) != len(keys):
+            raise ValueError("one key is given twice (under two names, or also as the secret): give each its own key")
+
+    def identify(self, given: str) -> Caller | None:
+        """The caller whose key `given` is, None for an unknown (or empty) key. Every key is compared, each in
+        constant time, whichever matches."""
+        raw, found = given.encode(), None
+        for name, key, scope in self.entries:
+            if secrets.compare_digest(raw, key) and given:
+                found = Caller(name, scope)
+        return found
 
 
 def openai_error(err: Refused) -> Response:

@@ -144,9 +144,9 @@ _GATEWAY_UNTESTED = "`ajet gateway` is tested with the debug backbone only so fa
 _SFT_UNTESTED = ("fine-tuning on recorded traces (`ajet sft`) is implemented and tested in the debug backbone's "
                  "update only so far; use --backbone=debug")
 
-_GATEWAY_KEYS = ("host", "port", "secret", "allowed_hosts", "reward_range", "session_idle_s", "feedback_deadline_s",
-                 "on_no_feedback", "n", "rate_limit_rps", "rate_limit_burst", "max_queued", "read_timeout_s",
-                 "retention_days", "after_training", "gate.mode", "gate.metric", "gate.max_drop", "gate.min_score",
+_GATEWAY_KEYS = ("host", "port", "secret", "keys", "allow_query_key", "allowed_hosts", "reward_range",
+                 "session_idle_s", "feedback_deadline_s", "on_no_feedback", "n", "rate_limit_rps", "rate_limit_burst",
+                 "max_queued", "read_timeout_s", "retention_days", "after_training", "gate.mode", "gate.metric", "gate.max_drop", "gate.min_score",
                  "gate.replay_sessions", "gate.keep_versions")
 
 

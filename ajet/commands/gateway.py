@@ -1,8 +1,10 @@
 """`ajet gateway`: one stable model endpoint for deployed agents that trains on the feedback their sessions get
 (docs/gateway.md; its parts: ajet/gateway/). `ajet gateway rollback`: serve an earlier policy version.
+`ajet gateway keys`: new random api keys in the YAML form of `gateway.keys`.
 
     ajet gateway --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8766] [--resume]
     ajet gateway rollback --conf X.yaml [--exp-dir DIR] [--to VERSION] [--wait S]
+    ajet gateway keys [--client N] [--admin N]
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ def gateway(cfg: AjetConfig) -> Path:
     """Serve the gateway and train on its rated sessions until `trainer.total_steps` updates; returns the
     experiment folder.
 
-    Every request but /healthz must carry the secret: `gateway.secret`, else AJET_SECRET, else one generated and
-    printed at start (on a loopback host only).
+    Every request but /healthz must carry a key: `gateway.secret` (else AJET_SECRET; an admin key) or one of
+    `gateway.keys` (client or admin). Without a secret and without an admin key in `gateway.keys`, a secret is
+    generated and printed at start (on a loopback host only).
 
     Raises:
         ConfigError: what `cfg.for_mode("gateway")` refuses (ajet/config/experiment.py): a non-loopback
             `gateway.host` without a secret; `on_no_feedback: judge` or `n` > 1 without a `judge`;
             `gateway.gate.mode: eval` without `data.val_path` or a `workflow`, `replay` without a `judge`;
             `algorithm.dynamic_sampling` (its zero-variance refill needs same-prompt groups); or any config
-            problem `ajet.trainer.run` raises.
+            problem `ajet.trainer.run` raises; a `gateway.keys` entry whose `key_env` is unset or short.
     """
     from ajet import progress
     from ajet.gateway.app import GatewayApp
@@ -37,13 +40,17 @@ def gateway(cfg: AjetConfig) -> Path:
     from ajet.gateway.sessions import SessionBook
     from ajet.gateway.source import GatewaySource
     from ajet.gateway.store import GatewayStore
-    from ajet.guard import allowed_hosts, server_secret
+    from ajet.guard import allowed_hosts, configured_secret, server_secret
     from ajet.judges import load_judge
     from ajet.trainer import run
 
     cfg = cfg.for_mode("gateway")   # its checks, and its defaults: adv_estimator, proxy.host (ajet/config/)
     g = cfg.gateway
-    secret, generated = server_secret(g.secret)
+    keys = _keys(cfg)
+    if configured_secret(g.secret) is None and any(scope == "admin" for _, _, scope in keys):
+        secret, generated = None, False                # the admin keys of gateway.keys are the only ones
+    else:
+        secret, generated = server_secret(g.secret)
     hosts = allowed_hosts(g.host, g.allowed_hosts)
     judge = load_judge(cfg) if g.on_no_feedback == "judge" or g.n > 1 else None
 
@@ -58,7 +65,8 @@ def gateway(cfg: AjetConfig) -> Path:
             ctx.console.print(f"gateway secret: {secret} (generated: clients send it as their SDK's api key; set "
                               "gateway.secret or AJET_SECRET to keep one across restarts)")
         progress.note(ctx.console, (
-            f"gateway: secret required (every request but /healthz); rewards within [{g.reward_range[0]:g}, "
+            f"gateway: api key required (every request but /healthz; {_describe_keys(keys, secret)}"
+            f"{'' if g.allow_query_key else ', never from the URL'}); rewards within [{g.reward_range[0]:g}, "
             f"{g.reward_range[1]:g}]"
             f"; advantage {cfg.algorithm.adv_estimator}; sessions close after {g.session_idle_s:g}s "
             f"idle; feedback deadline {g.feedback_deadline_s:g}s, then {g.on_no_feedback}"
@@ -79,7 +87,7 @@ def gateway(cfg: AjetConfig) -> Path:
                 g.rate_limit_rps, g.rate_limit_burst or max(1, math.ceil(g.rate_limit_rps)))
             return GatewayApp(proxy, book_, secret, lambda: gate.served_version(proxy.engine), limiter, gate, hosts,
                               max_queued=g.max_queued, decoding=cfg.rollout.max_batch_size // g.n,
-                              read_timeout_s=g.read_timeout_s)
+                              read_timeout_s=g.read_timeout_s, keys=keys, allow_query_key=g.allow_query_key)
 
         return GatewaySource(ctx, book, app, gate)
 
@@ -90,6 +98,53 @@ def gateway(cfg: AjetConfig) -> Path:
     if cfg.trainer.resume:                          # before the trainer picks the checkpoint it resumes from
         _discard_uncommitted(cfg)
     return run(cfg, RunMode(setup, port=g.port, server=True))   # no datasets: its episodes are its sessions
+
+
+def _keys(cfg: AjetConfig) -> list[tuple[str, str, str]]:
+    """(name, key, scope) of every `gateway.keys` entry, `key_env` read now. Checked here, not when the config is
+    loaded, so that no message shows a key.
+
+    Raises:
+        ConfigError: an entry with both or neither of `key` and `key_env`, an unset or short `key_env`, the
+            name `secret` (gateway.secret's), two entries with one name, or a key equal to another one (or to the
+            secret).
+    """
+    from ajet.guard import KeyRing, configured_secret
+
+    try:
+        if any(k.name == "secret" for k in cfg.gateway.keys):
+            raise ValueError("the name `secret` is gateway.secret's: name the key otherwise")
+        keys = [(k.name, k.value(), k.scope) for k in cfg.gateway.keys]
+        secret = configured_secret(cfg.gateway.secret)
+        KeyRing([*keys, *([("secret", secret, "admin")] if secret else [])])
+    except ValueError as e:
+        raise ConfigError(f"gateway.keys: {e}") from None
+    return keys
+
+
+def _describe_keys(keys: list[tuple[str, str, str]], secret: str | None) -> str:
+    """"the secret (admin), 2 client keys (alice, bob), 1 admin key (ops)" for the start line."""
+    parts = ["the secret (admin)"] if secret is not None else []
+    for scope in ("client", "admin"):
+        names = [n for n, _, s in keys if s == scope]
+        if names:
+            parts.append(f"{len(names)} {scope} key{'s' if len(names) > 1 else ''} ({', '.join(names)})")
+    return ", ".join(parts)
+
+
+def keys_main(client: int = 1, admin: int = 1) -> int:
+    """`ajet gateway keys [--client N] [--admin N]`: print `client` + `admin` new random keys (`ajet.guard.new_key`:
+    43 URL-safe characters, 256 bits from the `secrets` module) as a `gateway:` YAML block to paste into a config.
+    Returns 0."""
+    from ajet.guard import new_key
+
+    print("# new api keys for gateway.keys (keep them secret; hand each client its own)")
+    print("gateway:")
+    print("  keys:")
+    for scope, count in (("client", client), ("admin", admin)):
+        for i in range(1, count + 1):
+            print(f"    - {{name: {scope}-{i}, scope: {scope}, key: \"{new_key()}\"}}")
+    return 0
 
 
 def _discard_uncommitted(cfg: AjetConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -68,14 +69,56 @@ class GatewayGateConfig(_Section):
                                "the ones `ajet gateway rollback` can go back to")
 
 
+class GatewayKey(_Section):
+    """One entry of `gateway.keys`: an api key with a name (what sessions and feedback record, and what rate
+    limits count by) and a scope. The key itself is `key`, or read at start from the environment variable
+    `key_env` (as `gateway.secret` falls back to AJET_SECRET). `ajet gateway keys` prints new ones."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$", description="the key's name "
+                      "(letters, digits, _ . @ -): sessions, feedback and rate limits are attributed to it")
+    key: str | None = Field(None, min_length=16, description="the api key itself, at least 16 characters (or "
+                            "`key_env`)")
+    key_env: str | None = Field(None, min_length=1, description="the environment variable holding the key, read "
+                                "at start (instead of `key`)")
+    scope: Literal["client", "admin"] = Field("client", description="`client`: the model APIs, and feedback, "
+                                              "reading and closing the sessions this key opened; `admin`: every "
+                                              "route (rollback, /v1/admin/*, /metrics) and every session")
+
+    def value(self) -> str:
+        """The key: `key`, else the environment variable `key_env` (read when called: at the gateway's start, so
+        that no error message ever shows a key).
+
+        Raises:
+            ValueError: both or neither of `key` and `key_env` given; `key_env` unset, empty or shorter than 16
+                characters.
+        """
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError(f"key {self.name!r}: give exactly one of `key` and `key_env`")
+        if self.key is not None:
+            return self.key
+        found = os.environ.get(self.key_env or "", "")
+        if len(found) < 16:
+            raise ValueError(f"gateway.keys {self.name!r}: the environment variable {self.key_env} is "
+                             f"{'unset' if not found else 'shorter than 16 characters'}: export it (e.g. a key "
+                             "`ajet gateway keys` prints) before starting the gateway")
+        return found
+
+
 class GatewayConfig(_Section):
     """`ajet gateway`: one stable model endpoint for deployed agents, training on the feedback their sessions
     get (docs/gateway.md). A session is one conversation (header `X-Ajet-Session`, or found by its prefix)."""
 
     host: str = Field("127.0.0.1", description="bind address; a non-loopback host needs `secret`")
     port: int = Field(8766, ge=0, le=65535, description="port; 0 picks a free one (printed at start)")
-    secret: str | None = Field(None, min_length=16, description="bearer token every request must carry but "
-                               "/healthz (also AJET_SECRET); None: generated and printed at start")
+    secret: str | None = Field(None, min_length=16, description="an admin key: the bearer token of every route "
+                               "(also AJET_SECRET); None: generated and printed at start unless `keys` holds an "
+                               "admin key")
+    keys: list[GatewayKey] = Field(default_factory=list, description="named api keys, each `client` (model calls "
+                                   "and its own sessions) or `admin` (everything): `{name, key | key_env, scope}`; "
+                                   "`ajet gateway keys` prints new ones")
+    allow_query_key: bool = Field(False, description="accept the api key in the URL (`?key=`) too; off: only "
+                                  "headers (Authorization: Bearer, x-api-key, x-goog-api-key), since a URL ends up "
+                                  "in browser history, Referer headers and proxy logs")
     allowed_hosts: list[str] = Field(default_factory=list, description="more Host names the gateway answers besides "
                                      "localhost, 127.0.0.1, [::1] and `host` (e.g. the name of a reverse proxy in "
                                      "front of it); others get a 403. Empty with a wildcard host (0.0.0.0, ::): any")
@@ -93,9 +136,10 @@ class GatewayConfig(_Section):
                    "batch, the config's judge scores each and the highest is answered (streams get it once all are "
                    "sampled); the session and its unchosen candidates (rewarded with their judge scores) form one "
                    "GRPO group. 1: one sample, no judge")
-    rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each client (source address,"
-                                         " whatever api key or session it sends) may send, sustained; over it a 429 "
-                                         "with Retry-After. None: no limit")
+    rate_limit_rps: float | None = Field(None, gt=0, description="requests per second each client may send, "
+                                         "sustained: each key of `keys` by its name, other callers by source address "
+                                         "(whatever session they send); over it a 429 with Retry-After. None: no "
+                                         "limit")
     rate_limit_burst: int | None = Field(None, ge=1, description="requests a client may send at once after a quiet "
                                          "spell (its token bucket's size); None: rate_limit_rps rounded up")
     max_queued: int = Field(64, ge=0, description="model calls that may wait for the engine beyond the "

@@ -7,20 +7,22 @@
     GET  /v1/sessions/{id}     a session's state, reward and responses (with their policy versions)
     POST /v1/sessions/{id}/close   the conversation is over: close the session now
     GET  /healthz              {"status": "ok", "policy_version", "training": "running" | "done"} (no secret)
-    GET  /metrics              Prometheus text (ajet/gateway/ops.py)
+    GET  /metrics              Prometheus text (ajet/gateway/ops.py)                          admin key
     POST /v1/admin/rollback    {to?: version}: serve a kept earlier version (ajet/gateway/gate.py); waits up to
-                               ROLLBACK_WAIT_S for the trainer thread to do it (202 while pending)
-    GET  /v1/admin/versions    versions served, gate decisions, kept checkpoints
+                               ROLLBACK_WAIT_S for the trainer thread to do it (202 while pending)   admin key
+    GET  /v1/admin/versions    versions served, gate decisions, kept checkpoints              admin key
 
 Nothing of the proxy is re-implemented: a model call's body is read once, its session is resolved
 (`SessionBook.resolve`), and the request goes to the proxy's own route of that session's episode
 (`/ep/<token>/...`) with the body replayed. Every answer carries `X-Ajet-Session` and `X-Ajet-Response-Id` (the
-body's `id`); a non-streamed one also `X-Ajet-Policy-Version`. With a secret, every request but /healthz must
-carry it (`Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or `?key=`: whatever the client's SDK sends as
-its api key), else 401. Before anything else the shared guard (ajet/guard.py) refuses a request for a Host
+body's `id`); a non-streamed one also `X-Ajet-Policy-Version`. With keys (`gateway.secret` and `gateway.keys`),
+every request but /healthz must carry one (`Authorization: Bearer`, `x-api-key` or `x-goog-api-key`: whatever the
+client's SDK sends as its api key; `?key=` only with `allow_query_key`), else 401. A client key may call the
+model APIs and use (rate, read, close) only the sessions it opened; /metrics, /v1/admin/* and other keys'
+sessions need an admin key (the secret is one), else 403 in the dialect's error shape. Before anything else the shared guard (ajet/guard.py) refuses a request for a Host
 not allowed (403) and a POST whose Content-Type is not JSON (415); no answer carries CORS headers. With a rate
-limit, a client address over it gets a 429 with `Retry-After` (not /healthz, /metrics): one bucket per source
-address, whatever api key or session it sends. Admission: at most `max_queued` model calls wait beyond the
+limit, a client over it gets a 429 with `Retry-After` (not /healthz, /metrics): one bucket per key of
+`gateway.keys` (by its name), else per source address, whatever session it sends. Admission: at most `max_queued` model calls wait beyond the
 `decoding` the engine generates together (while an update holds calls, all of them wait); a call beyond them
 is answered at once with a 503 `overloaded` and `Retry-After` instead of waiting without bound. A call is
 counted only once its body is complete, and a request whose headers and body do not arrive within
@@ -94,7 +96,7 @@ class GatewayApp:
     Args:
         proxy: the `ProxyServer` (not yet started); its routes and adapters are used as they are.
         book: the sessions.
-        secret: the bearer token every request must carry; None: none is asked for.
+        secret: an admin key (named "secret"); None with no `keys`: no key is asked for (every caller admin).
         policy_version: `() -> int`, the engine's current version (for /healthz).
         limiter: per-client rate limits (`RateLimiter`, keyed by source address), or None.
         gate: the evaluation gate (`VersionGate`): its `LiveHold` holds model calls while a new policy is
@@ -105,13 +107,22 @@ class GatewayApp:
         decoding: model calls the engine generates together (`rollout.max_batch_size` // `gateway.n`).
         read_timeout_s: seconds a request's headers and body may take (`gateway.read_timeout_s`; sets
             `proxy.http_protocol`, so the app must be made before the proxy starts); None: no timeout.
+        keys: more api keys, (name, key, scope "client" | "admin") each (`gateway.keys`).
+        allow_query_key: accept the key in the URL's `?key=` too (`gateway.allow_query_key`).
+
+    Raises:
+        ValueError: `keys` that `ajet.guard.KeyRing` refuses (two names, one key twice).
     """
 
     def __init__(self, proxy, book: SessionBook, secret: str | None, policy_version,
                  limiter: RateLimiter | None = None, gate: VersionGate | None = None,
                  allowed_hosts: list[str] | None = list(guard.LOCAL_HOSTS), max_queued: int | None = None,
-                 decoding: int = 1, read_timeout_s: float | None = None):
+                 decoding: int = 1, read_timeout_s: float | None = None,
+                 keys: list[tuple[str, str, str]] = (), allow_query_key: bool = False):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
+        entries = [*([("secret", secret, "admin")] if secret is not None else []), *keys]
+        self.keys = guard.KeyRing(entries) if entries else None
+        self.allow_query_key = allow_query_key
         self.allowed_hosts = allowed_hosts
         self.max_queued, self.decoding = max_queued, max(1, decoding)
         self.admitted = 0                           # model calls in the gateway now: generating or waiting
@@ -174,7 +185,9 @@ class GatewayApp:
             if path.startswith("/ep/"):
                 raise ProxyError(404, "this gateway has no per-episode URLs: call /v1/... (the session is the "
                                  f"{SESSION_HEADER} header, or found from the conversation)", code="not_found")
-            self._check_secret(scope)
+            caller = self._caller(scope)
+            if path == "/metrics" or path.startswith("/v1/admin/"):
+                self._need_admin(caller, path)
             if path == "/metrics":
                 counts = {**self.book.counts_snapshot(), **(self.gate.counts if self.gate is not None else {}),
                           "read_timeouts": self.read_timeouts.timed_out if self.read_timeouts is not None else 0}
@@ -183,37 +196,40 @@ class GatewayApp:
                     scope, receive, send)
             if self.limiter is not None:
                 client = scope.get("client")
-                wait = self.limiter.take(f"addr:{client[0] if client else '?'}")
+                named = self.keys is not None and caller.name != "secret"
+                wait = self.limiter.take(f"key:{caller.name}" if named else f"addr:{client[0] if client else '?'}")
                 if wait is not None:
                     raise ProxyError(429, f"rate limit exceeded ({self.limiter.rps:g} requests/s, bursts of "
                                      f"{self.limiter.burst}): retry after {wait}s", "rate_limit_error",
                                      code="rate_limit_exceeded", retry_after=wait)
             if path == "/v1/feedback" or path.startswith("/v1/sessions/"):
-                return await self._own(scope, receive, send)
+                return await self._own(scope, receive, send, caller)
             if path.startswith("/v1/admin/"):
                 return await self._admin(scope, receive, send)
             for route, api, kind in self.api_routes:
                 match, child = route.matches(scope)
                 if match == Match.FULL:
-                    return await self._api(scope, receive, send, api, kind, child.get("path_params", {}))
+                    return await self._api(scope, receive, send, api, kind, child.get("path_params", {}), caller)
             return await self.proxy_app(scope, receive, send)   # its 404 / 405 in the dialect's shape
         except ProxyError as err:
             return await self._error(path, err)(scope, receive, send)
         except guard.Refused as err:
-            kind = {401: "authentication_error", 403: "permission_error"}.get(err.status, "invalid_request_error")
-            return await self._error(path, ProxyError(err.status, err.message, kind, code=err.code))(scope, receive, send)
+            return await self._error(path, ProxyError(err.status, err.message, _error_type(err.status),
+                                                      code=err.code))(scope, receive, send)
         except GatewayError as err:
-            return await self._error(path, ProxyError(err.status, err.message, param=err.param, code=err.code))(
-                scope, receive, send)
+            return await self._error(path, ProxyError(err.status, err.message, _error_type(err.status),
+                                                      param=err.param, code=err.code))(scope, receive, send)
         except ClientDisconnect as exc:
             log_client_gone(log, "gateway", scope, exc)
 
     # ---- model calls -------------------------------------------------------------------------------
-    async def _api(self, scope, receive, send, api, kind: str, path_params: dict[str, Any]):
+    async def _api(self, scope, receive, send, api, kind: str, path_params: dict[str, Any], caller: guard.Caller):
         if kind in ("models", "count_tokens"):
             return await self.proxy_app(_to_episode(scope, self.util.api_key), receive, send)
         if kind == "stored":                          # GET /v1/responses/{id}: from the session that answered it
             s = self.book.session_of_response(path_params.get("response_id", ""))
+            if s is not None and not caller.admin and s.key != caller.name:
+                s = None                              # another key's response: as if unknown (the proxy's 404)
             token = s.endpoint.api_key if s is not None and s.endpoint is not None else self.util.api_key
             return await self.proxy_app(_to_episode(scope, token), receive, send)
         request = Request(scope, receive)
@@ -226,24 +242,26 @@ class GatewayApp:
         self.admitted += 1
         try:
             if self.gate is None:
-                return await self._model_call(scope, receive, send, api, path_params, request, raw)
+                return await self._model_call(scope, receive, send, api, path_params, request, raw, caller)
             # waits while a new policy is updated and evaluated; a client gone meanwhile leaves the queue
             await until_answered(self.gate.hold.enter(), receive)
             try:
-                return await self._model_call(scope, receive, send, api, path_params, request, raw)
+                return await self._model_call(scope, receive, send, api, path_params, request, raw, caller)
             finally:
                 self.gate.hold.leave()
         finally:
             self.admitted -= 1
 
-    async def _model_call(self, scope, receive, send, api, path_params: dict[str, Any], request: Request, raw: bytes):
+    async def _model_call(self, scope, receive, send, api, path_params: dict[str, Any], request: Request, raw: bytes,
+                          caller: guard.Caller):
         route = {"path": scope["path"], "path_params": dict(path_params), "query": dict(request.query_params)}
         header = request.headers.get(SESSION_HEADER)
         peek = await run_in_threadpool(self._peek, api, raw, route)
         if peek is None and header is None:           # the proxy answers its 400; nothing is recorded
             return await self.proxy_app(_to_episode(scope, self.util.api_key), _replay(raw, receive), send)
         messages, tools, previous = peek or (None, None, None)
-        session = await run_in_threadpool(self.book.resolve, header, messages, tools, previous)
+        session = await run_in_threadpool(self.book.resolve, header, messages, tools, previous, caller.name,
+                                          caller.admin)
         try:
             return await self.proxy_app(_to_episode(scope, session.endpoint.api_key), _replay(raw, receive),
                                         self._tagging(send, session))
@@ -281,8 +299,9 @@ class GatewayApp:
         return tagged
 
     # ---- feedback and sessions ---------------------------------------------------------------------
-    async def _own(self, scope, receive, send):
+    async def _own(self, scope, receive, send, caller: guard.Caller):
         request, path = Request(scope, receive), scope["path"]
+        owner = None if caller.admin else caller.name   # a client key: its own sessions only
         method = scope["method"]
         if path == "/v1/feedback" and method == "POST":
             raw = await read_body(request, FEEDBACK_MAX_BODY_BYTES)
@@ -291,13 +310,13 @@ class GatewayApp:
                 raise ProxyError(400, "send `session_id` (an answer's X-Ajet-Session header) or `response_id` (an "
                                  "answer's `id`)", param="session_id", code="missing_session")
             out = await run_in_threadpool(self.book.feedback, body.session_id, body.response_id, body.reward,
-                                          body.comment)
+                                          body.comment, caller.name, owner)
             return await json_response(out)(scope, receive, send)
         parts = path.removeprefix("/v1/sessions/").split("/")
         if len(parts) == 1 and parts[0] and method == "GET":
-            return await json_response(self.book.get(parts[0]))(scope, receive, send)
+            return await json_response(self.book.get(parts[0], owner))(scope, receive, send)
         if len(parts) == 2 and parts[0] and parts[1] == "close" and method == "POST":
-            out = await run_in_threadpool(self.book.close, parts[0])
+            out = await run_in_threadpool(self.book.close, parts[0], "closed by the client", owner)
             return await json_response(out)(scope, receive, send)
         raise ProxyError(404 if len(parts) > 2 or not parts[0] else 405,
                          f"no route {method} {path[:200]}: see /v1/feedback, GET /v1/sessions/ID, "
@@ -328,19 +347,45 @@ class GatewayApp:
                          f"no route {method} {path[:200]}: see POST /v1/admin/rollback, GET /v1/admin/versions",
                          code="not_found")
 
-    def _check_secret(self, scope) -> None:
-        """Raises ProxyError 401 when the request does not carry the secret (`ajet.guard.api_key`)."""
-        if self.secret is None:
-            return
-        if not guard.secret_matches(guard.api_key(scope), self.secret):
-            raise ProxyError(401, "missing or wrong secret: send the gateway's secret as your SDK's api key "
-                             "(Authorization: Bearer, x-api-key or x-goog-api-key)", "authentication_error",
-                             code="invalid_api_key")
+    def _caller(self, scope) -> guard.Caller:
+        """Who sends the request: the key it carries (`ajet.guard.api_key`; the URL's `?key=` only with
+        `allow_query_key`). Without any key configured, an anonymous admin.
+
+        Raises:
+            ProxyError: 401 `invalid_api_key` for a missing or unknown key, `query_key_refused` for a key sent
+                only in the URL of a gateway that does not accept it there.
+        """
+        if self.keys is None:
+            return guard.Caller("", "admin")
+        caller = self.keys.identify(guard.api_key(scope, query=self.allow_query_key))
+        if caller is not None:
+            return caller
+        if not self.allow_query_key and guard.query_key(scope) and not guard.api_key(scope, query=False):
+            raise ProxyError(401, "this gateway does not take the api key from the URL (?key=: it ends up in "
+                             "browser history, Referer headers and proxy logs): send it as a header (Authorization: "
+                             "Bearer, x-api-key or x-goog-api-key), or set gateway.allow_query_key: true",
+                             "authentication_error", code="query_key_refused")
+        raise ProxyError(401, "missing or wrong api key: send one of the gateway's keys (gateway.secret or "
+                         "gateway.keys) as your SDK's api key (Authorization: Bearer, x-api-key or x-goog-api-key)",
+                         "authentication_error", code="invalid_api_key")
+
+    @staticmethod
+    def _need_admin(caller: guard.Caller, path: str) -> None:
+        """Raises ProxyError 403 `admin_key_required` when `caller` is not an admin key."""
+        if not caller.admin:
+            raise ProxyError(403, f"{path[:100]} needs an admin key (gateway.secret or a gateway.keys entry with "
+                             f"scope admin); key {caller.name!r} is a client key", "permission_error",
+                             code="admin_key_required")
 
     def _error(self, path: str, err: ProxyError):
         """`err` in the error shape of the dialect `path` belongs to (OpenAI's for the gateway's own routes)."""
         api = next((a for a in self.proxy.apis.values() if any(p in path for p in a.error_paths)), None)
         return api.error_response(err) if api is not None else err.response()
+
+
+def _error_type(status: int) -> str:
+    """The OpenAI error `type` of a refusal with this HTTP status."""
+    return {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
 
 
 async def _nothing(_request):   # the endpoint of the route table used only for matching

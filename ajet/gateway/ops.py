@@ -16,8 +16,9 @@ client library) exposes:
     ajet_gateway_best_of_requests_total               counter: requests answered by best-of-N
 
 Rate limits: a token bucket per client (`rate_limit_rps` tokens added a second, at most `rate_limit_burst` saved
-up); the client is the request's source address, whatever api key or `X-Ajet-Session` it sends (a new key or
-session is never a new bucket, and with a secret the clients do not share one). A request finding the bucket
+up); the client is the name of its key of `gateway.keys` (a caller cannot make up a new one), else (the secret, or
+no keys) the request's source address, whatever `X-Ajet-Session` it sends (a new session is never a new bucket,
+and with a secret the clients do not share one). The gateway app picks the bucket (ajet/gateway/app.py). A request finding the bucket
 empty gets a 429 with `Retry-After` (whole seconds until a token is there).
 """
 

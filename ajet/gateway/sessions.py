@@ -32,6 +32,11 @@ its first feedback; a session that ends (closed, idle) before either, e.g. every
 abandoned by its client before the engine answered, leaves no row and is forgotten at its close, so the store
 grows with the calls it records, not with the requests it receives.
 
+Keys (`gateway.keys`): each session records the name of the api key that opened it (`key`). A client key's
+request joins only sessions that key opened (by header, by `previous_response_id` or by prefix; another key's
+session named in the header is a 403), and feedback, reading and closing take only its own sessions; an admin
+key (`owner` None in these calls) may take any.
+
 Thread model: the proxy's event loop calls `resolve`, `activity` and `recorded`; HTTP worker threads call
 `feedback` and `close`; the reaper thread calls `tick`, the trainer `take`. One lock guards the state; SQLite
 writes happen under it (each is one short transaction), so what a caller is answered is already durable.
@@ -107,11 +112,13 @@ class Session:
         reward, reward_source ("client" | "judge"), comment: its latest feedback.
         rated_at: clock time the reward arrived (sessions are trained in this order).
         taken: the trainer took it; dropped: why it was given up (never trained on).
+        key: the name of the api key that opened it (None: no keys checked, or stored before keys existed).
     """
 
     session_id: str
     query: str
     found_by: str
+    key: str | None = None
     endpoint: Any = None
     calls: list[LLMCall] = field(default_factory=list)
     responses: dict[str, int] = field(default_factory=dict)
@@ -144,7 +151,7 @@ class Session:
 
     def to_dict(self) -> dict[str, Any]:
         """The session's state for `GET /v1/sessions/{id}`."""
-        return {"session_id": self.session_id, "state": self.state, "found_by": self.found_by,
+        return {"session_id": self.session_id, "state": self.state, "found_by": self.found_by, "key": self.key,
                 "calls": len(self.calls) if self.closed_at is not None else None, "responses": dict(self.responses),
                 "reward": self.reward, "reward_source": self.reward_source, "comment": self.comment,
                 "dropped": self.dropped,
@@ -198,7 +205,7 @@ class SessionBook:
         now = self._clock()
         with self._lock:
             for sid, st in stored.items():
-                s = Session(sid, st.query, st.found_by, last_seen=st.opened_at,
+                s = Session(sid, st.query, st.found_by, key=st.key_name, last_seen=st.opened_at,
                             calls=[LLMCall.from_dict(c) for c in st.calls],
                             responses=dict(st.responses), opened_at=st.opened_at, stored=True)
                 if st.closed_at is None:
@@ -220,7 +227,7 @@ class SessionBook:
 
     # ---- requests (the proxy's event loop) ----------------------------------------------------------
     def resolve(self, header: str | None, messages: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None,
-                previous_response_id: str | None = None) -> Session:
+                previous_response_id: str | None = None, key: str | None = None, admin: bool = True) -> Session:
         """The open session a request belongs to, opened when it is new (see the module docstring), counted as
         in flight (never idle) until the caller's `activity(session, -1)`.
 
@@ -228,27 +235,32 @@ class SessionBook:
             header: the `X-Ajet-Session` value, or None.
             messages, tools: the request in the proxy's wire form (None when it could not be parsed: the proxy
                 answers its 400 in a session of its own).
+            key: the name of the caller's api key: a new session records it. admin: False for a client key,
+                whose request joins only sessions opened with `key`.
 
         Raises:
             GatewayError: 400 `invalid_session` for a header that is not 1-200 printable ASCII characters,
+                403 `session_forbidden` for a client key's header naming another key's session,
                 409 `session_closed` for a header naming a closed session.
         """
         with self._lock:
-            s = self._resolve(header, messages, tools, previous_response_id)
+            s = self._resolve(header, messages, tools, previous_response_id, None if admin else key, key)
             s.in_flight += 1
             s.last_seen = self._clock()
             return s
 
     def _resolve(self, header: str | None, messages: list[dict[str, Any]] | None,
-                 tools: list[dict[str, Any]] | None, previous_response_id: str | None) -> Session:
-        """`resolve` with the lock held."""
+                 tools: list[dict[str, Any]] | None, previous_response_id: str | None, owner: str | None = None,
+                 key: str | None = None) -> Session:
+        """`resolve` with the lock held; `owner`: only sessions of this key are joined (None: any)."""
         if header is not None:
             if not (0 < len(header) <= 200 and header.isascii() and header.isprintable()):
                 raise GatewayError(400, "invalid_session", "the X-Ajet-Session header must be 1-200 printable "
                                    "ASCII characters", "X-Ajet-Session")
             s = self._sessions.get(header)
             if s is None:
-                return self._open(header, messages, "header")
+                return self._open(header, messages, "header", key)
+            _check_owner(s, owner)
             if s.endpoint is None:
                 state = s.state if s.closed_at is not None else "closing"
                 raise GatewayError(409, "session_closed", f"session {header!r} is closed ({state}); send a new "
@@ -256,27 +268,31 @@ class SessionBook:
             return s
         if previous_response_id is not None:
             s = self._by_response.get(previous_response_id)
-            if s is not None and s.endpoint is not None:
+            if s is not None and s.endpoint is not None and owner in (None, s.key):
                 return s
         if messages:
-            parent = self._parent(messages, tools)
+            parent = self._parent(messages, tools, owner)
             if parent is not None:
                 return parent
-        return self._open(None, messages, "new")
+        return self._open(None, messages, "new", key)
 
-    def _parent(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Session | None:
-        """The open session holding the latest call that `messages` continue (lock held)."""
-        history = sorted((x for s in self._sessions.values() if s.endpoint is not None for x in s.live_calls),
-                         key=lambda x: x[0])   # in recording order: find_parent prefers the latest
+    def _parent(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                owner: str | None = None) -> Session | None:
+        """The open session (of key `owner`; None: of any key) holding the latest call that `messages` continue
+        (lock held)."""
+        history = sorted((x for s in self._sessions.values() if s.endpoint is not None and owner in (None, s.key)
+                          for x in s.live_calls), key=lambda x: x[0])   # in recording order: find_parent prefers the latest
         call, _reason, _by = find_parent(messages, tools, [c for _, c in history])
         return None if call is None else self._sessions.get(call.episode_id)
 
-    def _open(self, session_id: str | None, messages: list[dict[str, Any]] | None, found_by: str) -> Session:
+    def _open(self, session_id: str | None, messages: list[dict[str, Any]] | None, found_by: str,
+              key: str | None = None) -> Session:
         sid = session_id or "s-" + secrets.token_hex(8)
         query = next((message_text(m.get("content")) for m in messages or [] if m.get("role") == "user"),
                      "")[:MAX_QUERY_CHARS]
         now = self._clock()
-        s = Session(sid, query, found_by, endpoint=self.proxy.open_episode(sid), last_seen=now, opened_at=now)
+        s = Session(sid, query, found_by, key=key, endpoint=self.proxy.open_episode(sid), last_seen=now,
+                    opened_at=now)
         self._sessions[sid] = self._by_token[s.endpoint.api_key] = s
         self.counts["opened"] += 1
         return s
@@ -308,7 +324,7 @@ class SessionBook:
             picked = {"chosen": pick, "scores": scores} if pick is not None else None
             self.store.add_response(s.session_id, response_id, version, [c.to_dict() for c in calls],
                                     [(c.episode_id, c.index, c.score, c.call.to_dict()) for c in cands], picked,
-                                    opened=None if s.stored else (s.opened_at, s.query, s.found_by))
+                                    opened=None if s.stored else (s.opened_at, s.query, s.found_by, s.key))
             s.stored = True
             s.candidates += cands
             if picked is not None:
@@ -376,12 +392,14 @@ class SessionBook:
 
     # ---- feedback and closing (HTTP worker threads) -------------------------------------------------
     def feedback(self, session_id: str | None, response_id: str | None, reward: float,
-                 comment: str | None) -> dict[str, Any]:
-        """Record `reward` for a session (named, or found by one of its response ids); durable on return. A
-        later reward replaces an earlier one until the session is trained.
+                 comment: str | None, key: str | None = None, owner: str | None = None) -> dict[str, Any]:
+        """Record `reward` for a session (named, or found by one of its response ids), sent with the api key
+        named `key`; durable on return. A later reward replaces an earlier one until the session is trained.
+        `owner`: a client key's name (only its own sessions); None: any session.
 
         Raises:
-            GatewayError: 400 `reward_out_of_range` (outside `reward_range`, or not finite); 404
+            GatewayError: 400 `reward_out_of_range` (outside `reward_range`, or not finite); 403
+                `session_forbidden` (another key's session, with `owner`); 404
                 `session_not_found` / `response_not_found`; 409 `session_trained` (the trainer took it already);
                 410 `session_dropped` (its feedback deadline passed).
         """
@@ -404,6 +422,7 @@ class SessionBook:
                 if s is None:
                     raise GatewayError(404, "session_not_found", f"no session {str(session_id)[:100]!r} on this "
                                        "gateway (the id is every answer's X-Ajet-Session header)", "session_id")
+            _check_owner(s, owner)
             if s.taken:
                 raise GatewayError(409, "session_trained", f"session {s.session_id!r} was already trained on with reward "
                                    f"{s.reward} ({s.reward_source}); feedback cannot change it any more")
@@ -411,30 +430,35 @@ class SessionBook:
                 raise GatewayError(410, "session_dropped", f"session {s.session_id!r} was dropped ({s.dropped}); "
                                    "raise gateway.feedback_deadline_s to accept later feedback")
             self._persist(s)
-            self.store.add_feedback(s.session_id, reward, comment, "client", response_id)
+            self.store.add_feedback(s.session_id, reward, comment, "client", response_id, key_name=key)
             s.reward, s.reward_source, s.comment, s.rated_at = reward, "client", comment, self._clock()
             self.counts["feedback"] += 1
             self.changed.notify_all()
             return {"session_id": s.session_id, "state": s.state, "reward": reward}
 
-    def close(self, session_id: str, reason: str = "closed by the client") -> dict[str, Any]:
-        """Close an open session now (a client that knows the conversation is over). Raises GatewayError 404."""
+    def close(self, session_id: str, reason: str = "closed by the client", owner: str | None = None) -> dict[str, Any]:
+        """Close an open session now (a client that knows the conversation is over); `owner`: a client key's name
+        (only its own sessions). Raises GatewayError 404, 403 `session_forbidden`."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None:
                 raise GatewayError(404, "session_not_found", f"no session {session_id[:100]!r} on this gateway",
                                    "session_id")
+            _check_owner(s, owner)
             ending = self._end(s, reason)
         if ending is not None:
             self._finish_close(s, *ending)
         return {"session_id": s.session_id, "state": s.state}
 
-    def get(self, session_id: str) -> dict[str, Any]:
+    def get(self, session_id: str, owner: str | None = None) -> dict[str, Any]:
+        """A session's state (`Session.to_dict`); `owner`: a client key's name (only its own sessions). Raises
+        GatewayError 404, 403 `session_forbidden`."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None:
                 raise GatewayError(404, "session_not_found", f"no session {session_id[:100]!r} on this gateway",
                                    "session_id")
+            _check_owner(s, owner)
             return s.to_dict()
 
     # ---- time passing (the reaper thread) -----------------------------------------------------------
@@ -492,7 +516,7 @@ class SessionBook:
     def _persist(self, s: Session) -> None:
         """Write `s`'s `sessions` row if it is not written yet (lock held)."""
         if not s.stored:
-            self.store.open_session(s.session_id, s.query, s.found_by, at=s.opened_at)
+            self.store.open_session(s.session_id, s.query, s.found_by, at=s.opened_at, key_name=s.key)
             s.stored = True
 
     def _end(self, s: Session, reason: str) -> tuple[Any, float] | None:
@@ -597,6 +621,15 @@ class SessionBook:
             return {"gateway/open": sum(st in ("open", "open_rated") for st in states),
                     "gateway/waiting_feedback": states.count("closed"), "gateway/ready": states.count("rated"),
                     **{f"gateway/{k}": v for k, v in self.counts.items()}}
+
+
+def _check_owner(s: Session, owner: str | None) -> None:
+    """Raise GatewayError 403 `session_forbidden` when `owner` (a client key's name; None: an admin key) did not
+    open session `s`."""
+    if owner is not None and s.key != owner:
+        raise GatewayError(403, "session_forbidden", f"session {s.session_id!r} was opened with another api key: "
+                           f"key {owner!r} (a client key) may use only the sessions it opened; an admin key may use "
+                           "any", "session_id")
 
 
 def message_text(content: Any) -> str:

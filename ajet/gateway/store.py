@@ -6,13 +6,15 @@ trainer has not seen yet, so that `kill -9` loses no acknowledged feedback and n
 
     sessions   one row per session with a recorded answer or a reward (written with the first of them; a session
                whose requests never reached the engine has none): (session_id, opened_at, query: the first user
-               message, by: how it was found: "header" or "new")
+               message, by: how it was found: "header" or "new", key_name: the name of the api key that opened
+               it, `gateway.keys`; "secret" for gateway.secret, NULL without a secret or in a file older than keys)
     calls      one row per recorded LLM call of a session (its `LLMCall.to_dict()`), committed once the
                response that made it is recorded, before its last byte reaches the client
     responses  one row per answered request: (response_id: the body's `id`, session_id, policy_version)
     closes     one row per closed session: (session_id, closed_at, reason)
     feedback   one row per acknowledged reward, in arrival order: (session_id, response_id named or NULL,
-               reward, comment, source: "client" | "judge", received_at), committed before the 200
+               reward, comment, source: "client" | "judge", received_at, key_name: the key that sent it, NULL
+               for the judge), committed before the 200
     drops      one row per session given up: (session_id, reason, at)
     candidates best-of-N: one row per unchosen candidate (episode_id "<session>~<k>", session_id, response_id it
                competed with, index among the N, score: its judge score or NULL, record: its call), committed
@@ -47,7 +49,8 @@ from ajet.trajectory_store import dumps
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
-    session_id TEXT PRIMARY KEY, opened_at REAL NOT NULL, query TEXT NOT NULL, found_by TEXT NOT NULL);
+    session_id TEXT PRIMARY KEY, opened_at REAL NOT NULL, query TEXT NOT NULL, found_by TEXT NOT NULL,
+    key_name TEXT);
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, idx INTEGER NOT NULL, record TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS calls_by_session ON calls (session_id, idx);
@@ -57,7 +60,7 @@ CREATE TABLE IF NOT EXISTS closes (
     session_id TEXT PRIMARY KEY, closed_at REAL NOT NULL, reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS feedback (
     session_id TEXT NOT NULL, response_id TEXT, reward REAL NOT NULL, comment TEXT, source TEXT NOT NULL,
-    received_at REAL NOT NULL);
+    received_at REAL NOT NULL, key_name TEXT);
 CREATE TABLE IF NOT EXISTS drops (
     session_id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS candidates (
@@ -91,6 +94,7 @@ class StoredSession:
     opened_at: float
     query: str
     found_by: str
+    key_name: str | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     responses: dict[str, int] = field(default_factory=dict)
     closed_at: float | None = None
@@ -113,20 +117,31 @@ class GatewayStore(WalStore):
     """
 
     SCHEMA = _SCHEMA
+    ADDED_COLUMNS = (("sessions", "key_name"), ("feedback", "key_name"))   # added to files written before them
 
-    def open_session(self, session_id: str, query: str, found_by: str, at: float | None = None) -> None:
-        """Record a new session. Raises sqlite3.IntegrityError for an id stored before."""
-        self._tx(("INSERT INTO sessions VALUES (?, ?, ?, ?)", [(session_id, at or time.time(), query, found_by)]))
+    def __init__(self, path):
+        super().__init__(path)
+        with self._write, self._db:
+            for table, column in self.ADDED_COLUMNS:
+                if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+
+    def open_session(self, session_id: str, query: str, found_by: str, at: float | None = None,
+                     key_name: str | None = None) -> None:
+        """Record a new session (opened by the api key named `key_name`). Raises sqlite3.IntegrityError for an id
+        stored before."""
+        self._tx(("INSERT INTO sessions VALUES (?, ?, ?, ?, ?)",
+                  [(session_id, at or time.time(), query, found_by, key_name)]))
 
     def add_response(self, session_id: str, response_id: str, policy_version: int, calls: list[dict[str, Any]],
                      candidates: list[tuple[str, int, float | None, dict[str, Any]]] = (),
                      pick: dict[str, Any] | None = None,
-                     opened: tuple[float, str, str] | None = None) -> None:
+                     opened: tuple[float, str, str, str | None] | None = None) -> None:
         """Commit one answered request atomically: its response id, policy version and recorded calls; with
         best-of-N also its unchosen candidates `(episode_id, index, score, call record)` and its `pick`
-        (`{"chosen": index, "scores": [score | None] * N}`); with `opened` (opened_at, query, found_by) the
+        (`{"chosen": index, "scores": [score | None] * N}`); with `opened` (opened_at, query, found_by, key_name) the
         session's own row too (its first answer: a session is written with it, ajet/gateway/sessions.py)."""
-        self._tx(("INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?)",
+        self._tx(("INSERT OR IGNORE INTO sessions VALUES (?, ?, ?, ?, ?)",
                   [(session_id, *opened)] if opened is not None else []),
                  ("INSERT OR IGNORE INTO responses VALUES (?, ?, ?, ?)",
                   [(response_id, session_id, policy_version, time.time())]),
@@ -141,10 +156,10 @@ class GatewayStore(WalStore):
         self._tx(("INSERT OR IGNORE INTO closes VALUES (?, ?, ?)", [(session_id, at or time.time(), reason)]))
 
     def add_feedback(self, session_id: str, reward: float, comment: str | None, source: str,
-                     response_id: str | None = None, at: float | None = None) -> None:
-        """Commit one reward for `session_id` (durable when this returns)."""
-        self._tx(("INSERT INTO feedback VALUES (?, ?, ?, ?, ?, ?)",
-                  [(session_id, response_id, reward, comment, source, at or time.time())]))
+                     response_id: str | None = None, at: float | None = None, key_name: str | None = None) -> None:
+        """Commit one reward for `session_id`, sent with the api key named `key_name` (durable when this returns)."""
+        self._tx(("INSERT INTO feedback VALUES (?, ?, ?, ?, ?, ?, ?)",
+                  [(session_id, response_id, reward, comment, source, at or time.time(), key_name)]))
 
     def drop_session(self, session_id: str, reason: str) -> None:
         self._tx(("INSERT OR IGNORE INTO drops VALUES (?, ?, ?)", [(session_id, reason, time.time())]))
@@ -158,18 +173,19 @@ class GatewayStore(WalStore):
 
     def sessions(self) -> dict[str, StoredSession]:
         """Every stored session with its calls, responses, close, feedback and drop, in opening order."""
-        out = {sid: StoredSession(sid, at, q, by) for sid, at, q, by in
-               self._db.execute("SELECT session_id, opened_at, query, found_by FROM sessions ORDER BY rowid")}
+        out = {sid: StoredSession(sid, at, q, by, key) for sid, at, q, by, key in self._db.execute(
+               "SELECT session_id, opened_at, query, found_by, key_name FROM sessions ORDER BY rowid")}
         for sid, record in self._db.execute("SELECT session_id, record FROM calls ORDER BY session_id, idx"):
             out[sid].calls.append(json.loads(record))
         for rid, sid, version in self._db.execute("SELECT response_id, session_id, policy_version FROM responses"):
             out[sid].responses[rid] = version
         for sid, at, reason in self._db.execute("SELECT session_id, closed_at, reason FROM closes"):
             out[sid].closed_at, out[sid].close_reason = at, reason
-        for sid, rid, reward, comment, source, at in self._db.execute(
-                "SELECT session_id, response_id, reward, comment, source, received_at FROM feedback ORDER BY rowid"):
+        for sid, rid, reward, comment, source, at, key in self._db.execute(
+                "SELECT session_id, response_id, reward, comment, source, received_at, key_name FROM feedback "
+                "ORDER BY rowid"):
             out[sid].feedback.append({"response_id": rid, "reward": reward, "comment": comment, "source": source,
-                                      "received_at": at})
+                                      "received_at": at, "key_name": key})
         for sid, reason in self._db.execute("SELECT session_id, reason FROM drops"):
             out[sid].dropped = reason
         for eid, sid, rid, idx, score, record in self._db.execute(

@@ -57,7 +57,8 @@ class GatewayReader:
                 done_at, ok, message); sessions: counts (total, closed, dropped, rated);
             feedback: {count, by_source: {client, judge}, reward_mean, windows: [{start, end: unix seconds,
                 count, reward_mean, client, judge}] (empty windows left out), recent: the latest RECENT_FEEDBACK
-                rows (session_id, response_id, reward, comment, source, received_at), newest first};
+                rows (session_id, response_id, reward, comment, source, received_at, key_name: the api key that
+                sent it, None for the judge's and in a file written before `gateway.keys`), newest first};
             policy_version: the version served last (None before any).
         """
         tables = {r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
@@ -92,8 +93,10 @@ class GatewayReader:
                     (first, width, windows)):
                 series.append({"start": first + k * width, "end": first + (k + 1) * width, "count": n,
                                "reward_mean": m, "client": client, "judge": judge})
-        recent = self._rows("SELECT session_id, response_id, reward, comment, source, received_at FROM feedback "
-                            "ORDER BY rowid DESC LIMIT ?", ("session_id", "response_id", "reward", "comment", "source",
-                                                           "received_at"), RECENT_FEEDBACK)
+        has_key = "key_name" in {r[1] for r in self.db.execute("PRAGMA table_info(feedback)")}
+        recent = self._rows("SELECT session_id, response_id, reward, comment, source, received_at, "
+                            f"{'key_name' if has_key else 'NULL'} FROM feedback ORDER BY rowid DESC LIMIT ?",
+                            ("session_id", "response_id", "reward", "comment", "source", "received_at", "key_name"),
+                            RECENT_FEEDBACK)
         return {"count": count, "by_source": {"client": by_source.get("client", 0), "judge": by_source.get("judge", 0)},
                 "reward_mean": mean, "windows": series, "recent": recent}

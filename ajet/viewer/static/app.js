@@ -343,8 +343,9 @@ async function gatewayView() {
       h("td", {class: "num"}, r.id), h("td", {class: "num"}, fmt(r.to_version)), h("td", {}, when(r.requested_at)), h("td", {}, when(r.done_at)),
       h("td", {class: r.ok === 0 ? "bad" : ""}, r.message || "pending"))))] : null,
     h("h2", {}, "Latest feedback"),
-    table("feedback", ["received", "session", "reward", "source", "comment"], f.recent.map(x => h("tr", {},
-      h("td", {}, when(x.received_at)), h("td", {}, x.session_id), h("td", {class: "num"}, fmt(x.reward)), h("td", {}, x.source), h("td", {}, x.comment || "")))));
+    table("feedback", ["received", "session", "reward", "source", "key", "comment"], f.recent.map(x => h("tr", {},
+      h("td", {}, when(x.received_at)), h("td", {}, x.session_id), h("td", {class: "num"}, fmt(x.reward)), h("td", {}, x.source),
+      h("td", {}, x.key_name || ""), h("td", {}, x.comment || "")))));
 }
 
 async function route() {
