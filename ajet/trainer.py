@@ -185,8 +185,8 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     finally:
         _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log)
     if best.enabled or validate.test_tasks:   # the run's last line: the model it ends with, and its step
-        console.print(_final_line(best, total, final_test, validate.firsts.get("test")), markup=False,
-                      highlight=False)
+        first_test = _test_figures(exp_dir, 0) or validate.firsts.get("test")   # (also in a resumed run)
+        console.print(_final_line(best, total, final_test, first_test), markup=False, highlight=False)
     return exp_dir
 
 
@@ -291,15 +291,20 @@ def _final_model_test(cfg: AjetConfig, best: BestTracker, validate: Any, backbon
     if b is None or b.step == total:
         return validate.test(total)
     if b.step == 0:
-        import json
-
-        try:
-            figures = json.loads((exp_dir / "test" / "step_0" / "eval_metrics.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        return {**{f"test/{k}": v for k, v in figures.items()}, "test/step": 0.0}
+        first = _test_figures(exp_dir, 0)
+        return {**{f"test/{k}": v for k, v in first[1].items()}, "test/step": 0.0} if first else {}
     backbone.load_checkpoint(exp_dir / b.checkpoint)   # the best's weights (the last step's stay on disk)
     return validate.test(b.step)
+
+
+def _test_figures(exp_dir: Path, step: int) -> tuple[int, dict[str, float]] | None:
+    """(step, the test set's figures at `step`) from `exp_dir/test/step_<step>/eval_metrics.json`; None without it."""
+    import json
+
+    try:
+        return step, json.loads((exp_dir / "test" / f"step_{step}" / "eval_metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _final_line(best: BestTracker, total: int, test: dict[str, float],
