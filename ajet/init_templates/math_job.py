@@ -1,5 +1,5 @@
 """`ajet init --kind math`: the main job as the repository runs it (tutorial/example_math_agent): GRPO on the
-bundled SmolLM2-135M-Instruct with a tool-using math agent, 16 steps, held-out evaluation before and after. The
+bundled SmolLM2-135M-Instruct with a tool-using math agent, 16 steps, validation and test sets before and after. The
 files are the tutorial's own, installed with ajet as package data (ajet/shipped.py), written as they are (the
 configs keep their experiment names), with the variants for AgentScope, LangChain, httpx and distillation.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 SUMMARY = ("the main job: a tool-using math agent (math_workflow.py: a calculator tool, a judge of the final "
-           "number) trained with GRPO on 512 arithmetic problems, 160 held out; variants for AgentScope, LangChain, "
-           "httpx and distillation beside it")
+           "number) trained with GRPO on 512 arithmetic problems, 64 held out to pick its best checkpoint and 160 "
+           "to test it; variants for AgentScope, LangChain, httpx and distillation beside it")
 CONFIG_FILE = "math_agent.yaml"   # the config `ajet init` tells the user to train
 EXPERIMENT = "math_agent"         # its experiment_name: outputs go to experiments/math_agent/
 PATTERNS = ("*.py", "*.yaml", "tasks/*.jsonl")   # what ships (pyproject.toml's package data, plus the modules)
