@@ -187,8 +187,13 @@ def _server_parser(section: str, description: str) -> argparse.ArgumentParser:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    return _server_parser("serve", "Serve the recording proxy and the episode API; train continuously on the "
-                                   "episodes clients run (docs/serve.md).")
+    p = _server_parser("serve", "Serve the recording proxy and the episode API; train continuously on the "
+                                "episodes clients run (docs/serve.md). Without --conf: wait for jobs submitted "
+                                "over HTTP (AjetClient.submit) and run them one after another under --exp-root.")
+    next(a for a in p._actions if a.dest == "conf").required = False
+    p.add_argument("--exp-root", metavar="DIR", help="without --conf: the job server's folder (its queue, jobs.json, "
+                                                     "and one experiment folder per job)")
+    return p
 
 
 def _gateway_parser() -> argparse.ArgumentParser:
@@ -414,8 +419,25 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ajet.commands.serve import serve
+    from pathlib import Path
 
+    from ajet.commands.serve import serve, serve_jobs
+    from ajet.errors import ConfigError
+
+    if args.conf is None:   # a job server: its jobs bring their configs (docs/serve.md, "Jobs from a laptop")
+        given = [f for f, v in (("--exp-dir", args.exp_dir), ("--steps", args.steps), ("--seed", args.seed),
+                                ("--with-ray", args.with_ray), ("--ray-address", args.ray_address),
+                                ("KEY=VALUE", args.overrides)) if v]
+        if given or not args.exp_root:
+            raise ConfigError("ajet serve without --conf waits for jobs: give --exp-root DIR (its queue and job "
+                              "folders)" + (f"; {', '.join(given)} belong in the job's config" if given else "")
+                              + ", or give --conf X.yaml")
+        host, port = args.host or "127.0.0.1", 8765 if args.port is None else args.port
+        with _server_port(host, port, "serve"):
+            serve_jobs(host, port, Path(args.exp_root), args.resume, args.backbone)
+        return 0
+    if args.exp_root:
+        raise ConfigError("--exp-root is the job server's folder (ajet serve without --conf); with --conf use --exp-dir")
     cfg = _load(args, "serve", **{"serve.host": args.host, "serve.port": args.port})
     with _server_port(cfg.serve.host, cfg.serve.port, "serve"):
         serve(cfg)

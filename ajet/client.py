@@ -395,6 +395,54 @@ class AjetClient(_ClientBase):
         """
         return self._call("GET", f"{API}/status")
 
+    # ---- jobs: `ajet serve` without --conf (docs/serve.md, "Jobs from a laptop"); the secret is the admin key -----
+    def submit(self, job: Any) -> dict[str, Any]:
+        """Queue a job on a job server: `job` an `ajet.Job` (its config, and its tasks given as Python objects; its
+        workflow stays here: the job's episodes come from clients), a YAML's text, or a mapping of config keys.
+
+        Returns:
+            the job: {"id", "state": "queued", "step", "total_steps", "exp_dir", ...}.
+
+        Raises:
+            AjetClientError: 400 `invalid_job` (the message is what `ajet --conf` says of such a YAML, with its "did
+                you mean"), 401 without the server's secret. ConfigError: `job` is no job.
+        """
+        return self._call("POST", f"{API}/jobs", job_payload(job))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job of the server, oldest first: {"id", "state" (queued, running, done, failed, stopped), "step",
+        "total_steps", "exp_dir", "result", "error", ...}.
+
+        Raises:
+            AjetClientError: 401 without the server's secret.
+        """
+        return self._call("GET", f"{API}/jobs")["jobs"]
+
+    def wait(self, job_id: str, timeout_s: float = 3600.0, poll_s: float = 1.0) -> dict[str, Any]:
+        """Wait until job `job_id` is done, failed or stopped; returns it (its `result`: exp_dir, steps, last_step,
+        held_out, checkpoint; a failed one's `error`: its exit status and last output lines).
+
+        Raises:
+            TimeoutError: still queued or running after `timeout_s` seconds. AjetClientError: 404 for an unknown id.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self._call("GET", f"{API}/jobs/{job_id}")
+            if job["state"] in ("done", "failed", "stopped"):
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job['state']} (step {job['step']}) after {timeout_s:g}s")
+            time.sleep(poll_s)
+
+    def stop(self, job_id: str) -> dict[str, Any]:
+        """Stop a job: a queued one leaves the queue, a running one stops as after Ctrl-C (its folder keeps what it
+        trained). Returns the job as it is now (`wait` for the running one's final state).
+
+        Raises:
+            AjetClientError: 404 for an unknown id, 401 without the server's secret.
+        """
+        return self._call("POST", f"{API}/jobs/{job_id}/stop")
+
     def close(self) -> None:
         """Close the HTTP connections (also done by `with AjetClient(...) as client:`)."""
         self._http.close()
@@ -450,6 +498,36 @@ class AsyncAjetClient(_ClientBase):
 
 
 _DEPRECATED = {"Episode": "EpisodeHandle", "AsyncEpisode": "AsyncEpisodeHandle"}
+
+
+def job_payload(job: Any) -> dict[str, Any]:
+    """The body `POST /ajet/v1/jobs` takes for `job`: an `ajet.Job` (its config; tasks given as Python objects go as
+    data), a YAML's text, or a mapping of config keys (optionally {"config": ..., "tasks": ...} already).
+
+    Raises:
+        ConfigError: text that is not a YAML mapping; anything else that is no job.
+    """
+    import yaml
+
+    from ajet.errors import ConfigError
+
+    if isinstance(job, str):
+        try:
+            job = yaml.safe_load(job)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"job: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if isinstance(job, dict):
+        return dict(job) if "config" in job and set(job) <= {"config", "tasks"} else {"config": dict(job)}
+    if hasattr(job, "config") and hasattr(job, "_rows"):   # an ajet.Job
+        data = job.config.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        data.pop("mode", None)
+        data.pop("workflow", None)   # a job's episodes come from its clients
+        from ajet.job import SPLITS
+
+        for split in job._rows:
+            data.get("data", {}).pop(SPLITS[split], None)
+        return {"config": data, **({"tasks": dict(job._rows)} if job._rows else {})}
+    raise ConfigError(f"job: expected an ajet.Job, a YAML text or a mapping of config keys, got {type(job).__name__}")
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 episodes that clients anywhere begin and finish (docs/serve.md; the source: ajet/serve/).
 
     ajet serve --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8765] [--resume]
+    ajet serve --exp-root DIR [--host 127.0.0.1] [--port 8765] [--resume]    (no config: waits for jobs)
 """
 
 from __future__ import annotations
@@ -70,3 +71,64 @@ def serve_mode(cfg: AjetConfig, make_source) -> RunMode:
                        step_line=source.step_line)
 
     return RunMode(setup, read_datasets, port=cfg.serve.port, server=True)
+
+
+def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone: str | None = None) -> None:
+    """`ajet serve` without `--conf`: wait for jobs submitted over HTTP (`AjetClient.submit`), run them one after
+    another in `root/<job id>/`, forward the episode API and model calls to the running one (ajet/serve/jobs_api.py).
+    Runs until Ctrl-C / SIGTERM.
+
+    Args:
+        host, port: where the server listens (0: a free port, printed).
+        root: the server's folder: jobs.json (the queue) and one experiment folder per job.
+        resume: continue the queue in `root` (its running job from its newest checkpoint).
+        backbone: the backbone every job runs with (None: each job's config decides).
+
+    Raises:
+        ConfigError: a non-loopback `host` without a secret (AJET_SECRET); `root` holds an unfinished queue and
+            `resume` is off.
+        SystemExit: `INTERRUPTED_EXIT` after Ctrl-C (143 after SIGTERM), once the running job has stopped cleanly
+            (one line on stderr says how to continue).
+    """
+    import uvicorn
+
+    from ajet.errors import ConfigError
+    from ajet.guard import is_loopback
+    from ajet.serve.jobs import JobQueue
+    from ajet.serve.jobs_api import build_jobs_app
+
+    if not is_loopback(host) and server_secret(None)[1]:
+        raise ConfigError(f"--host {host} is reachable from other machines: set AJET_SECRET (the admin key that "
+                          "submits and stops jobs, and the secret of the episode API)")
+    secret, generated = server_secret(None)
+    queue = JobQueue(root, secret, resume, backbone)
+    app = build_jobs_app(queue, secret)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="ajet-jobs-http", daemon=True)
+    stopped, signum = threading.Event(), signal.SIGINT
+    with StopSignals(stopped.set) as stop:
+        try:
+            thread.start()
+            while not server.started and thread.is_alive():
+                thread.join(0.05)
+            if not server.started:
+                raise ConfigError(f"ajet serve: could not listen on {host}:{port} (in use? pick another --port)")
+            bound = server.servers[0].sockets[0].getsockname()[1]
+            print(f"job server on http://{host}:{bound} (root {queue.root}); admin key: "
+                  f"{secret if generated else '(from AJET_SECRET)'}; submit with AjetClient(url, key).submit(job)",
+                  flush=True)
+            queue.start()
+            stopped.wait()
+        except BaseException as exc:
+            if stop.signum is None and not isinstance(exc, KeyboardInterrupt):
+                server.should_exit = True
+                queue.close()
+                raise
+            signum = stop.signum or (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
+        running = queue.close()
+        server.should_exit = True
+        thread.join(10)
+    print(f"ajet serve: stopped by {signal_name(signum)}; the job queue is kept in {queue.root}"
+          + (f" ({running} was running)" if running else "") + ": continue with the same command and --resume",
+          file=sys.stderr, flush=True)
+    raise SystemExit(exit_status(signum))

@@ -1,0 +1,137 @@
+"""`ajet serve` without `--conf`: a real job server on 127.0.0.1 (one per module) takes a 1-step job of the tiny model
+from `AjetClient.submit` (an `ajet.Job` with its tasks as data), a client runs its episodes through the server's one
+URL and the job trains; a bad job is a 400 with the config's "did you mean" and the server keeps waiting; a submit
+without the secret or with a wrong one is a 401; a queued job is stopped."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ajet.client import AjetClient, AjetClientError, RunFinished
+
+SECRET = "jobs-secret-0123456789abcdef"
+TASKS = [{"task_id": f"t{i}", "query": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(6)]
+
+
+def _config(model_dir: str, steps: int = 1) -> dict:
+    return {"model": {"path": model_dir, "max_model_len": 256}, "rollout": {"num_repeat": 2, "max_tokens": 4},
+            "algorithm": {"lr": 1.0e-3}, "trainer": {"total_steps": steps, "tasks_per_step": 2, "save_freq": 1,
+                                                     "tensorboard": False}}
+
+
+class JobServer:
+    """`ajet serve --exp-root ROOT` in a subprocess; `url` once its 'job server on' line is printed."""
+
+    def __init__(self, root: Path):
+        env = {**os.environ, "AJET_SECRET": SECRET}
+        self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--exp-root", str(root), "--port", "0"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        self.lines: list[str] = []
+        self.url = ""
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "job server on http://" in line and not self.url:
+                    self.url = line.split("job server on ")[1].split()[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert ready.wait(120) and self.url, "ajet serve did not start:\n" + "".join(self.lines)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = JobServer(tmp_path_factory.mktemp("jobs"))
+    yield srv
+    srv.stop()
+
+
+def _run_episodes(url: str, max_episodes: int = 50) -> int:
+    """Episodes of the running job, answered by the tiny model, rewarded 1.0 for a non-empty answer; until the
+    run is finished. Returns how many were finished."""
+    done = 0
+    with AjetClient(url, secret=SECRET, retry_for_s=300) as client:
+        for _ in range(max_episodes):
+            try:
+                with client.episode() as ep:
+                    r = ep.openai().chat.completions.create(
+                        model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}], max_tokens=4)
+                    ep.finish(reward=float(len(r.choices[0].message.content or "") % 2))
+                    done += 1
+            except RunFinished:
+                return done
+    return done
+
+
+def test_a_submitted_job_trains_on_client_episodes(server, tiny_model_dir):
+    import ajet
+
+    job = ajet.Job(tasks=TASKS, **_config(tiny_model_dir))
+    with AjetClient(server.url, secret=SECRET) as admin:
+        queued = admin.submit(job)
+        assert queued["state"] in ("queued", "running") and queued["total_steps"] == 1
+        finished = _run_episodes(server.url)
+        out = admin.wait(queued["id"], timeout_s=300)
+        assert out["state"] == "done", out.get("error")
+        assert finished >= 4                                   # one step: 2 tasks x 2 repeats
+        assert out["result"]["steps"] == 1 and out["step"] == 1
+        rows = [json.loads(line) for line in (Path(out["exp_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if r.get("step", 0) >= 1] == [1]
+        assert out["result"]["checkpoint"] is not None
+        assert [j["id"] for j in admin.jobs()].count(queued["id"]) == 1
+        queue = json.loads((Path(out["exp_dir"]).parent / "jobs.json").read_text())
+        assert [j["state"] for j in queue["jobs"] if j["id"] == queued["id"]] == ["done"]
+
+
+def test_a_bad_job_is_a_400_with_did_you_mean(server, tiny_model_dir):
+    bad = {**_config(tiny_model_dir), "trainer": {"total_stepz": 1}, "data": {"train_path": "x.jsonl"}}
+    with AjetClient(server.url, secret=SECRET) as admin:
+        with pytest.raises(AjetClientError) as err:
+            admin.submit(bad)
+        assert err.value.status == 400 and err.value.code == "invalid_job"
+        assert "total_stepz" in err.value.message and "did you mean" in err.value.message
+        assert "total_steps" in err.value.message
+        assert all(j["state"] != "queued" for j in admin.jobs())   # nothing was queued; the server answers on
+
+
+def test_submit_needs_the_secret(server, tiny_model_dir):
+    body = {"config": {**_config(tiny_model_dir), "data": {"train_path": "x.jsonl"}}}
+    for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+        r = httpx.post(server.url + "/ajet/v1/jobs", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_secret"
+    assert httpx.get(server.url + "/ajet/v1/jobs", timeout=30).status_code == 401
+
+
+def test_stop_a_queued_job(server, tiny_model_dir):
+    with AjetClient(server.url, secret=SECRET) as admin:
+        first = admin.submit({"config": _config(tiny_model_dir, steps=3), "tasks": {"train": TASKS}})
+        second = admin.submit({"config": _config(tiny_model_dir), "tasks": {"train": TASKS}})
+        assert admin.stop(second["id"])["state"] == "stopped"     # queued behind the first: leaves the queue
+        deadline = time.monotonic() + 120
+        while admin.jobs()[-2]["state"] == "queued" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        admin.stop(first["id"])                                    # running (no client): Ctrl-C's clean stop
+        assert admin.wait(first["id"], timeout_s=180)["state"] == "stopped"
+        assert admin.wait(second["id"], timeout_s=5)["state"] == "stopped"
+        assert not (Path(first["exp_dir"]).parent / second["id"] / "metrics.jsonl").exists()   # never ran
