@@ -26,6 +26,14 @@ on one episode its `episode_token` from begin in the `X-Ajet-Episode-Token` head
     POST /ajet/v1/episodes/{id}/abort     {"reason"?}
     POST /ajet/v1/episodes/{id}/heartbeat {}
     GET  /ajet/v1/status
+
+A job server (`ajet serve` without `--conf`, docs/serve.md "Jobs from a laptop") also takes jobs from the holder of
+its secret: `submit(job)`, `jobs()`, `wait(job_id, timeout_s)`, `stop(job_id)` (`AjetClient` only):
+
+    POST /ajet/v1/jobs                    {"config": {...}, "tasks"?: {"train"|"val"|"test": [rows]}} -> job
+    GET  /ajet/v1/jobs                    -> {"jobs": [job, ...]}
+    GET  /ajet/v1/jobs/{id}               -> job
+    POST /ajet/v1/jobs/{id}/stop          -> job
 """
 
 from __future__ import annotations

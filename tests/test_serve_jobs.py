@@ -30,10 +30,11 @@ def _config(model_dir: str, steps: int = 1) -> dict:
 class JobServer:
     """`ajet serve --exp-root ROOT` in a subprocess; `url` once its 'job server on' line is printed."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *extra: str):
+        self.root = root
         env = {**os.environ, "AJET_SECRET": SECRET}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--exp-root", str(root), "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--exp-root", str(root), "--port", "0",
+                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         self.lines: list[str] = []
         self.url = ""
         ready = threading.Event()
@@ -59,11 +60,28 @@ class JobServer:
         return self.proc.wait()
 
 
+class Holder:
+    """The module's one job server; `restart` replaces it by the same root's server started with --resume."""
+
+    def __init__(self, root: Path):
+        self.srv = JobServer(root)
+
+    @property
+    def url(self) -> str:
+        return self.srv.url
+
+    def restart(self) -> tuple[int, str]:
+        rc = self.srv.stop()
+        out = "".join(self.srv.lines)
+        self.srv = JobServer(self.srv.root, "--resume")
+        return rc, out
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = JobServer(tmp_path_factory.mktemp("jobs"))
-    yield srv
-    srv.stop()
+    holder = Holder(tmp_path_factory.mktemp("jobs"))
+    yield holder
+    holder.srv.stop()
 
 
 def _run_episodes(url: str, max_episodes: int = 50) -> int:
@@ -74,6 +92,7 @@ def _run_episodes(url: str, max_episodes: int = 50) -> int:
         for _ in range(max_episodes):
             try:
                 with client.episode() as ep:
+                    assert ep.base_url.startswith(url + "/ep/")       # the one URL, not the job's own port
                     r = ep.openai().chat.completions.create(
                         model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}], max_tokens=4)
                     ep.finish(reward=float(len(r.choices[0].message.content or "") % 2))
@@ -135,3 +154,36 @@ def test_stop_a_queued_job(server, tiny_model_dir):
         assert admin.wait(first["id"], timeout_s=180)["state"] == "stopped"
         assert admin.wait(second["id"], timeout_s=5)["state"] == "stopped"
         assert not (Path(first["exp_dir"]).parent / second["id"] / "metrics.jsonl").exists()   # never ran
+
+
+def _wait_step(admin: AjetClient, job_id: str, step: int, timeout_s: float = 180) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = next(j for j in admin.jobs() if j["id"] == job_id)
+        if job["step"] >= step and (Path(job["exp_dir"]) / "checkpoints" / f"step_{step}").is_dir():
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"{job_id} did not reach step {step}: {job}")
+
+
+def test_a_restarted_server_resumes_its_running_job_and_keeps_the_queue(server, tiny_model_dir):
+    with AjetClient(server.url, secret=SECRET) as admin:
+        running = admin.submit({"config": _config(tiny_model_dir, steps=2), "tasks": {"train": TASKS}})
+        queued = admin.submit({"config": _config(tiny_model_dir), "tasks": {"train": TASKS}})
+    assert _run_episodes(server.url, max_episodes=4) == 4       # step 1's groups (2 tasks x 2 repeats)
+    with AjetClient(server.url, secret=SECRET) as admin:
+        assert _wait_step(admin, running["id"], 1)["state"] == "running"   # step 1 checkpointed, step 2 waits
+    rc, out = server.restart()                                   # Ctrl-C, then the same command with --resume
+    assert rc == 130, out
+    assert "continue with the same command and --resume" in out and running["id"] in out
+    with AjetClient(server.url, secret=SECRET) as admin:
+        assert [j["state"] for j in admin.jobs() if j["id"] in (running["id"], queued["id"])] == ["running", "queued"]
+        _run_episodes(server.url)                                # step 2 only: step 1 came from the checkpoint
+        out = admin.wait(running["id"], timeout_s=300)
+        assert out["state"] == "done", out.get("error")
+        assert [r["step"] for r in map(json.loads, (Path(out["exp_dir"]) / "metrics.jsonl").read_text().splitlines())
+                if r.get("step", 0) >= 1] == [1, 2]
+        log = (server.srv.root / ".jobs" / running["id"] / "output.log").read_text()
+        assert "resumed from" in log and "no checkpoint yet" not in log
+        admin.stop(queued["id"])                                  # the queue went on: its next job runs now
+        assert admin.wait(queued["id"], timeout_s=180)["state"] == "stopped"

@@ -202,6 +202,8 @@ class JobQueue:
             with open(log_path, "a") as log:   # the job's own stdout and stderr (its step lines, its errors)
                 self._proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                                      env={**os.environ, "AJET_SECRET": self.secret})
+            if job["id"] in self._stop_requested:   # stopped between leaving the queue and its process starting
+                proc.send_signal(signal.SIGINT)
         url = f"http://127.0.0.1:{port}"
         if _wait_up(url, proc, START_TIMEOUT_S):
             self.child_url = url
