@@ -5,7 +5,9 @@ the episodes that clients anywhere begin and finish (docs/serve.md).
 
 The training loop is the one in ajet/trainer.py, started by the command (ajet/commands/serve.py); this package
 holds its rollout source, `ServeSource`: the `EpisodeQueue` (ajet/rollout/episode_queue.py) with the episode API
-(api.py) mounted beside the proxy's routes on the proxy's own uvicorn server.
+(api.py) mounted beside the proxy's routes on the proxy's own uvicorn server. Started without `--conf`, `ajet serve`
+is a job server instead: jobs.py queues the submitted jobs and runs each as its own `ajet serve --conf`, jobs_api.py
+is the job API in front of them.
 """
 
 from __future__ import annotations
