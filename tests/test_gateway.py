@@ -29,7 +29,7 @@ from ajet.gateway.store import GatewayStore
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.trajectory_store import TrajectoryStore
-from tests.local_servers import serving
+from tests.local_servers import announced_url, serving
 from tests.scripted_engine import ScriptedEngine
 
 SECRET = "gateway-secret-0123456789"
@@ -296,19 +296,7 @@ class Gateway:
                                       str(exp), "--port", "0", *extra], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env={**os.environ, "AJET_SECRET": SECRET},
                                      cwd=conf.parent, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "proxy on http://" in line and not self.url:
-                    self.url = line.split("proxy on ")[1].split()[0]
-                    ready.set()
-            ready.set()
-        threading.Thread(target=read, daemon=True).start()
-        assert ready.wait(180) and self.url, "ajet gateway did not start:\n" + "".join(self.lines)
+        self.lines, self.url = announced_url(self.proc, "proxy on ", "ajet gateway", 180)
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=120)
         self.openai = openai.OpenAI(base_url=self.url + "/v1", api_key=SECRET, max_retries=0, timeout=120)
 

@@ -16,7 +16,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import httpx
@@ -34,7 +33,7 @@ from ajet.gateway.store import GatewayStore
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.viewer.gateway_reader import GatewayReader
-from tests.local_servers import serving
+from tests.local_servers import announced_url, serving
 from tests.scripted_engine import ScriptedEngine
 
 ALICE = "alice-client-key-0123456789"      # client, in the YAML
@@ -62,19 +61,7 @@ class Served:
         self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "gateway", "--conf", str(conf), "--exp-dir",
                                       str(exp), "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env={**env, "AJET_TEST_BOB_KEY": BOB}, cwd=conf.parent, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "proxy on http://" in line and not self.url:
-                    self.url = line.split("proxy on ")[1].split()[0]
-                    ready.set()
-            ready.set()
-        threading.Thread(target=read, daemon=True).start()
-        assert ready.wait(180) and self.url, "ajet gateway did not start:\n" + "".join(self.lines)
+        self.lines, self.url = announced_url(self.proc, "proxy on ", "ajet gateway", 180)
 
     def client(self, key: str | None) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120,

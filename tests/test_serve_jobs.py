@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from ajet.client import AjetClient, AjetClientError, RunFinished
+from tests.local_servers import announced_url
 
 SECRET = "jobs-secret-0123456789abcdef"
 TASKS = [{"task_id": f"t{i}", "query": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(6)]
@@ -35,20 +35,7 @@ class JobServer:
         env = {**os.environ, "AJET_SECRET": SECRET}
         self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--exp-root", str(root), "--port", "0",
                                       *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "job server on http://" in line and not self.url:
-                    self.url = line.split("job server on ")[1].split()[0]
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        assert ready.wait(120) and self.url, "ajet serve did not start:\n" + "".join(self.lines)
+        self.lines, self.url = announced_url(self.proc, "job server on ", "ajet serve", 120)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
