@@ -28,6 +28,7 @@ from pathlib import Path
 from ajet.faults import PAUSE_ENV
 from tests.test_gateway import Gateway, _ledger
 from tests.test_gateway_gate import _greedy
+from tests.test_gateway_resume import _rate_two
 
 PROBE = "The quick brown fox: what is 0 plus 1?"
 STEPS = 2
@@ -42,18 +43,6 @@ def _conf(tmp_path: Path, tiny_model_dir: str) -> Path:
         gateway: {{session_idle_s: 600, after_training: serve}}
     """))
     return tmp_path / "conf.yaml"
-
-
-def _rate_two(g: Gateway, tag: str) -> list[str]:
-    """Two sessions (one update's group), each with one answer, rated and closed; returns their ids."""
-    sessions = []
-    for reward in (1.0, 0.0):
-        _, h = g.chat(f"Session {tag} with reward {reward}: what is 2 plus 2?")
-        sid = h["x-ajet-session"]
-        assert g.http.post("/v1/feedback", json={"session_id": sid, "reward": reward}).status_code == 200
-        assert g.http.post(f"/v1/sessions/{sid}/close").status_code == 200
-        sessions.append(sid)
-    return sessions
 
 
 def _paused(g: Gateway, point: str) -> None:
