@@ -9,11 +9,13 @@ it (no timing: the test waits for the gateway's own count of admitted calls)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
 from types import SimpleNamespace
+from typing import Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -77,6 +79,28 @@ def _chat(url: str, text: str) -> httpx.Response:
                       json={"model": "ajet-policy", "messages": [{"role": "user", "content": text}]})
 
 
+@contextlib.contextmanager
+def calls_held(hold, take_s: float, hold_s: float) -> Iterator[None]:
+    """`hold` (a LiveHold) held by another thread for the block, as an update holds it: no call is admitted meanwhile.
+
+    Waits up to `take_s` seconds for the hold to be taken (AssertionError if not); when the block ends (or after
+    `hold_s` seconds at the latest) lets it go and waits up to `take_s` seconds for the holder to finish."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold_calls():
+        with hold.held():
+            held.set()
+            release.wait(hold_s)
+    holder = threading.Thread(target=hold_calls, daemon=True)
+    holder.start()
+    assert held.wait(take_s)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(take_s)
+
+
 def test_calls_beyond_the_queue_get_503_with_retry_after_in_each_dialect(gateway):
     url, app, engine, _ = gateway
     answers: list[httpx.Response] = []
@@ -117,23 +141,13 @@ def test_calls_beyond_the_queue_get_503_with_retry_after_in_each_dialect(gateway
 def test_a_client_gone_while_its_call_waits_gives_its_place_back(gateway):
     url, app, engine, hold = gateway
     engine.release.set()
-    held, release = threading.Event(), threading.Event()
-
-    def hold_calls():                                  # what an update does: no call is admitted meanwhile
-        with hold.held():
-            held.set()
-            release.wait(300)
-    holder = threading.Thread(target=hold_calls, daemon=True)
-    holder.start()
-    assert held.wait(120)
-    body = json.dumps({"model": "ajet-policy", "messages": [{"role": "user", "content": "Waiting?"}]}).encode()
-    u = urlsplit(url)
-    with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
-        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
-        _until(lambda: app.admitted == 1, "the call to wait")
-    _until(lambda: app.admitted == 0, "the gone client's place to be given back")   # while calls are still held
-    release.set()
-    holder.join(120)
+    with calls_held(hold, take_s=120, hold_s=300):     # what an update does: no call is admitted meanwhile
+        body = json.dumps({"model": "ajet-policy", "messages": [{"role": "user", "content": "Waiting?"}]}).encode()
+        u = urlsplit(url)
+        with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+            _until(lambda: app.admitted == 1, "the call to wait")
+        _until(lambda: app.admitted == 0, "the gone client's place to be given back")   # while calls are still held
     assert _chat(url, "After the update?").status_code == 200
     assert engine.started == 1                          # the gone client's call never reached the engine

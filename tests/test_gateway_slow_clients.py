@@ -34,6 +34,7 @@ from ajet.gateway.timeouts import ReadTimeouts, _h11_protocol
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from tests.scripted_engine import ScriptedEngine
+from tests.test_gateway_backpressure import calls_held
 
 STALLED = 96
 READ_TIMEOUT_S = 3.0
@@ -139,29 +140,19 @@ def test_requests_that_never_reach_the_engine_leave_no_session_row(gateway):
     refused = [_chat(g.url, f"{i} {too_long}") for i in range(5)]
     assert [r.status_code for r in refused] == [400] * 5, [r.text[:200] for r in refused]
 
-    held, release = threading.Event(), threading.Event()
-
-    def hold_calls():                              # what an update without serving-while-training does
-        with g.hold.held():
-            held.set()
-            release.wait(120)
-    holder = threading.Thread(target=hold_calls, daemon=True)
-    holder.start()
-    assert held.wait(60)
-    body = json.dumps({"model": "ajet-policy", "messages": [{"role": "user", "content": "Waiting?"}]}).encode()
-    for _ in range(3):                             # each leaves while its call waits behind the hold
-        with socket.create_connection(("127.0.0.1", g.port), timeout=30) as s:
-            s.sendall(_head(g.port, len(body)) + body)
+    with calls_held(g.hold, take_s=60, hold_s=120):  # what an update without serving-while-training does
+        body = json.dumps({"model": "ajet-policy", "messages": [{"role": "user", "content": "Waiting?"}]}).encode()
+        for _ in range(3):                             # each leaves while its call waits behind the hold
+            with socket.create_connection(("127.0.0.1", g.port), timeout=30) as s:
+                s.sendall(_head(g.port, len(body)) + body)
+                deadline = time.monotonic() + 60
+                while g.app.admitted == 0:
+                    assert time.monotonic() < deadline, "the call never waited"
+                    time.sleep(0.01)
             deadline = time.monotonic() + 60
-            while g.app.admitted == 0:
-                assert time.monotonic() < deadline, "the call never waited"
+            while g.app.admitted:
+                assert time.monotonic() < deadline, "the gone client's call never left"
                 time.sleep(0.01)
-        deadline = time.monotonic() + 60
-        while g.app.admitted:
-            assert time.monotonic() < deadline, "the gone client's call never left"
-            time.sleep(0.01)
-    release.set()
-    holder.join(60)
 
     ok = _chat(g.url, "What is 3 plus 4?")
     assert ok.status_code == 200, ok.text
