@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from ajet.trajectory_store import TrajectoryStore
-from tests.local_servers import free_port
+from tests.local_servers import announced_url, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENTS = ROOT / "tutorial" / "serve_agents"
@@ -58,20 +57,7 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--conf", str(conf), "--exp-dir", str(exp),
                                       "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env=env, cwd=conf.parent, text=True)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
-        assert self._ready.wait(180), "ajet serve did not start:\n" + self.output()
-        assert self.url, self.output()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if "proxy on http://" in line and not self.url:
-                self.url = line.split("proxy on ")[1].split()[0]
-                self._ready.set()
-        self._ready.set()
+        self.lines, self.url = announced_url(self.proc, "proxy on ", "ajet serve", 180)
 
     def output(self) -> str:
         return "".join(self.lines)
