@@ -11,12 +11,23 @@ Reference: Ray's placement groups, https://docs.ray.io/en/latest/ray-core/schedu
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
 from ajet.errors import ConfigError
 
 CONNECT_TIMEOUT_S = 5.0   # how long `check_reachable` waits for the head node's port, seconds
+
+
+def init_address(address: str | None) -> str | None:
+    """The `address` to give `ray.init` for a run whose config says `address` (`rollout.ray_address`): that address
+    when one is set; None when the environment names a cluster (`RAY_ADDRESS`, which Ray reads itself); else "local", a
+    private Ray for this run. Without "local", `ray.init()` joins any cluster another program started on this
+    machine (Ray's `ray_current_cluster` file), where the run's own sizing (`num_cpus`) is refused."""
+    if address is not None:
+        return address
+    return None if os.environ.get("RAY_ADDRESS", "local") != "local" else "local"
 
 
 def check_reachable(address: str | None) -> None:

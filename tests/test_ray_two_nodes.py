@@ -107,3 +107,33 @@ def test_an_address_nothing_answers_at_is_one_line(tiny_model_dir, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("ajet: error:")]
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "ray start --head" in errors[0], proc.stderr
+
+
+
+PRIVATE_RAY = """
+import ray
+from ajet.ray_cluster import init_address
+ray.init(address=init_address(None), num_cpus=1, include_dashboard=False, log_to_driver=False)
+print("nodes", len(ray.nodes()))
+ray.shutdown()
+"""
+
+
+def test_a_run_without_an_address_starts_its_own_ray_not_the_machines_cluster(two_nodes, monkeypatch, tmp_path):
+    """With a cluster running on this machine (the fixture's two nodes; Ray's `ray_current_cluster` file names it),
+    the address a run given none passes to `ray.init` starts a private one-node Ray sized as the run asks:
+    `ray.init()` would join that cluster, where the backbones' `num_cpus` sizing is refused ("When connecting to an
+    existing cluster, num_cpus and num_gpus must not be provided", seen when a Trinity run started beside this
+    module). An address that is given, or RAY_ADDRESS, is the user's choice and is kept."""
+    from ajet.ray_cluster import init_address
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", PRIVATE_RAY], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path, env={**env, **CLUSTER_ENV})
+    assert proc.returncode == 0 and "nodes 1" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert init_address("10.0.0.1:6379") == "10.0.0.1:6379" and init_address("auto") == "auto"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert init_address(None) is None       # Ray reads RAY_ADDRESS itself: the user named the cluster
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert init_address(None) == "local"

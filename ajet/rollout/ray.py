@@ -34,7 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.proxy.server import ProxyServer
-from ajet.ray_cluster import check_cpus, check_reachable
+from ajet.ray_cluster import check_cpus, check_reachable, init_address
 from ajet.rollout.episodes import Judge, execute_episode, new_episodes, seed_key
 from ajet.task import Task
 from ajet.workflow import Workflow
@@ -96,13 +96,14 @@ class RayRollout:
         self._pg = None
         self._step_nodes: set[str] = set()
         self._started_ray = not ray.is_initialized()
-        joins = address is not None or bool(os.environ.get("RAY_ADDRESS"))
+        init_at = init_address(address)
+        joins = init_at != "local"
         if self._started_ray:
             check_reachable(address)
             # a local Ray: the machine's CPUs for what else runs on it (verl's ranks join this Ray when it started
             # first), and one more for each worker, whatever the core count (the workers mostly wait on HTTP)
             sized = {} if joins else {"num_cpus": (os.cpu_count() or 1) + num_workers}
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+            ray.init(address=init_at, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
         try:
             fit = int(_cpus(ray))

@@ -39,6 +39,7 @@ import torch
 
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.config import AjetConfig
+from ajet.ray_cluster import init_address
 from ajet.tracker.sample import Sample
 
 
@@ -77,8 +78,8 @@ class TrinityBackbone:
         if not ray.is_initialized():
             try:
                 ray.init(namespace=self.config.ray_namespace,
-                         **(ray_init_kwargs(self.world_size) if self.on_cpu else {
-                             "address": cfg.rollout.ray_address,
+                         **({"address": "local", **ray_init_kwargs(self.world_size)} if self.on_cpu else {
+                             "address": init_address(cfg.rollout.ray_address),
                              "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK}}))
             except Exception as exc:   # noqa: BLE001  (Ray raises many kinds)
                 raise BackboneUnavailable(f"the trinity backbone could not start Ray: {exc}") from exc

@@ -45,7 +45,7 @@ from ajet import progress
 from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
-from ajet.ray_cluster import check_groups, check_reachable
+from ajet.ray_cluster import check_groups, check_reachable, init_address
 from ajet.engines.pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
@@ -124,8 +124,9 @@ class VerlBackbone:
         if self._owns_ray:
             check_reachable(cfg.rollout.ray_address)    # ray.init retries an address nothing answers at for minutes
             # a local Ray: the ranks, two spare CPUs and the --with-ray episode workers (1 CPU each)
-            ray.init(address=cfg.rollout.ray_address, runtime_env=runtime_env, include_dashboard=False,
-                     num_cpus=None if cfg.rollout.ray_address else max(os.cpu_count() or 1,
+            address = init_address(cfg.rollout.ray_address)
+            ray.init(address=address, runtime_env=runtime_env, include_dashboard=False,
+                     num_cpus=None if address != "local" else max(os.cpu_count() or 1,
                                                                         self.dp_size + 2 + cfg.rollout.ray_workers))
         t = self.config.trainer     # verl's pools wait forever for groups the cluster cannot hold: refuse them now
         check_groups(ray, int(t.nnodes), int(t.n_gpus_per_node), "GPU" if cuda else "CPU",
