@@ -70,6 +70,10 @@ def test_verl_trains_a_step_with_one_rank_on_each_of_two_nodes(tiny_model_dir, t
         metrics = [json.loads(x) for x in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1] and metrics[0]["policy_version"] == 1
         assert metrics[0]["train/optimizer_steps"] == 1.0
+        # the ranks write verl's actor checkpoint from their own working folder (the cluster's, not the run's):
+        # both shards must be in the run's checkpoint all the same
+        shards = sorted(p.name for p in (tmp_path / "exp" / "checkpoints" / "step_1" / "actor").glob("model_*.pt"))
+        assert shards == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"], shards
     finally:
         stop.touch()
     try:

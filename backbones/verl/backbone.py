@@ -340,7 +340,8 @@ class VerlBackbone:
         episode-shuffle RNG). With ajet's engine, `path` is also a HF folder of the served weights (with the vLLM
         engine: the actor's export, which the server holds)."""
         path.mkdir(parents=True, exist_ok=True)
-        self.actor_wg.save_checkpoint(str(path / "actor"), None, self.engine.policy_version, None)
+        # absolute: verl's ranks write it from their own working folder (on a cluster, the one `ray start` ran in)
+        self.actor_wg.save_checkpoint(str((path / "actor").resolve()), None, self.engine.policy_version, None)
         self.tokenizer.save_pretrained(path)
         state = {"policy_version": self.engine.policy_version, "update_rng": _jsonable(self._rng.getstate())}
         if self.rollout == "ajet" and self.model is None and self.lora:    # vLLM: every call carries its own seed
@@ -361,7 +362,7 @@ class VerlBackbone:
     def load_checkpoint(self, path: Path) -> None:
         """Restore what `save_checkpoint` wrote (verl's actor + optimizer, RNGs, policy version), then serve
         those weights (a vLLM server reloads them before the first call)."""
-        self.actor_wg.load_checkpoint(str(path / "actor"), del_local_after_load=False)
+        self.actor_wg.load_checkpoint(str((path / "actor").resolve()), del_local_after_load=False)
         state = json.loads((path / "backbone_state.json").read_text())
         self._rng.setstate(_tuples(state["update_rng"]))
         if self.rollout == "ajet" and self.model is None:
