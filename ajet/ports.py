@@ -72,3 +72,11 @@ def port_in_use_as_error(host: str, port: int, hint: str) -> Iterator[None]:
             raise
         check_port(host, port, hint)   # PortInUseError when another process holds the port now
         raise
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of `host` that no process listens on right now (the OS picks it; another process could take it
+    before the server binds it, in which case that server fails to start and says so)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -35,7 +35,7 @@ import pytest
 
 from ajet.engines.remote import RemoteEngine, ServerUnreachable
 from ajet.engines.vllm import SERVED_NAME, VLLMEngine
-from ajet.engines.vllm_server import free_port
+from ajet.ports import free_port
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.rollout.episodes import new_episodes, run_episode

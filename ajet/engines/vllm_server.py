@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ajet.errors import AjetError
+from ajet.ports import free_port
 from ajet.venv_cache import cache_dir, newest_complete
 
 _WATCHDOG = Path(__file__).with_name("watchdog.py")
@@ -93,14 +93,6 @@ def find_vllm_python(configured: str | None = None) -> str:
     if probe.returncode != 0:
         raise EngineUnavailable(f"engine.kind vllm: {python} cannot import vllm: {_INSTALL_HINT}")
     return python
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port of `host` that no process listens on right now (the OS picks it; another process could take it
-    before the server binds it, in which case the server fails to start and says so in its log)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:

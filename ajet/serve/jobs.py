@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ajet.errors import ConfigError
+from ajet.ports import free_port
 
 STATES = ("queued", "running", "done", "failed", "stopped")
 SPLIT_KEYS = {"train": "train_path", "val": "val_path", "test": "test_path"}
@@ -190,7 +191,7 @@ class JobQueue:
             self._run_one(job)
 
     def _run_one(self, job: dict[str, Any]) -> None:
-        port = _free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "ajet", "serve", "--conf", str(self.root / ".jobs" / job["id"] / "job.yaml"),
                "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--backbone", self.backbone] if self.backbone else []
@@ -273,15 +274,6 @@ def _summary(exp_dir: Path) -> dict[str, Any]:
     r = JobResult.read(exp_dir)
     return {"exp_dir": str(exp_dir), "steps": len(r.steps), "last_step": r.steps[-1] if r.steps else None,
             "held_out": r.held_out, "checkpoint": None if r.checkpoint is None else str(r.checkpoint)}
-
-
-def _free_port() -> int:
-    """A loopback port free now (the OS picks it)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
