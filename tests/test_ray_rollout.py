@@ -18,7 +18,9 @@ TUTORIAL = Path(__file__).resolve().parent.parent / "tutorial" / "example_math_a
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # "local": a private Ray; a plain ray.init() joins a cluster another test started on this machine (the
+    # two-node tests), where num_cpus is refused
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in __import__("sys").path if p)}})
     yield
     ray.shutdown()

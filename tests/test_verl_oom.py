@@ -29,7 +29,7 @@ UPDATE_KILLED = textwrap.dedent("""
     from ajet.config import AjetConfig
     from ajet.tracker.sample import Sample
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)   # private: not a cluster another test runs
 
     @ray.remote
     class Worker:            # stands in for verl's actor worker group: busy until the memory monitor kills it
