@@ -222,8 +222,12 @@ class Validator:
         """The first valid validation: (step, metrics), or None."""
         return self.firsts.get("val")
 
+    def due(self, step: int) -> bool:
+        """Whether a validation is due at `step` (step 0, every `trainer.val_freq` steps, the last step)."""
+        return bool(self.freq) and (step % self.freq == 0 or step == self.cfg.trainer.total_steps)
+
     def __call__(self, step: int) -> dict[str, float]:
-        if not self.freq or not (step % self.freq == 0 or step == self.cfg.trainer.total_steps):
+        if not self.due(step):
             return {}
         return self._evaluate("val", self.tasks, step)
 

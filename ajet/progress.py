@@ -23,7 +23,8 @@ What is shown depends on where stdout goes:
 
 In a log, the run's console never hard-wraps a line (`unwrapped_when_piped`) and the libraries' own progress bars
 are off (`quiet_library_bars`). A phase's ETA counts from its first finished unit (`Phase.eta`); a run's overall
-ETA (steps left x the recent step time, evaluations included, the first step's warm-up left out) is `RunEta`.
+ETA (steps left x the recent step time, the first step's warm-up left out, plus the evaluations still to come, the
+one after the last step included) is `RunEta`.
 
 The reporter is one per process (`configure` replaces it); until configured, phases show nothing.
 """
@@ -379,32 +380,45 @@ def note(console: Console, text: str) -> None:
 
 
 class RunEta:
-    """A run's time left: steps left x the mean time of the recent steps, measured between step ends, so the
-    evaluations and checkpoints between steps count (a window of `window` steps; use at least `val_freq`).
+    """A run's time left: steps left x the mean time of the recent steps, measured between step ends without the
+    evaluations in them (a window of `window` steps), plus the evaluations still to come: the validations due at
+    the end of the steps left (`evals`) and the test set's evaluation after the last step (`after`), each as the
+    last evaluation measured in this run (`evaluated`) scaled to its number of episodes. Before any evaluation is
+    measured (`trainer.val_before_train: false`, a resumed run) the evaluations to come are left out.
 
     The first step measured is left out once a later one is in: it carries the run's one-time costs (the first
     generation and update allocate and warm the engine and the optimizer), up to 8x a later step's time on the
     tiny model, so an ETA from it alone would be that much too long for the whole run. The step-0 evaluation is
-    never counted: the clock starts when the estimator is made (after it) or at `start`.
+    never counted as step time: the clock starts when the estimator is made (after it) or at `start`.
 
     Args:
-        total_steps: the run's last step; window: how many recent step times are averaged (>= 1).
+        total_steps: the run's last step; window: how many recent step times are averaged (>= 1); evals: the
+            episodes of the evaluation due at the end of each step that has one ({step: episodes}); after: the
+            episodes evaluated after the last step (0: none).
     """
 
-    def __init__(self, total_steps: int, window: int = 5):
+    def __init__(self, total_steps: int, window: int = 5, evals: dict[int, int] | None = None, after: int = 0):
         self.total_steps = total_steps
+        self.evals, self.after = dict(evals or {}), after
         self._times: deque[float] = deque(maxlen=max(1, window))
         self._first: float | None = None   # the first step's time, until a later one replaces it
+        self._eval_rate: float | None = None   # seconds per episode of the last evaluation measured
         self._last = time.monotonic()
 
     def start(self) -> None:
         """The first step starts now (after the step-0 evaluation, which is not a step)."""
         self._last = time.monotonic()
 
-    def step_done(self, step: int) -> float | None:
-        """Record that `step` ended now; the seconds left after it (None after the last step)."""
+    def evaluated(self, seconds: float, episodes: float) -> None:
+        """An evaluation of `episodes` episodes took `seconds`: the estimate of those to come (ignored when empty)."""
+        if episodes > 0:
+            self._eval_rate = seconds / episodes
+
+    def step_done(self, step: int, eval_s: float = 0.0) -> float | None:
+        """Record that `step` ended now, `eval_s` seconds of it an evaluation (left out of its step time; give the
+        evaluation to `evaluated` too); the seconds left after it (None after the last step)."""
         now = time.monotonic()
-        took, self._last = now - self._last, now
+        took, self._last = now - self._last - eval_s, now
         if self._first is None and not self._times:
             self._first = took
         else:
@@ -412,4 +426,6 @@ class RunEta:
         left = self.total_steps - step
         if left <= 0:
             return None
-        return (sum(self._times) / len(self._times) if self._times else self._first) * left
+        steps = (sum(self._times) / len(self._times) if self._times else self._first) * left
+        episodes = sum(n for s, n in self.evals.items() if step < s <= self.total_steps) + self.after
+        return steps + (self._eval_rate or 0.0) * episodes

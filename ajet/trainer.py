@@ -33,7 +33,7 @@ from ajet.errors import AjetError
 from ajet.failures import failure_counts, failure_lines, failure_message, failure_summary
 from ajet.faults import kill_point
 from ajet.llm_call import SamplingParams
-from ajet.progress import fmt_duration
+from ajet.progress import RunEta, fmt_duration
 from ajet.run_folder import check_exp_dir
 from ajet.tracker.context_tracker import fork_reasons
 from ajet.tracker.sample import Sample
@@ -72,7 +72,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     from ajet.best import BestTracker, keeps_best
     from ajet.eval import Validator
     from ajet.metrics_log import alert_console
-    from ajet.progress import RunEta, note, quiet
+    from ajet.progress import note, quiet
     from ajet.rollout import RolloutContext
     from ajet.rollout.in_process import in_process_mode
     from ajet.trajectory_store import TrajectoryStore
@@ -141,9 +141,9 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     last_row: dict[str, Any] | None = None   # the last step's metrics, logged with the final model's test figures
     try:
         ctx.tools = validate.tools = _start_tools(cfg, exp_dir, console)   # stopped by _close_run
-        if first_step == 1 and cfg.trainer.val_before_train:
-            _first_validation(cfg, validate, log, exp_dir, best)
-        eta = RunEta(total, window=max(5, cfg.trainer.val_freq))   # the run's time left, on each step line
+        first = (_first_validation(cfg, validate, log, exp_dir, best)
+                 if first_step == 1 and cfg.trainer.val_before_train else {})
+        eta = _run_eta(cfg, validate, first_step, first)   # the run's time left, on each step line
         for step in range(first_step, total + 1):
             t0, gen0 = time.perf_counter(), _generated(backbone)
             collecting[0] = step
@@ -167,7 +167,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
             else:   # logged after the run's final model is tested (below)
                 last_row = metrics
             extra = rollout.step_line(metrics) if rollout.step_line is not None else ""
-            console.print(_console_line(step, total, metrics, eta.step_done(step), extra))
+            console.print(_console_line(step, total, metrics, eta.step_done(step, _evaluations(eta, val)), extra))
             if step == total and not trained_steps:   # it ends because its episodes fail: an error, no checkpoint
                 n = total - first_step + 1
                 raise AjetError(_no_usable_episode(f"the run trained nothing: no episode of its {n} step"
@@ -257,9 +257,11 @@ def _generated(backbone: Any) -> int:
     return getattr(backbone.engine, "generated_tokens", 0)
 
 
-def _first_validation(cfg: AjetConfig, validate: Any, log: MetricsLogger, exp_dir: Path, best: BestTracker) -> None:
+def _first_validation(cfg: AjetConfig, validate: Any, log: MetricsLogger, exp_dir: Path,
+                      best: BestTracker) -> dict[str, float]:
     """The evaluations before step 1, logged at step 0: the validation set (when validation is on; the initial
-    policy is the final model's first candidate, `best`) and the test set (`data.test_path`).
+    policy is the final model's first candidate, `best`) and the test set (`data.test_path`). Returns their
+    `val/*` and `test/*` metrics ({} without either).
 
     Raises:
         AjetError: the validation is invalid (too many failed episodes) and `trainer.stop_on_invalid_eval` is set.
@@ -276,6 +278,29 @@ def _first_validation(cfg: AjetConfig, validate: Any, log: MetricsLogger, exp_di
         best.keep()   # the initial model: no checkpoint to write
     if first := {**val, **validate.test(0)}:
         log.log(0, first)
+    return first
+
+
+def _run_eta(cfg: AjetConfig, validate: Any, first_step: int, first: dict[str, float]) -> RunEta:
+    """The run's time left (`ajet.progress.RunEta`) from `first_step` on: the validations due in the steps to run
+    and the test set's evaluation after the last step, estimated from the evaluations before step 1 (`first`,
+    `_first_validation`'s metrics) until a later one is measured."""
+    n, total = cfg.eval.n, cfg.trainer.total_steps
+    evals = {s: len(validate.tasks) * n for s in range(first_step, total + 1) if validate.due(s)}
+    eta = RunEta(total, window=max(5, cfg.trainer.val_freq), evals=evals, after=len(validate.test_tasks) * n)
+    _evaluations(eta, first)
+    return eta
+
+
+def _evaluations(eta: RunEta, metrics: dict[str, float]) -> float:
+    """Give `eta` each evaluation of `metrics` (`val/*`, `test/*`: its `time_s` and `episodes`); returns their
+    seconds in all (0.0 without any)."""
+    seconds = 0.0
+    for split in ("val", "test"):
+        if f"{split}/time_s" in metrics and f"{split}/episodes" in metrics:
+            eta.evaluated(metrics[f"{split}/time_s"], metrics[f"{split}/episodes"])
+            seconds += metrics[f"{split}/time_s"]
+    return seconds
 
 
 def _final_model_test(cfg: AjetConfig, best: BestTracker, validate: Any, backbone: Any, exp_dir: Path,

@@ -118,7 +118,8 @@ def test_a_log_shows_progress_lines_while_an_evaluation_runs(tiny_model_dir, tmp
 
 def test_the_live_display_leaves_step_lines_and_log_lines_whole(tiny_model_dir, tmp_path, monkeypatch):
     """A real 2-step run whose console is a terminal (rich forced into a buffer): the live display draws, and each
-    step line and each logging line still stands whole on a line of its own; the step lines carry the run's ETA."""
+    step line and each logging line still stands whole on a line of its own; the step lines carry the run's ETA,
+    which is told the validation due at step 2 (4 tasks x 2 episodes) and the time each evaluation took."""
     import logging
 
     import ajet.metrics_log
@@ -132,8 +133,28 @@ def test_the_live_display_leaves_step_lines_and_log_lines_whole(tiny_model_dir, 
                         lambda **kw: Console(file=buf, force_terminal=True, width=400, highlight=False))
     (tmp_path / "release").write_text("go")
     monkeypatch.chdir(tmp_path)
+    seen: list[tuple] = []
+
+    class RecordedEta(RunEta):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(("plan", self.evals, self.after))
+
+        def evaluated(self, seconds, episodes):
+            seen.append(("evaluated", seconds, episodes))
+            super().evaluated(seconds, episodes)
+
+        def step_done(self, step, eval_s=0.0):
+            seen.append(("step", step, eval_s))
+            return super().step_done(step, eval_s)
+
+    monkeypatch.setattr("ajet.trainer.RunEta", RecordedEta)
     cfg = load_config(_project(tmp_path, tiny_model_dir), {"trainer.exp_dir": str(tmp_path / "exp")})
     run(cfg)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines())}
+    val0, val2 = rows[0]["val/time_s"], rows[2]["val/time_s"]
+    assert seen == [("plan", {2: 8}, 0), ("evaluated", val0, 8.0), ("step", 1, 0.0), ("evaluated", val2, 8.0),
+                    ("step", 2, val2)], seen
     text = buf.getvalue()
     assert "\x1b[" in text and "rollout" in text and "eval (step 2)" in text, text   # the live display drew
     segments = [ANSI.sub("", s).strip() for s in re.split(r"[\r\n]", text)]
@@ -171,3 +192,19 @@ def test_run_eta_is_steps_left_times_the_recent_step_time(monkeypatch):
     assert eta.step_done(2) == 8 * 20.0
     assert eta.step_done(3) == 7 * 25.0
     assert RunEta.step_done(eta, 10) is None   # the last step: nothing left
+
+
+def test_run_eta_adds_the_evaluations_still_to_come_the_one_after_the_last_step_included(monkeypatch):
+    """4 steps of 10 s, validations of 8 episodes after steps 2 and 4, a test set of 24 episodes after the last step,
+    and a step-0 evaluation of 16 episodes that took 32 s (2 s an episode). Step 2's 12 s validation is not step
+    time. After step 1: 3 x 10 s + (8 + 8 + 24) x 2 s; after step 2 (its validation 12 s of 8 episodes: 1.5 s an
+    episode from now on): 2 x 10 s + (8 + 24) x 1.5 s; after step 3: 10 s + (8 + 24) x 1.5 s."""
+    clock = iter([100.0, 110.0, 120.0 + 12.0, 142.0, 152.0 + 12.0])
+    monkeypatch.setattr("ajet.progress.time.monotonic", lambda: next(clock))
+    eta = RunEta(total_steps=4, window=5, evals={2: 8, 4: 8}, after=24)
+    eta.evaluated(32.0, 16)
+    assert eta.step_done(1) == 3 * 10.0 + 40 * 2.0
+    eta.evaluated(12.0, 8)
+    assert eta.step_done(2, eval_s=12.0) == 2 * 10.0 + 32 * 1.5
+    assert eta.step_done(3) == 10.0 + 32 * 1.5
+    assert eta.step_done(4, eval_s=12.0) is None
