@@ -28,7 +28,7 @@ on one episode its `episode_token` from begin in the `X-Ajet-Episode-Token` head
     GET  /ajet/v1/status
 
 A job server (`ajet serve` without `--conf`, docs/serve.md "Jobs from a laptop") also takes jobs from the holder of
-its secret: `submit(job)`, `jobs()`, `wait(job_id, timeout_s)`, `stop(job_id)` (`AjetClient` only):
+its secret: `submit(job)`, `jobs()`, `wait(job_id, timeout_s)`, `stop(job_id)` (coroutines on `AsyncAjetClient`):
 
     POST /ajet/v1/jobs                    {"config": {...}, "tasks"?: {"train"|"val"|"test": [rows]}} -> job
     GET  /ajet/v1/jobs                    -> {"jobs": [job, ...]}
@@ -336,6 +336,28 @@ class _ClientBase:
         ep._client = self
         return ep
 
+    # the job API's requests, sent by both clients' submit, jobs, wait and stop
+    @staticmethod
+    def _submit_args(job: Any) -> dict[str, Any]:
+        """`_call`'s arguments for queueing `job` (see `job_payload`; its ConfigError is raised here)."""
+        return {"method": "POST", "path": f"{API}/jobs", "body": job_payload(job)}
+
+    @staticmethod
+    def _job_args(job_id: str | None = None, action: str = "") -> dict[str, Any]:
+        """`_call`'s arguments for listing the jobs (no `job_id`), reading job `job_id`, or `action` "stop" on it."""
+        path = f"{API}/jobs" + ("" if job_id is None else f"/{job_id}") + (f"/{action}" if action else "")
+        return {"method": "POST" if action else "GET", "path": path}
+
+    @staticmethod
+    def _finished(job: dict[str, Any], timeout_s: float, deadline: float) -> bool:
+        """Whether `wait` is over with `job` (done, failed or stopped); raises TimeoutError past `deadline`
+        (`time.monotonic()`), the wait having lasted `timeout_s` seconds."""
+        if job["state"] in ("done", "failed", "stopped"):
+            return True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job['id']} is still {job['state']} (step {job['step']}) after {timeout_s:g}s")
+        return False
+
 
 class AjetClient(_ClientBase):
     """Synchronous client of `ajet serve`'s episode API (see the module docstring for the protocol).
@@ -415,7 +437,7 @@ class AjetClient(_ClientBase):
             AjetClientError: 400 `invalid_job` (the message is what `ajet --conf` says of such a YAML, with its "did
                 you mean"), 401 without the server's secret. ConfigError: `job` is no job.
         """
-        return self._call("POST", f"{API}/jobs", job_payload(job))
+        return self._call(**self._submit_args(job))
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job of the server, oldest first: {"id", "state" (queued, running, done, failed, stopped), "step",
@@ -424,7 +446,7 @@ class AjetClient(_ClientBase):
         Raises:
             AjetClientError: 401 without the server's secret.
         """
-        return self._call("GET", f"{API}/jobs")["jobs"]
+        return self._call(**self._job_args())["jobs"]
 
     def wait(self, job_id: str, timeout_s: float = 3600.0, poll_s: float = 1.0) -> dict[str, Any]:
         """Wait until job `job_id` is done, failed or stopped; returns it (its `result`: exp_dir, steps, last_step,
@@ -434,13 +456,9 @@ class AjetClient(_ClientBase):
             TimeoutError: still queued or running after `timeout_s` seconds. AjetClientError: 404 for an unknown id.
         """
         deadline = time.monotonic() + timeout_s
-        while True:
-            job = self._call("GET", f"{API}/jobs/{job_id}")
-            if job["state"] in ("done", "failed", "stopped"):
-                return job
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} is still {job['state']} (step {job['step']}) after {timeout_s:g}s")
+        while not self._finished(job := self._call(**self._job_args(job_id)), timeout_s, deadline):
             time.sleep(poll_s)
+        return job
 
     def stop(self, job_id: str) -> dict[str, Any]:
         """Stop a job: a queued one leaves the queue, a running one stops as after Ctrl-C (its folder keeps what it
@@ -449,7 +467,7 @@ class AjetClient(_ClientBase):
         Raises:
             AjetClientError: 404 for an unknown id, 401 without the server's secret.
         """
-        return self._call("POST", f"{API}/jobs/{job_id}/stop")
+        return self._call(**self._job_args(job_id, "stop"))
 
     def close(self) -> None:
         """Close the HTTP connections (also done by `with AjetClient(...) as client:`)."""
@@ -463,7 +481,19 @@ class AjetClient(_ClientBase):
 
 
 class AsyncAjetClient(_ClientBase):
-    """Asynchronous client of `ajet serve` (same arguments and methods as `AjetClient`, as coroutines)."""
+    """Asynchronous client of `ajet serve`: the arguments and methods of `AjetClient`, each method a coroutine
+    (`episode` an async context manager: `async with client.episode() as ep:`).
+
+    Args:
+        url: the server's base URL (default: the environment variable `AJET_URL`).
+        secret: the server's secret (default: `AJET_SECRET`; sent as `Authorization: Bearer`).
+        client_id: a name for this client in the server's status (default: host-pid-random).
+        retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds.
+        timeout_s: per-request timeout, seconds.
+
+    Raises:
+        ValueError: no URL given and `AJET_URL` unset.
+    """
 
     _HTTP = httpx.AsyncClient
 
@@ -484,6 +514,12 @@ class AsyncAjetClient(_ClientBase):
 
     async def begin(self, task: dict[str, Any] | None = None, group_id: str | None = None,
                     dataset: str | None = None) -> AsyncEpisodeHandle:
+        """`AjetClient.begin`, awaited: the server's next task (or your own `task`) as a running episode.
+
+        Raises:
+            RunFinished: the run is over. AjetClientError: a 4xx refusal. httpx.TransportError: the server stayed
+                unreachable for `retry_for_s` seconds.
+        """
         data = await self._call("POST", f"{API}/episodes", self._begin_body(task, group_id, dataset))
         return self._episode(data, AsyncEpisodeHandle)
 
@@ -493,9 +529,57 @@ class AsyncAjetClient(_ClientBase):
         return _EpisodeBlock(self, task, group_id, dataset)
 
     async def status(self) -> dict[str, Any]:
+        """`AjetClient.status`, awaited: policy_version, step, total_steps, finished, episodes, clients.
+
+        Raises:
+            AjetClientError: a wrong secret. httpx.TransportError: unreachable for `retry_for_s` seconds.
+        """
         return await self._call("GET", f"{API}/status")
 
+    # ---- jobs (`AjetClient`'s job methods, as coroutines) --------------------------------------------------------
+    async def submit(self, job: Any) -> dict[str, Any]:
+        """Queue `job` on a job server, as `AjetClient.submit` (an `ajet.Job`, a YAML's text, or a mapping).
+
+        Returns:
+            the job as queued: {"id", "state": "queued", "step", "total_steps", "exp_dir", ...}.
+
+        Raises:
+            AjetClientError: 400 `invalid_job` with the config's "did you mean", or 401 (no secret, a wrong one).
+                ConfigError: `job` is no job (nothing is sent).
+        """
+        return await self._call(**self._submit_args(job))
+
+    async def jobs(self) -> list[dict[str, Any]]:
+        """The server's jobs, oldest first, each as `AjetClient.jobs` lists it (id, state, step, result, ...).
+
+        Raises:
+            AjetClientError: 401 (no secret, a wrong one).
+        """
+        return (await self._call(**self._job_args()))["jobs"]
+
+    async def wait(self, job_id: str, timeout_s: float = 3600.0, poll_s: float = 1.0) -> dict[str, Any]:
+        """Poll job `job_id` every `poll_s` seconds (without blocking the event loop) until it is done, failed or
+        stopped, and return it (its `result`, or a failed one's `error`), as `AjetClient.wait`.
+
+        Raises:
+            TimeoutError: not finished after `timeout_s` seconds. AjetClientError: 404 (no such job).
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self._finished(job := await self._call(**self._job_args(job_id)), timeout_s, deadline):
+            await asyncio.sleep(poll_s)
+        return job
+
+    async def stop(self, job_id: str) -> dict[str, Any]:
+        """Stop job `job_id` as `AjetClient.stop` does (a queued one leaves the queue, a running one stops cleanly);
+        returns the job as it is now.
+
+        Raises:
+            AjetClientError: 404 (no such job) or 401 (no secret, a wrong one).
+        """
+        return await self._call(**self._job_args(job_id, "stop"))
+
     async def aclose(self) -> None:
+        """Close the HTTP connections (also done by `async with AsyncAjetClient(...) as client:`)."""
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncAjetClient:

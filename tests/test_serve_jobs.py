@@ -1,8 +1,10 @@
 """`ajet serve` without `--conf`: a real job server on 127.0.0.1 (one per module) takes a 1-step job of the tiny model
 from `AjetClient.submit` (an `ajet.Job` with its tasks as data), a client runs its episodes through the server's one
 URL and the job trains; a bad job is a 400 with the config's "did you mean" and the server keeps waiting; a submit
-without the secret or with a wrong one is a 401; a queued job is stopped."""
+without the secret or with a wrong one is a 401; a queued job is stopped; `AsyncAjetClient` has the same job methods;
+`kill -9` of the server leaves no job process behind, and `--resume` continues the job."""
 
+import asyncio
 import json
 import os
 import signal
@@ -14,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ajet.client import AjetClient, AjetClientError, RunFinished
+from ajet.client import AjetClient, AjetClientError, AsyncAjetClient, RunFinished
 from tests.local_servers import announced_url
 
 SECRET = "jobs-secret-0123456789abcdef"
@@ -174,3 +176,92 @@ def test_a_restarted_server_resumes_its_running_job_and_keeps_the_queue(server, 
         assert "resumed from" in log and "no checkpoint yet" not in log
         admin.stop(queued["id"])                                  # the queue went on: its next job runs now
         assert admin.wait(queued["id"], timeout_s=180)["state"] == "stopped"
+
+
+def test_the_async_client_has_the_job_methods(server, tiny_model_dir):
+    """`AsyncAjetClient.submit`, `jobs`, `wait` and `stop` on the module's server: the same 400 for a bad job and 401
+    for a wrong secret as `AjetClient`'s; a 1-step job trains (episodes from a thread) while `wait` awaits it."""
+    import ajet
+
+    async def main() -> tuple[dict, dict, int]:
+        async with AsyncAjetClient(server.url, secret="not-the-secret") as stranger:
+            with pytest.raises(AjetClientError) as err:
+                await stranger.jobs()
+            assert err.value.status == 401 and err.value.code == "invalid_secret"
+        async with AsyncAjetClient(server.url, secret=SECRET) as admin:
+            with pytest.raises(AjetClientError) as err:
+                await admin.submit({**_config(tiny_model_dir), "trainer": {"total_stepz": 1},
+                                    "data": {"train_path": "x.jsonl"}})
+            assert err.value.status == 400 and "did you mean" in err.value.message, err.value.message
+            queued = await admin.submit(ajet.Job(tasks=TASKS, **_config(tiny_model_dir)))
+            assert queued["state"] in ("queued", "running") and queued["total_steps"] == 1
+            assert queued["id"] in [j["id"] for j in await admin.jobs()]
+            with pytest.raises(TimeoutError):                      # no episodes yet: it cannot have finished
+                await admin.wait(queued["id"], timeout_s=0)
+            episodes = asyncio.ensure_future(asyncio.to_thread(_run_episodes, server.url))
+            out = await admin.wait(queued["id"], timeout_s=300, poll_s=0.5)
+            with pytest.raises(AjetClientError) as err:
+                await admin.stop("job-404")
+            assert err.value.status == 404 and err.value.code == "unknown_job"
+            return out, await admin.stop(queued["id"]), await episodes
+
+    out, stopped, finished = asyncio.run(main())
+    assert out["state"] == "done", out.get("error")
+    assert out["result"]["steps"] == 1 and out["result"]["checkpoint"] is not None and finished >= 4
+    assert stopped["state"] == "done"                              # a finished job stays as it is
+
+
+def _proc_stat(pid: str) -> list[str]:
+    """Fields 3 on of /proc/PID/stat (state, ppid, pgrp, ...); [] for a process that is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _job_process(server_pid: int, job_id: str, timeout_s: float = 120) -> int:
+    """The pid of the process that the job server `server_pid` started for job `job_id` (its child whose command
+    line names the job's job.yaml)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                if (entry.name.isdigit() and _proc_stat(entry.name)[1:2] == [str(server_pid)]
+                        and f"/{job_id}/job.yaml".encode() in (entry / "cmdline").read_bytes()):
+                    return int(entry.name)
+            except OSError:
+                pass
+        time.sleep(0.5)
+    raise AssertionError(f"no process of {job_id} under the server {server_pid}")
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid` (a zombie, waiting for init to reap it, holds nothing)."""
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and (st := _proc_stat(e.name))[2:3] == [str(pgid)] and st[0] != "Z"]
+
+
+def test_a_killed_server_leaves_no_job_process_and_resume_continues_the_job(server, tiny_model_dir):
+    """`kill -9` of the job server while its job runs (its own server up, waiting for episodes): the job's process
+    group (the job's `ajet serve` and its children) is gone soon after, not orphaned; the same command with --resume
+    runs the job again from where it was (no checkpoint yet: from the start) and it trains to the end."""
+    with AjetClient(server.url, secret=SECRET, retry_for_s=300) as admin:
+        job = admin.submit({"config": _config(tiny_model_dir), "tasks": {"train": TASKS}})
+        pgid = os.getpgid(_job_process(server.srv.proc.pid, job["id"]))
+        assert admin.status()["total_steps"] == 1                  # the job's own server answers (through the front)
+    assert pgid != os.getpgid(server.srv.proc.pid) and _group(pgid)
+    server.srv.proc.kill()
+    server.srv.proc.wait()
+    deadline = time.monotonic() + 90                               # its clean stop, or its SIGKILL after 60 s
+    while _group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _group(pgid), f"left running after kill -9 of the server: {_group(pgid)}"
+    server.srv = JobServer(server.srv.root, "--resume")
+    with AjetClient(server.url, secret=SECRET) as admin:
+        assert next(j for j in admin.jobs() if j["id"] == job["id"])["state"] == "running"
+        assert _run_episodes(server.url) >= 4
+        out = admin.wait(job["id"], timeout_s=300)
+    assert out["state"] == "done" and out["result"]["steps"] == 1, out.get("error")
+    log = (server.srv.root / ".jobs" / job["id"] / "output.log").read_text()
+    assert "resumed from the start (no checkpoint yet)" in log

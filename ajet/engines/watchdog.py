@@ -12,16 +12,20 @@ workers, stay in that group), then waits for either:
   descriptors). The watchdog sends SIGTERM to COMMAND (a graceful shutdown), waits up to GRACE_S seconds for it to
   exit, then SIGKILLs the whole group, itself included;
 - COMMAND exiting on its own: it writes `[ajet watchdog] ... exited with code N` to its output (the server's log,
-  where ajet reads the reason for a failed start) and SIGKILLs what is left of the group.
+  where ajet reads the reason for a failed start, and `exit_code` reads N back: the exit status of a job of
+  `ajet serve`, ajet/serve/jobs.py) and SIGKILLs what is left of the group.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
+
+_EXITED = re.compile(r"\[ajet watchdog\] .* exited with code (-?\d+)$", re.MULTILINE)
 
 
 def main(argv: list[str]) -> None:
@@ -47,6 +51,15 @@ def main(argv: list[str]) -> None:
         print(f"[ajet watchdog] {command[0]} exited with code {server.returncode}", flush=True)
     sys.stdout.flush()
     os.killpg(0, signal.SIGKILL)       # the server's children that outlived it, and this watchdog
+
+
+def exit_code(output: str) -> int | None:
+    """The exit status of COMMAND that ended on its own, read from the watchdog's output (`output`: the text of its
+    log, or its tail): the code of the last `[ajet watchdog] ... exited with code N` line (negative: the signal that
+    ended it), None when there is no such line (COMMAND was stopped because the owner was gone, or still runs). The
+    watchdog's own exit status says nothing: it always ends by SIGKILLing its group."""
+    codes = _EXITED.findall(output)
+    return int(codes[-1]) if codes else None
 
 
 if __name__ == "__main__":

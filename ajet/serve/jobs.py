@@ -4,10 +4,14 @@ after another, each as its own `ajet serve --conf JOB.yaml` on a loopback port i
 
 A job is a config mapping (the YAML's keys, checked by the same models as a file: `config_from_mapping`) and,
 optionally, its tasks as data (`{"train": [rows], "val": [...], "test": [...]}`, written to
-`ROOT/.jobs/<job id>/<split>.jsonl`). Its states: queued -> running -> done | failed | stopped. A stop of a running job
-is the clean stop of Ctrl-C (SIGINT to its process: ajet/interrupt.py); a server stopped itself keeps its running job
-`running` in jobs.json, and `ajet serve --exp-root ROOT --resume` continues it with `--resume` (from its newest
-checkpoint), then the rest of the queue.
+`ROOT/.jobs/<job id>/<split>.jsonl`). Its states: queued -> running -> done | failed | stopped.
+
+A job's process runs under the watchdog of the vLLM server (ajet/engines/watchdog.py): the watchdog leads the job's
+process group and holds the read end of a pipe whose write end only this server holds. Closing it (a stop of the job,
+or of this server) or this server's death (`kill -9` included) makes the watchdog send the job SIGTERM, the clean stop
+of Ctrl-C (ajet/interrupt.py), then SIGKILL the group after `STOP_GRACE_S`: a job never outlives its server. A server
+stopped (or killed) keeps its running job `running` in jobs.json, and `ajet serve --exp-root ROOT --resume` continues
+it with `--resume` (from its newest checkpoint), then the rest of the queue.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ajet.engines import watchdog
 from ajet.errors import ConfigError
 from ajet.ports import free_port
 
@@ -30,6 +35,7 @@ SPLIT_KEYS = {"train": "train_path", "val": "val_path", "test": "test_path"}
 STATE_FILE = "jobs.json"
 START_TIMEOUT_S = 600.0   # at most this long a job's server may take to load its model and answer, seconds
 OUTPUT_TAIL = 40          # lines of a failed job's output kept for its `error`
+STOP_GRACE_S = 60.0       # how long a stopped job may take to stop cleanly before its group is SIGKILLed, seconds
 
 
 class JobQueue:
@@ -51,7 +57,8 @@ class JobQueue:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closing = False
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | None = None   # the running job's watchdog (the leader of its process group)
+        self._owner_fd: int | None = None             # the write end of its watchdog's pipe: closed, the job stops
         self.child_url: str | None = None   # the running job's server, once it answers
         self._stop_requested: set[str] = set()
         self._thread = threading.Thread(target=self._run_all, name="ajet-jobs", daemon=True)
@@ -143,8 +150,7 @@ class JobQueue:
                 self._write()
             elif job["state"] == "running":
                 self._stop_requested.add(job_id)
-                if self._proc is not None and self._proc.poll() is None:
-                    self._proc.send_signal(signal.SIGINT)
+                self._release()
             self._wake.notify_all()
             return self.public(job)
 
@@ -167,14 +173,13 @@ class JobQueue:
         with self._wake:
             self._closing = True
             proc, running = self._proc, next((j["id"] for j in self.state["jobs"] if j["state"] == "running"), None)
+            self._release()
             self._wake.notify_all()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+        if proc is not None:
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                _kill_group(proc)
         self._thread.join(10)
         return running
 
@@ -200,17 +205,33 @@ class JobQueue:
         with self._wake:
             if self._closing:
                 return
-            with open(log_path, "a") as log:   # the job's own stdout and stderr (its step lines, its errors)
-                self._proc = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                     env={**os.environ, "AJET_SECRET": self.secret})
+            read_fd, self._owner_fd = os.pipe()     # neither end is inherited by other children (O_CLOEXEC)
+            with open(log_path, "ab") as log:   # the job's own stdout and stderr (its step lines, its errors)
+                start = log.tell()
+                try:
+                    self._proc = proc = subprocess.Popen(
+                        [sys.executable, "-I", watchdog.__file__, str(read_fd), f"{STOP_GRACE_S:g}", "--", *cmd],
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(read_fd,),
+                        start_new_session=True, env={**os.environ, "AJET_SECRET": self.secret})
+                except BaseException:
+                    self._release()
+                    raise
+                finally:
+                    os.close(read_fd)
             if job["id"] in self._stop_requested:   # stopped between leaving the queue and its process starting
-                proc.send_signal(signal.SIGINT)
+                self._release()
         url = f"http://127.0.0.1:{port}"
         if _wait_up(url, proc, START_TIMEOUT_S):
             self.child_url = url
-        rc = proc.wait()
+        proc.wait()
         self.child_url = None
+        with open(log_path, "rb") as log:   # this run's output: the job's, then the watchdog's last line
+            log.seek(start)
+            lines = log.read().decode(errors="replace").splitlines()
+        code = watchdog.exit_code("\n".join(lines[-5:]))
+        rc = proc.returncode if code is None else code
         with self._wake:
+            self._release()
             self._proc = None
             if self._closing and job["id"] not in self._stop_requested:
                 return                                  # the server stops: the job stays running (--resume)
@@ -223,10 +244,17 @@ class JobQueue:
                 job["state"] = "done"
             else:
                 job["state"] = "failed"
-                lines = log_path.read_text(errors="replace").splitlines()
+                lines = [line for line in lines if watchdog.exit_code(line) is None]
                 job["error"] = f"exit status {rc}: " + "\n".join(lines[-OUTPUT_TAIL:])
             job["result"] = _summary(Path(job["exp_dir"]))
             self._write()
+
+    def _release(self) -> None:
+        """Close the running job's end of its watchdog's pipe: the watchdog stops the job (SIGTERM, SIGKILL of its
+        group after `STOP_GRACE_S`). Idempotent; the caller holds the lock."""
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     # ---- storage ------------------------------------------------------------------------------------------------
     def _find(self, job_id: str) -> dict[str, Any] | None:
@@ -274,6 +302,15 @@ def _summary(exp_dir: Path) -> dict[str, Any]:
     r = JobResult.read(exp_dir)
     return {"exp_dir": str(exp_dir), "steps": len(r.steps), "last_step": r.steps[-1] if r.steps else None,
             "held_out": r.held_out, "checkpoint": None if r.checkpoint is None else str(r.checkpoint)}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (a job's watchdog, the job and its children) and reap `proc`."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
