@@ -262,15 +262,37 @@ class Validator:
         return metrics
 
 
+# the tool calls per episode a workflow may report (WorkflowOutput.metrics: the tutorial's math agent both,
+# ajet.tool_agent the valid ones), shown on an evaluation's console line as the docs write them
+CALL_METRICS = {"valid": "workflow/valid_tool_calls", "grounded": "workflow/grounded_tool_calls"}
+
+
+def calls_text(metrics: dict[str, float], before: dict[str, float] | None = None) -> str:
+    """The workflow's valid / grounded tool calls per episode in `metrics` (`CALL_METRICS`, means over the episodes)
+    as "valid / grounded calls 0.35 / 0.21", after those of `before` when it has them ("valid / grounded calls
+    0.35 / 0.21 -> 0.97 / 0.94"); only the ones reported ("valid calls 0.35"); "" when the workflow reports none."""
+    keys = {name: k for name, k in CALL_METRICS.items() if k in metrics}
+    if not keys:
+        return ""
+    figures = " / ".join(f"{metrics[k]:.2f}" for k in keys.values())
+    if before is not None and all(k in before for k in keys.values()):
+        figures = " / ".join(f"{before[k]:.2f}" for k in keys.values()) + " -> " + figures
+    return f"{' / '.join(keys)} calls {figures}"
+
+
 def result_line(step: int, metrics: dict[str, float], first_step: int, first: dict[str, float],
                 what: str = "held-out") -> str:
     """The console line of a valid evaluation of set `what` ("held-out": the validation set, "test") at `step`: its
-    scores (pass@k in percent, reward_mean; `ajet.progress.fmt_score`) and failed episodes, each score beside the
-    first evaluation's (`first`, at `first_step`) as "before -> after" once there is an earlier one, e.g. "held-out at
-    step 16 (vs step 0): pass@1 31.2% -> 45.0% (+13.8 points, 72/160) | reward_mean 0.400 -> 0.520 | failed 0/160"."""
+    scores (pass@k in percent, reward_mean; `ajet.progress.fmt_score`), the workflow's valid / grounded tool calls
+    per episode where it reports them (`calls_text`) and failed episodes, each figure beside the first evaluation's
+    (`first`, at `first_step`) as "before -> after" once there is an earlier one, e.g. "held-out at step 16 (vs step
+    0): pass@1 31.2% -> 45.0% (+13.8 points, 72/160) | reward_mean 0.400 -> 0.520 | valid / grounded calls
+    0.35 / 0.21 -> 0.97 / 0.94 | failed 0/160"."""
     later = step != first_step or first is not metrics
     parts = []
     for k in sorted((k for k in metrics if k in SCORE_KEYS or k.startswith("pass@")), key=lambda k: k == "reward_mean"):
         parts.append(progress.fmt_score(k, metrics[k], first[k] if later and k in first else None, metrics["episodes"]))
+    if calls := calls_text(metrics, first if later else None):
+        parts.append(calls)
     parts.append(f"failed {metrics['failed']:.0f}/{metrics['episodes']:.0f}")
     return f"{what} at step {step}{f' (vs step {first_step})' if later else ''}: " + " | ".join(parts)

@@ -28,7 +28,8 @@ class Broken(Workflow):
 
 
 class Flaky(Workflow):
-    """Raises for a task whose query says "fail"; else one call, reward 1 for t0 and v0."""
+    """Raises for a task whose query says "fail"; else one call, reward 1 for t0 and v0, a valid tool call reported
+    for v0 and v1, a grounded one for v0 (as the tutorial's math agent reports its calls)."""
 
     async def execute(self, task, tuner):
         if "fail" in task.query:
@@ -36,7 +37,9 @@ class Flaky(Workflow):
         r = await tuner.client.chat.completions.create(
             model=tuner.model, messages=[{"role": "user", "content": task.query}])
         return WorkflowOutput(reward=1.0 if task.task_id in ("t0", "v0") else 0.0,
-                              final_answer=r.choices[0].message.content or "")
+                              final_answer=r.choices[0].message.content or "",
+                              metrics={"valid_tool_calls": int(task.task_id in ("v0", "v1")),
+                                       "grounded_tool_calls": int(task.task_id == "v0")})
 '''
 RAISE_LINE = WORKFLOW.splitlines().index('        raise RuntimeError("no tool named calc")') + 1
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| episodes \d+ \(\d+ failed\) \| .* \| step [\d.]+s( \| ETA \S+)?$")
@@ -156,13 +159,15 @@ def test_a_log_has_whole_lines_held_out_before_after_and_no_loading_bars_and_sho
     assert any(line.startswith("ajet newcomer: ") and line.endswith(f"-> {exp}") for line in lines), out
     m = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
     before, after = m[0]["val/pass@1"], m[-1]["val/pass@1"]
-    # pass@1 as the docs write it: a percentage, then the passed episodes of the 4 (one episode per task)
+    # pass@1 as the docs write it: a percentage, then the passed episodes of the 4 (one episode per task); the
+    # workflow's valid / grounded calls per episode as the benchmarks give them (v0, v1 valid; v0 grounded)
     passed = [round(4 * x) for x in (before, after)]
     assert f"held-out at step 0: pass@1 {25 * passed[0]:.1f}% ({passed[0]}/4) | reward_mean " \
-           f"{m[0]['val/reward_mean']:.3f} | failed 0/4" in lines, out
+           f"{m[0]['val/reward_mean']:.3f} | valid / grounded calls 0.50 / 0.25 | failed 0/4" in lines, out
     assert f"held-out at step 2 (vs step 0): pass@1 {25 * passed[0]:.1f}% -> {25 * passed[1]:.1f}% " \
            f"({25 * (passed[1] - passed[0]):+.1f} points, {passed[1]}/4) | reward_mean " \
-           f"{m[0]['val/reward_mean']:.3f} -> {m[-1]['val/reward_mean']:.3f} | failed 0/4" in lines, out
+           f"{m[0]['val/reward_mean']:.3f} -> {m[-1]['val/reward_mean']:.3f} | valid / grounded calls " \
+           f"0.50 / 0.25 -> 0.50 / 0.25 | failed 0/4" in lines, out
     assert "Loading weights" not in out + err and "\r" not in out + err
 
     # `ajet show` into a file: the ids as the store has them (step 2 holds t3's failures: a long failure column),
@@ -178,6 +183,19 @@ def test_a_log_has_whole_lines_held_out_before_after_and_no_loading_bars_and_sho
             assert "ValueError: the answer field is missing" in shown and "…" not in shown, shown
     rc, one, err = _ajet(tmp_path, "show", str(exp), "--episode", ids[-1], name="episode")
     assert rc == 0 and f"episode {ids[-1]} · step 2" in one, one + err
+
+
+def test_the_held_out_line_shows_only_the_calls_the_workflow_reports():
+    """A workflow reporting valid calls only (ajet.tool_agent) shows them alone; one reporting neither, nothing."""
+    from ajet.eval import result_line
+
+    first = {"episodes": 160.0, "failed": 0.0, "pass@1": 0.1, "workflow/valid_tool_calls": 0.35, "workflow/turns": 2.0}
+    later = {**first, "pass@1": 0.25, "workflow/valid_tool_calls": 0.9}
+    assert result_line(0, first, 0, first) == "held-out at step 0: pass@1 10.0% (16/160) | valid calls 0.35 | failed 0/160"
+    assert result_line(4, later, 0, first) == ("held-out at step 4 (vs step 0): pass@1 10.0% -> 25.0% (+15.0 points, "
+                                               "40/160) | valid calls 0.35 -> 0.90 | failed 0/160")
+    plain = {"episodes": 8.0, "failed": 1.0, "pass@1": 0.5, "workflow/turns": 2.0}
+    assert result_line(0, plain, 0, plain, what="test") == "test at step 0: pass@1 50.0% (4/8) | failed 1/8"
 
 
 def test_the_eta_of_a_phase_is_the_throughput_since_the_first_unit(monkeypatch):
