@@ -17,10 +17,11 @@ API_PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 # the surface a user meets: a workflow and its tuner, the `ajet serve` client, the judges, the engine and
 # backbone protocols, the task readers
 SURFACE = ["ajet.workflow.Workflow", "ajet.workflow.Tuner", "ajet.workflow.WorkflowOutput", "ajet.task.Task",
-           "ajet.client.AjetClient", "ajet.client.EpisodeHandle", "ajet.judges.load_judge",
-           "ajet.judges.math_answer.math_answer_judge", "ajet.judges.countdown.countdown_judge",
-           "ajet.judges.frozenlake.frozenlake_judge", "ajet.judges.llm.LLMJudge", "ajet.engines.base.Engine",
-           "ajet.backbones.base.Backbone", "ajet.tasks.load_tasks", "ajet.tasks.jsonl.read_jsonl_tasks",
+           "ajet.client.AjetClient", "ajet.client.AsyncAjetClient", "ajet.client.EpisodeHandle",
+           "ajet.judges.load_judge", "ajet.judges.math_answer.math_answer_judge",
+           "ajet.judges.countdown.countdown_judge", "ajet.judges.frozenlake.frozenlake_judge",
+           "ajet.judges.llm.LLMJudge", "ajet.engines.base.Engine", "ajet.backbones.base.Backbone",
+           "ajet.tasks.load_tasks", "ajet.tasks.jsonl.read_jsonl_tasks",
            "ajet.tasks.hf.read_hf_tasks", "ajet.tasks.generator.read_generator_tasks",
            "ajet.tasks.env_service.read_env_service_tasks"]
 
