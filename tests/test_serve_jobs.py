@@ -2,7 +2,8 @@
 from `AjetClient.submit` (an `ajet.Job` with its tasks as data), a client runs its episodes through the server's one
 URL and the job trains; a bad job is a 400 with the config's "did you mean" and the server keeps waiting; a submit
 without the secret or with a wrong one is a 401; a queued job is stopped; `AsyncAjetClient` has the same job methods;
-`kill -9` of the server leaves no job process behind, and `--resume` continues the job."""
+a failed job reports its own exit status; `kill -9` of the server leaves no job process behind, and `--resume`
+continues the job."""
 
 import asyncio
 import json
@@ -209,6 +210,18 @@ def test_the_async_client_has_the_job_methods(server, tiny_model_dir):
     assert out["state"] == "done", out.get("error")
     assert out["result"]["steps"] == 1 and out["result"]["checkpoint"] is not None and finished >= 4
     assert stopped["state"] == "done"                              # a finished job stays as it is
+
+
+def test_a_job_that_fails_reports_its_own_exit_status(server, tmp_path):
+    """A job whose model folder does not exist (a path on the server: checked when the job's run starts) fails
+    with the job's own exit status, 2 (the CLI's for bad input), and its last output lines: the one-line error."""
+    config = {**_config(str(tmp_path / "no-such-model")), "trainer": {"total_steps": 1, "tasks_per_step": 2}}
+    with AjetClient(server.url, secret=SECRET) as admin:
+        out = admin.wait(admin.submit({"config": config, "tasks": {"train": TASKS}})["id"], timeout_s=180)
+    assert out["state"] == "failed", out
+    assert out["error"].startswith("exit status 2: "), out["error"]
+    last = out["error"].splitlines()[-1]                           # the job's line, nothing after it
+    assert last.startswith(f"ajet: error: model folder {tmp_path / 'no-such-model'} does not exist"), out["error"]
 
 
 def _proc_stat(pid: str) -> list[str]:
