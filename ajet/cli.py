@@ -193,6 +193,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     next(a for a in p._actions if a.dest == "conf").required = False
     p.add_argument("--exp-root", metavar="DIR", help="without --conf: the job server's folder (its queue, jobs.json, "
                                                      "and one experiment folder per job)")
+    p.add_argument("--keys", metavar="FILE", help="without --conf: the job server's client and admin keys, YAML "
+                                                  "`serve: {keys: [{name, key | key_env, scope}]}` (with --conf: "
+                                                  "serve.keys); every job's server checks them too")
     return p
 
 
@@ -434,10 +437,14 @@ def _serve(args: argparse.Namespace) -> int:
                               + ", or give --conf X.yaml")
         host, port = args.host or "127.0.0.1", 8765 if args.port is None else args.port
         with _server_port(host, port, "serve"):
-            serve_jobs(host, port, Path(args.exp_root), args.resume, args.backbone)
+            serve_jobs(host, port, Path(args.exp_root), args.resume, args.backbone,
+                       None if args.keys is None else Path(args.keys))
         return 0
     if args.exp_root:
         raise ConfigError("--exp-root is the job server's folder (ajet serve without --conf); with --conf use --exp-dir")
+    if args.keys:
+        raise ConfigError("--keys is the job server's (ajet serve without --conf); with --conf put the keys in "
+                          "serve.keys")
     cfg = _load(args, "serve", **{"serve.host": args.host, "serve.port": args.port})
     with _server_port(cfg.serve.host, cfg.serve.port, "serve"):
         serve(cfg)

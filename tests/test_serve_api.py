@@ -35,9 +35,10 @@ SECRET = "test-secret-0123456789abcdef"
 
 @contextmanager
 def served(tokenizer, idle_timeout_s: float = 300.0, port: int = 0, attempt: int = 0, total_steps: int = 3,
-           clock=time.monotonic, engine=None):
+           clock=time.monotonic, engine=None, keys=()):
     """A started server: the proxy over a scripted engine (or `engine`) with the episode API mounted, as `ajet
-    serve` composes them, its queue on `clock`; yields (queue, httpx client with the secret, stored episodes)."""
+    serve` composes them (with `keys` beside the secret: (name, key, scope) each), its queue on `clock`; yields
+    (queue, httpx client with the secret, stored episodes)."""
     stored = []
     proxy = ProxyServer(engine or ScriptedEngine(tokenizer, ["7"]), tokenizer, SamplingParams(max_tokens=8))
     proxy.port = port
@@ -45,7 +46,7 @@ def served(tokenizer, idle_timeout_s: float = 300.0, port: int = 0, attempt: int
                          num_repeat=2, tasks_per_step=2, total_steps=total_steps, first_step=1, attempt=attempt,
                          record=lambda step, ep: stored.append(ep), idle_timeout_s=idle_timeout_s, clock=clock)
     queue.bind(proxy)
-    proxy.app = compose(proxy.app, build_api(queue, SECRET), queue.activity)
+    proxy.app = compose(proxy.app, build_api(queue, SECRET, list(keys)), queue.activity)
     proxy.start()
     http = httpx.Client(base_url=proxy.url, headers={"Authorization": f"Bearer {SECRET}"}, timeout=30)
     try:
@@ -158,6 +159,33 @@ def test_only_the_client_that_began_an_episode_can_end_it(tokenizer):
         client.close()
         assert [e.reward for e in stored] == [1.0, 0.5] and len(stored[1].calls) == 1
 
+
+CLIENT_KEY, ADMIN_KEY = "client-key-0123456789abcdef", "admin-key-0123456789abcdef"
+
+
+def test_a_client_key_runs_episodes_and_sees_the_status_without_the_other_clients(tokenizer):
+    """`serve.keys`: a client key begins and finishes episodes as the secret does; its status has no `clients`
+    (who else runs episodes), an admin key's and the secret's have them; no key or an unknown one is a 401."""
+    keys = [("alice", CLIENT_KEY, "client"), ("ops", ADMIN_KEY, "admin")]
+    with served(tokenizer, keys=keys) as (queue, http, stored):
+        with AjetClient(str(http.base_url), secret=CLIENT_KEY, client_id="alice-laptop") as alice:
+            with alice.episode() as ep:
+                r = ep.openai(max_retries=0).chat.completions.create(
+                    model=ep.model, messages=[{"role": "user", "content": ep.task["query"]}])
+                assert r.choices[0].message.content == "7"
+                assert ep.finish(reward=1.0)["status"] == "finished"
+            seen = alice.status()
+        assert [e.reward for e in stored] == [1.0]
+        assert seen["episodes"]["finished"] == 1 and "clients" not in seen
+        for key in (ADMIN_KEY, SECRET):
+            r = httpx.get(f"{http.base_url}/ajet/v1/status", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+            assert r.status_code == 200 and r.json()["clients"]["alice-laptop"]["finished"] == 1, r.text
+        for headers in ({}, {"Authorization": "Bearer not-a-key-0123456789abcdef"}):
+            for method, path in (("POST", "/ajet/v1/episodes"), ("GET", "/ajet/v1/status")):
+                r = httpx.request(method, f"{http.base_url}{path}", headers=headers, json={} if method == "POST"
+                                  else None, timeout=30)
+                _refused(r, 401, "invalid_secret", "serve.keys")
+        assert queue.status()["episodes"]["running"] == 0
 
 
 def test_both_clients_fail_the_episode_their_block_leaves_unfinished(tokenizer):

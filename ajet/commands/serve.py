@@ -2,7 +2,7 @@
 episodes that clients anywhere begin and finish (docs/serve.md; the source: ajet/serve/).
 
     ajet serve --conf X.yaml [--backbone debug] [--host 127.0.0.1] [--port 8765] [--resume]
-    ajet serve --exp-root DIR [--host 127.0.0.1] [--port 8765] [--resume]    (no config: waits for jobs)
+    ajet serve --exp-root DIR [--keys FILE] [--host 127.0.0.1] [--port 8765] [--resume]    (no config: waits for jobs)
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ajet.guard import server_secret
 from ajet.interrupt import StopSignals, Stopped, exit_status, signal_name
 from ajet.rollout import Rollout, RolloutContext, RunMode
 from ajet.serve import ServeSource
+from ajet.serve.keys import check, read_file, server_keys
 
 INTERRUPTED_EXIT = exit_status(signal.SIGINT)  # the exit status after Ctrl-C (128 + SIGINT, as a shell reports it); 143 after
 # SIGTERM
@@ -27,8 +28,9 @@ def serve(cfg: AjetConfig) -> Path:
 
     Raises:
         ConfigError: what `cfg.for_mode("serve")` refuses (ajet/config/experiment.py): a non-loopback `serve.host`
-            without a secret (`serve.secret` or AJET_SECRET), `serve.local_workers` without a `workflow`; or any
-            config problem `ajet.trainer.run` raises.
+            without a secret (`serve.secret` or AJET_SECRET), `serve.local_workers` without a `workflow`; a
+            `serve.keys` entry whose `key_env` is unset or short, two keys with one name or one key twice
+            (ajet/serve/keys.py); or any config problem `ajet.trainer.run` raises.
         SystemExit: `INTERRUPTED_EXIT` after Ctrl-C (143 after SIGTERM), once the server has stopped (one line
             on stderr says where the run is and how to continue it; no traceback). A second one exits at once.
     """
@@ -36,14 +38,15 @@ def serve(cfg: AjetConfig) -> Path:
 
     cfg = cfg.for_mode("serve")   # its checks, and proxy.host = serve.host (ajet/config/)
     host = cfg.serve.host
-    secret, generated = server_secret(cfg.serve.secret)
+    keys, secret, generated = server_keys(cfg.serve.keys, cfg.serve.secret)
 
     interrupted = threading.Event()
 
     def make_source(ctx: RolloutContext) -> ServeSource:
-        ctx.console.print(f"episode API secret: {secret if generated else '(from serve.secret / AJET_SECRET)'}; "
-                          f"clients: AJET_URL=http://{host}:<port shown below> AJET_SECRET=<secret>")
-        return ServeSource(ctx, secret, interrupted)
+        shown = (secret if generated else "(from serve.secret / AJET_SECRET)") if secret else "none (serve.keys)"
+        ctx.console.print(f"episode API secret: {shown}; {_describe_keys(keys)}"
+                          f"clients: AJET_URL=http://{host}:<port shown below> AJET_SECRET=<secret or key>")
+        return ServeSource(ctx, secret, interrupted, keys)
 
     # the first Ctrl-C / SIGTERM stops the server without waiting for its clients (`ServeSource.close`); outside
     # the main thread (no signal handler can be set there) nothing changes
@@ -57,6 +60,16 @@ def serve(cfg: AjetConfig) -> Path:
     print(f"ajet serve: stopped by {signal_name(signum)}; finished episodes are stored in {cfg.exp_path()}: continue "
           "with the same command and --resume", file=sys.stderr, flush=True)
     raise SystemExit(exit_status(signum))
+
+
+def _describe_keys(keys: list[tuple[str, str, str]]) -> str:
+    """"keys: 2 client keys (alice, bob), 1 admin key (ops); " for the start line ("" without keys)."""
+    parts = []
+    for scope in ("client", "admin"):
+        names = [n for n, _, s in keys if s == scope]
+        if names:
+            parts.append(f"{len(names)} {scope} key{'s' if len(names) > 1 else ''} ({', '.join(names)})")
+    return f"keys: {', '.join(parts)}; " if parts else ""
 
 
 def serve_mode(cfg: AjetConfig, make_source) -> RunMode:
@@ -73,7 +86,8 @@ def serve_mode(cfg: AjetConfig, make_source) -> RunMode:
     return RunMode(setup, read_datasets, port=cfg.serve.port, server=True)
 
 
-def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone: str | None = None) -> None:
+def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone: str | None = None,
+               keys_file: Path | None = None) -> None:
     """`ajet serve` without `--conf`: wait for jobs submitted over HTTP (`AjetClient.submit`), run them one after
     another in `root/<job id>/`, forward the episode API and model calls to the running one (ajet/serve/jobs_api.py).
     Runs until Ctrl-C / SIGTERM.
@@ -83,10 +97,13 @@ def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone:
         root: the server's folder: jobs.json (the queue) and one experiment folder per job.
         resume: continue the queue in `root` (its running job from its newest checkpoint).
         backbone: the backbone every job runs with (None: each job's config decides).
+        keys_file: `--keys FILE`: `serve: {keys: [...]}`, the server's client and admin keys, handed to every job's
+            server too (ajet/serve/keys.py). Without an admin key among them a secret is used: AJET_SECRET, else
+            generated and printed.
 
     Raises:
         ConfigError: a non-loopback `host` without a secret (AJET_SECRET); `root` holds an unfinished queue and
-            `resume` is off.
+            `resume` is off; a `keys_file` that `ajet.serve.keys.read_file` refuses.
         SystemExit: `INTERRUPTED_EXIT` after Ctrl-C (143 after SIGTERM), once the running job has stopped cleanly
             (one line on stderr says how to continue).
     """
@@ -100,9 +117,14 @@ def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone:
     if not is_loopback(host) and server_secret(None)[1]:
         raise ConfigError(f"--host {host} is reachable from other machines: set AJET_SECRET (the admin key that "
                           "submits and stops jobs, and the secret of the episode API)")
-    secret, generated = server_secret(None)
-    queue = JobQueue(root, secret, resume, backbone)
-    app = build_jobs_app(queue, secret)
+    keys = read_file(keys_file) if keys_file is not None else []
+    if server_secret(None)[1] and any(scope == "admin" for _, _, scope in keys):
+        secret, generated = None, False           # the admin keys of --keys are the only ones
+    else:
+        secret, generated = server_secret(None)
+    check(keys, secret, f"--keys {keys_file}")
+    queue = JobQueue(root, secret, resume, backbone, keys)
+    app = build_jobs_app(queue, secret, keys)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, name="ajet-jobs-http", daemon=True)
     stopped, signum = threading.Event(), signal.SIGINT
@@ -114,9 +136,9 @@ def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone:
             if not server.started:
                 raise ConfigError(f"ajet serve: could not listen on {host}:{port} (in use? pick another --port)")
             bound = server.servers[0].sockets[0].getsockname()[1]
-            print(f"job server on http://{host}:{bound} (root {queue.root}); admin key: "
-                  f"{secret if generated else '(from AJET_SECRET)'}; submit with AjetClient(url, key).submit(job)",
-                  flush=True)
+            admin = (secret if generated else "(from AJET_SECRET)") if secret else "none but --keys'"
+            print(f"job server on http://{host}:{bound} (root {queue.root}); admin key: {admin}; "
+                  f"{_describe_keys(keys)}submit with AjetClient(url, key).submit(job)", flush=True)
             queue.start()
             stopped.wait()
         except BaseException as exc:

@@ -15,11 +15,51 @@ GATEWAY_ESTIMATOR = "reinforce_plus_plus"
 """The gateway's `algorithm.adv_estimator` when the config sets none and `gateway.n` is 1: live sessions have
 no same-prompt groups for GRPO's baseline (see ajet/gateway/source.py)."""
 
+class GatewayKey(_Section):
+    """One entry of `gateway.keys` or `serve.keys`: an api key with a name (what the gateway's sessions and
+    feedback record, and what its rate limits count by) and a scope. The key itself is `key`, or read at start from
+    the environment variable `key_env` (as `secret` falls back to AJET_SECRET). `ajet gateway keys` prints new
+    ones."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$", description="the key's name "
+                      "(letters, digits, _ . @ -): the server's start line lists it; the gateway's sessions, feedback "
+                      "and rate limits are attributed to it")
+    key: str | None = Field(None, min_length=16, description="the api key itself, at least 16 characters (or "
+                            "`key_env`)")
+    key_env: str | None = Field(None, min_length=1, description="the environment variable holding the key, read "
+                                "at start (instead of `key`)")
+    scope: Literal["client", "admin"] = Field("client", description="`client`: in the gateway the model APIs, "
+                                              "and feedback, reading and closing the sessions this key opened; in "
+                                              "`ajet serve` running episodes and reading jobs; `admin`: every route "
+                                              "(rollback, /v1/admin/*, /metrics; submitting and stopping jobs) and "
+                                              "every session")
+
+    def value(self) -> str:
+        """The key: `key`, else the environment variable `key_env` (read when called: at the server's start, so
+        that no error message ever shows a key).
+
+        Raises:
+            ValueError: both or neither of `key` and `key_env` given; `key_env` unset, empty or shorter than 16
+                characters.
+        """
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError(f"key {self.name!r}: give exactly one of `key` and `key_env`")
+        if self.key is not None:
+            return self.key
+        found = os.environ.get(self.key_env or "", "")
+        if len(found) < 16:
+            raise ValueError(f"key {self.name!r}: the environment variable {self.key_env} is "
+                             f"{'unset' if not found else 'shorter than 16 characters'}: export it (e.g. a key "
+                             "`ajet gateway keys` prints) before starting the server")
+        return found
+
+
 class ServeConfig(_Section):
     """`ajet serve`: the training server that clients anywhere run episodes against (docs/serve.md).
 
-    host: bind address (a non-loopback host needs `secret`). port: 0 picks a free one. secret: the
-    bearer token of the episode API (None: generated and printed at start; also AJET_SECRET).
+    host: bind address (a non-loopback host needs `secret`). port: 0 picks a free one. secret: an admin key, the
+    bearer token of the episode API (None: AJET_SECRET, else generated and printed at start unless `keys` holds an
+    admin key). keys: more named keys, each `client` (episodes) or `admin` (everything).
     episode_idle_timeout_s: an episode with no call or heartbeat for this long is abandoned and its task
     handed to the next client. local_workers: how many episodes of the config's `workflow` the server runs
     itself at once (0: only remote clients run episodes).
@@ -29,7 +69,11 @@ class ServeConfig(_Section):
     port: int = Field(8765, ge=0, le=65535, description="TCP port of the episode API; 0 picks a free one")
     secret: str | None = Field(
         None, min_length=16, description="bearer token of the episode API, at least 16 characters (None: AJET_SECRET,"
-                                         " else generated and printed at start)")
+                                         " else generated and printed at start unless `keys` holds an admin key);"
+                                         " an admin key")
+    keys: list[GatewayKey] = Field(default_factory=list, description="named api keys, each `client` (running "
+                                   "episodes, reading the run's status without other clients) or `admin` "
+                                   "(everything): `{name, key | key_env, scope}`; `ajet gateway keys` prints new ones")
     episode_idle_timeout_s: float = Field(
         300.0, gt=0, description="an episode with no call or heartbeat for this many seconds is abandoned and its "
                                  "task handed to the next client")
@@ -67,41 +111,6 @@ class GatewayGateConfig(_Section):
                                "trainer checkpoint in exp_dir/checkpoints (with model.lora the adapter only) that "
                                "`--resume` continues from; the versions served last (and the one served) are kept, "
                                "the ones `ajet gateway rollback` can go back to")
-
-
-class GatewayKey(_Section):
-    """One entry of `gateway.keys`: an api key with a name (what sessions and feedback record, and what rate
-    limits count by) and a scope. The key itself is `key`, or read at start from the environment variable
-    `key_env` (as `gateway.secret` falls back to AJET_SECRET). `ajet gateway keys` prints new ones."""
-
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.@-]+$", description="the key's name "
-                      "(letters, digits, _ . @ -): sessions, feedback and rate limits are attributed to it")
-    key: str | None = Field(None, min_length=16, description="the api key itself, at least 16 characters (or "
-                            "`key_env`)")
-    key_env: str | None = Field(None, min_length=1, description="the environment variable holding the key, read "
-                                "at start (instead of `key`)")
-    scope: Literal["client", "admin"] = Field("client", description="`client`: the model APIs, and feedback, "
-                                              "reading and closing the sessions this key opened; `admin`: every "
-                                              "route (rollback, /v1/admin/*, /metrics) and every session")
-
-    def value(self) -> str:
-        """The key: `key`, else the environment variable `key_env` (read when called: at the gateway's start, so
-        that no error message ever shows a key).
-
-        Raises:
-            ValueError: both or neither of `key` and `key_env` given; `key_env` unset, empty or shorter than 16
-                characters.
-        """
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError(f"key {self.name!r}: give exactly one of `key` and `key_env`")
-        if self.key is not None:
-            return self.key
-        found = os.environ.get(self.key_env or "", "")
-        if len(found) < 16:
-            raise ValueError(f"gateway.keys {self.name!r}: the environment variable {self.key_env} is "
-                             f"{'unset' if not found else 'shorter than 16 characters'}: export it (e.g. a key "
-                             "`ajet gateway keys` prints) before starting the gateway")
-        return found
 
 
 class GatewayConfig(_Section):

@@ -26,16 +26,24 @@ CLIENT_ACTIVE_S = 10.0  # ... that were heard from this recently (twice a client
 
 class ServeSource(EpisodeQueue):
     """The episode queue, plus what serving it needs: the API mounted on the proxy's app, and (on resume)
-    the earlier attempts' finished-but-untrained episodes adopted back into their groups."""
+    the earlier attempts' finished-but-untrained episodes adopted back into their groups.
 
-    def __init__(self, ctx: RolloutContext, secret: str, interrupted: threading.Event | None = None):
+    Args:
+        ctx: the run's rollout context.
+        secret: the admin key named `secret` (None: only `keys`).
+        interrupted: set by Ctrl-C: stop without waiting for clients.
+        keys: (name, key, scope) of `serve.keys` and the keys a job server handed over (ajet/serve/keys.py).
+    """
+
+    def __init__(self, ctx: RolloutContext, secret: str | None, interrupted: threading.Event | None = None,
+                 keys: list[tuple[str, str, str]] = ()):
         from ajet.judges import load_judge
 
         cfg = ctx.cfg
         judge = load_judge(cfg)
         super().__init__(ctx.sampler(), cfg.rollout.num_repeat, cfg.trainer.tasks_per_step, cfg.trainer.total_steps,
                          ctx.first_step, ctx.attempt, ctx.record, judge, cfg.serve.episode_idle_timeout_s)
-        self.ctx, self.secret = ctx, secret
+        self.ctx, self.secret, self.keys = ctx, secret, list(keys)
         self.interrupted = interrupted or threading.Event()   # set by Ctrl-C (`serve`): stop now, tell no one
         self.workers = None
         if cfg.serve.local_workers:
@@ -53,7 +61,7 @@ class ServeSource(EpisodeQueue):
             if self.counts["adopted"]:
                 self.ctx.console.print(f"adopted {self.counts['adopted']} finished, untrained episodes of earlier attempts")
         # the shared guard first (ajet/guard.py): a foreign Host is a 403, a POST that is not JSON a 415
-        proxy.app = Guard(compose(proxy.app, build_api(self, self.secret), self.activity),
+        proxy.app = Guard(compose(proxy.app, build_api(self, self.secret, self.keys), self.activity),
                           allowed_hosts(self.ctx.cfg.serve.host), "call the address `ajet serve` printed")
 
     def collect(self, step: int):

@@ -7,9 +7,11 @@ beside the proxy's routes.
     POST /ajet/v1/episodes/{id}/heartbeat  {}
     GET  /ajet/v1/status
 
-Every call needs `Authorization: Bearer <secret>`; finish, abort and heartbeat also the episode's own
-`episode_token` (from begin) in the `X-Ajet-Episode-Token` header, so that no client can end another's
-episode. Every refusal is a 4xx (503 while no task can be handed out, or while the trainer restarts) with
+Every call needs `Authorization: Bearer <key>`: the secret (an admin key) or one of `serve.keys`
+(ajet/serve/keys.py), 401 without one. A client key runs episodes and reads the status without its `clients`
+(the other clients' names and figures: an admin key's view). Finish, abort and heartbeat also need the
+episode's own `episode_token` (from begin) in the `X-Ajet-Episode-Token` header, so that no client can end
+another's episode. Every refusal is a 4xx (503 while no task can be handed out, or while the trainer restarts) with
 an OpenAI-style body `{"error": {"message", "type", "code"}}` that names the field and says what to fix;
 the server never crashes on a request. Bodies nested deeper than `MAX_DEPTH` and strings that are not
 valid Unicode (a lone surrogate) are refused before anything is begun. Docs with curl examples:
@@ -32,7 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ajet.guard import bearer_token, finite_number, secret_matches
+from ajet.guard import Caller, KeyRing, bearer_token, finite_number
 from ajet.proxy.wire import ClientGone, log_client_gone
 from ajet.rollout.episode_queue import TOKEN_HEADER, EpisodeApiError, EpisodeQueue
 
@@ -106,8 +108,14 @@ def _error(status: int, code: str, message: str, retry_after_s: float | None = N
                                    "param": None, "code": code}}, status_code=status, headers=headers)
 
 
-def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
-    """The Starlette app of the episode API, bound to `queue`, guarded by `secret`."""
+def build_api(queue: EpisodeQueue, secret: str | None, keys: list[tuple[str, str, str]] = ()) -> Starlette:
+    """The Starlette app of the episode API, bound to `queue`, guarded by `secret` (an admin key named `secret`;
+    None: only `keys`) and `keys` ((name, key, scope "client" | "admin") each: `serve.keys`).
+
+    Raises:
+        ValueError: `keys` that `ajet.guard.KeyRing` refuses (two names, one key twice or as the secret).
+    """
+    ring = KeyRing([*([("secret", secret, "admin")] if secret else []), *keys])
 
     async def body(request: Request, model: type[BaseModel]) -> BaseModel:
         try:
@@ -131,9 +139,12 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
 
     def guarded(handler: Callable) -> Callable:
         async def endpoint(request: Request):
-            if not secret_matches(bearer_token(request.scope) or "", secret):
-                return _error(401, "invalid_secret", "missing or wrong secret: send `Authorization: Bearer <secret>` "
-                                                     "with the secret `ajet serve` printed (or serve.secret)")
+            caller = ring.identify(bearer_token(request.scope) or "")
+            if caller is None:
+                return _error(401, "invalid_secret", "missing or wrong key: send `Authorization: Bearer <key>` with "
+                                                     "the secret `ajet serve` printed (or serve.secret) or a key of "
+                                                     "serve.keys")
+            request.state.caller = caller
             try:
                 return JSONResponse(await handler(request))
             except EpisodeApiError as exc:
@@ -167,8 +178,10 @@ def build_api(queue: EpisodeQueue, secret: str) -> Starlette:
     async def heartbeat(request: Request) -> dict[str, Any]:
         return queue.heartbeat(request.path_params["episode_id"], _token(request))
 
-    async def status(_request: Request) -> dict[str, Any]:
-        return queue.status()
+    async def status(request: Request) -> dict[str, Any]:
+        found = queue.status()
+        caller: Caller = request.state.caller
+        return found if caller.admin else {k: v for k, v in found.items() if k != "clients"}   # others' names: admin
 
     async def http_error(request: Request, exc: HTTPException):   # unknown path under /ajet, wrong method
         return _error(exc.status_code, str(exc.detail).lower().replace(" ", "_"),

@@ -29,6 +29,7 @@ from typing import Any
 from ajet.engines import watchdog
 from ajet.errors import ConfigError
 from ajet.ports import free_port
+from ajet.serve.keys import KEYS_ENV, to_env
 
 STATES = ("queued", "running", "done", "failed", "stopped")
 SPLIT_KEYS = {"train": "train_path", "val": "val_path", "test": "test_path"}
@@ -43,16 +44,19 @@ class JobQueue:
 
     Args:
         root: the server's folder (jobs.json, one experiment folder per job).
-        secret: the secret every job's server checks (the admin key of the queue).
+        secret: the secret every job's server checks (the admin key of the queue; None: only `keys`).
         resume: continue the queue in `root/jobs.json` (its running job with `--resume`).
         backbone: the `--backbone` each job runs with (None: the job's config decides).
+        keys: (name, key, scope) of the server's `--keys`, which every job's server checks too: handed over in the
+            environment (ajet/serve/keys.py), as the secret is, never written to the job's files.
 
     Raises:
         ConfigError: `root` holds a queue with unfinished jobs and `resume` is off.
     """
 
-    def __init__(self, root: Path, secret: str, resume: bool = False, backbone: str | None = None):
-        self.root, self.secret, self.backbone = Path(root).resolve(), secret, backbone
+    def __init__(self, root: Path, secret: str | None, resume: bool = False, backbone: str | None = None,
+                 keys: list[tuple[str, str, str]] = ()):
+        self.root, self.secret, self.backbone, self.keys = Path(root).resolve(), secret, backbone, list(keys)
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -81,7 +85,8 @@ class JobQueue:
 
         Raises:
             ConfigError: not a mapping, unknown keys (with a "did you mean"), bad values, bad task rows, a setting
-                the backbone does not honour: the message says what to fix; nothing is queued.
+                the backbone does not honour, `serve.keys` (the server's own are every job's): the message says
+                what to fix; nothing is queued.
         """
         import shutil
 
@@ -92,6 +97,9 @@ class JobQueue:
 
         if not isinstance(config, dict):
             raise ConfigError(f"job: `config` must be a mapping of config keys, got {type(config).__name__}")
+        if isinstance(config.get("serve"), dict) and "keys" in config["serve"]:
+            raise ConfigError("job: `serve.keys` is the job server's (`ajet serve --keys FILE`), and its keys reach "
+                              "every job's server: remove serve.keys from the job")
         if tasks is not None and (not isinstance(tasks, dict) or set(tasks) - set(SPLIT_KEYS)):
             raise ConfigError(f"job: `tasks` must map {', '.join(SPLIT_KEYS)} to lists of task rows")
         with self._lock:
@@ -212,7 +220,7 @@ class JobQueue:
                     self._proc = proc = subprocess.Popen(
                         [sys.executable, "-I", watchdog.__file__, str(read_fd), f"{STOP_GRACE_S:g}", "--", *cmd],
                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, pass_fds=(read_fd,),
-                        start_new_session=True, env={**os.environ, "AJET_SECRET": self.secret})
+                        start_new_session=True, env=self._env())
                 except BaseException:
                     self._release()
                     raise
@@ -248,6 +256,11 @@ class JobQueue:
                 job["error"] = f"exit status {rc}: " + "\n".join(lines[-OUTPUT_TAIL:])
             job["result"] = _summary(Path(job["exp_dir"]))
             self._write()
+
+    def _env(self) -> dict[str, str]:
+        """A job's environment: this server's, with its secret (AJET_SECRET) and keys (`keys.KEYS_ENV`)."""
+        env = {k: v for k, v in os.environ.items() if k not in ("AJET_SECRET", KEYS_ENV)}
+        return {**env, **({"AJET_SECRET": self.secret} if self.secret else {}), **to_env(self.keys)}
 
     def _release(self) -> None:
         """Close the running job's end of its watchdog's pipe: the watchdog stops the job (SIGTERM, SIGKILL of its

@@ -6,10 +6,11 @@ other request forwarded to the running job's own `ajet serve` (ajet/serve/jobs.p
     GET  /ajet/v1/jobs/{id}         -> job: {"id", "state", "step", "total_steps", "exp_dir", "result", "error", ...}
     POST /ajet/v1/jobs/{id}/stop    -> job
 
-The job API needs the server's secret (`Authorization: Bearer <secret>`: the admin key; 401 without it). A job
-that does not validate is a 400 whose message is what `ajet --conf` would say of the same YAML (with its "did you
+The job API needs a key (`Authorization: Bearer <key>`; 401 without one): submitting and stopping jobs an admin key
+(the server's secret, or an admin key of `--keys`), else 403 `admin_key_required`; listing and reading jobs any key,
+client keys included (a client waiting for its job's run may see the queue). A job that does not validate is a 400 whose message is what `ajet --conf` would say of the same YAML (with its "did you
 mean"); nothing is queued. The episode API and the model endpoint (`/ajet/v1/episodes...`, `/ep/...`) go to the
-running job's server, which checks the secret itself; while no job runs they are a 503 `no_job_running` (clients
+running job's server, which checks the key itself (the server hands its secret and keys to each job's server); while no job runs they are a 503 `no_job_running` (clients
 retry it, as a restarting server's).
 """
 
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ajet.errors import ConfigError
-from ajet.guard import bearer_token, secret_matches
+from ajet.guard import KeyRing, bearer_token
 from ajet.serve.api import API, _error
 from ajet.serve.jobs import JobQueue
 
@@ -34,16 +35,33 @@ MAX_JOB_BYTES = 64 * 2**20   # a job's body: its config and, optionally, its tas
 _HOP = {b"host", b"content-length", b"connection", b"transfer-encoding", b"keep-alive"}
 
 
-def build_jobs_app(queue: JobQueue, secret: str):
+def build_jobs_app(queue: JobQueue, secret: str | None, keys: list[tuple[str, str, str]] = ()):
     """The ASGI app of the job server: the job API under `/ajet/v1/jobs`, everything else forwarded to the running
-    job's server (`queue.child_url`)."""
+    job's server (`queue.child_url`).
+
+    Args:
+        queue: the job queue.
+        secret: the admin key named `secret` (None: only `keys`).
+        keys: (name, key, scope "client" | "admin") each, `--keys`: a client key lists and reads jobs, an admin key
+            also submits and stops them.
+
+    Raises:
+        ValueError: `keys` that `ajet.guard.KeyRing` refuses (two names, one key twice or as the secret).
+    """
     import httpx
 
-    def admin(handler):
+    ring = KeyRing([*([("secret", secret, "admin")] if secret else []), *keys])
+
+    def guarded(handler, admin: bool):
         async def endpoint(request: Request):
-            if not secret_matches(bearer_token(request.scope) or "", secret):
-                return _error(401, "invalid_secret", "missing or wrong secret: submitting and stopping jobs needs "
-                                                     "`Authorization: Bearer <secret>` with the server's secret")
+            caller = ring.identify(bearer_token(request.scope) or "")
+            if caller is None:
+                return _error(401, "invalid_secret", "missing or wrong key: the job API needs `Authorization: Bearer "
+                                                     "<key>` with the server's secret or one of its --keys")
+            if admin and not caller.admin:
+                return _error(403, "admin_key_required", f"key `{caller.name}` is a client key: submitting and "
+                                                         "stopping jobs needs an admin key (the server's secret or "
+                                                         "an admin key of its --keys)")
             try:
                 return await handler(request)
             except ConfigError as exc:
@@ -81,10 +99,10 @@ def build_jobs_app(queue: JobQueue, secret: str):
         job = await run_in_threadpool(queue.stop, request.path_params["job_id"])
         return unknown(request.path_params["job_id"]) if job is None else JSONResponse(job)
 
-    api = Starlette(routes=[Route(f"{API}/jobs", admin(submit), methods=["POST"]),
-                            Route(f"{API}/jobs", admin(jobs), methods=["GET"]),
-                            Route(API + "/jobs/{job_id}", admin(one), methods=["GET"]),
-                            Route(API + "/jobs/{job_id}/stop", admin(stop), methods=["POST"])])
+    api = Starlette(routes=[Route(f"{API}/jobs", guarded(submit, admin=True), methods=["POST"]),
+                            Route(f"{API}/jobs", guarded(jobs, admin=False), methods=["GET"]),
+                            Route(API + "/jobs/{job_id}", guarded(one, admin=False), methods=["GET"]),
+                            Route(API + "/jobs/{job_id}/stop", guarded(stop, admin=True), methods=["POST"])])
     http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
     async def forward(scope, receive, send) -> None:
