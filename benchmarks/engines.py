@@ -128,10 +128,10 @@ def process_tree_memory(pid: int, marker: str | None = None) -> tuple[float, flo
     PSS falls back to RSS where /proc/<pid>/smaps_rollup cannot be read. Processes gone meanwhile are skipped.
 
     With `marker` (a `NAME=VALUE` environment entry given to `pid` at its start, which everything it starts
-    inherits), every other process whose environment holds that exact entry is counted too, once: the processes
-    that are not its descendants, such as Ray's workers, which hang off the raylet, and whatever was re-parented to
-    init after its parent exited. The environment is the one a process started with (/proc/<p>/environ);
-    processes of other users (unreadable) are not counted.
+    inherits), every other process whose environment holds that exact entry is counted too, once: what the run
+    started that is no longer (or never was) under `pid`, such as Ray's processes where the raylet or a `ray start`
+    daemon is not `pid`'s descendant, and whatever was re-parented to init after its parent exited. The environment
+    is the one a process started with (/proc/<p>/environ); processes of other users (unreadable) are not counted.
 
     Raises psutil.NoSuchProcess when `pid` itself does not exist."""
     import psutil

@@ -35,9 +35,9 @@ Per run, printed and written to `OUT/summary.json`:
   largest sum of PSS (a page shared by several of them counted once, `/proc/<pid>/smaps_rollup`). Counted: the ajet
   process and its descendants (with vLLM: the watchdog, the API server, the engine core and the worker), and every
   other process whose environment holds the run's own `AJET_BENCHMARK_RUN` entry, which ajet gets and all it starts
-  inherits: with verl or Trinity, Ray's processes (GCS server, raylet, dashboard, workers; the workers hang off the
-  raylet, not off ajet). Ray's object store is shared memory, in the RSS of each process that touched it and in PSS
-  once.
+  inherits: with verl or Trinity, Ray's processes (GCS server, raylet, dashboard, workers; the workers are the
+  raylet's children), also any no longer under the ajet process (one whose parent exited is re-parented to init).
+  Ray's object store is shared memory, in the RSS of each process that touched it and in PSS once.
 Each row of the table is one figure, each column one run (`backbone+engine`), then each run's ratio to
 `debug+in_process` (when that run is among them). Every minute the benchmark prints `uptime` (the machine's load).
 """
