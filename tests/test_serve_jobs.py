@@ -1,7 +1,8 @@
 """`ajet serve` without `--conf`: a real job server on 127.0.0.1 (one per module) takes a 1-step job of the tiny model
 from `AjetClient.submit` (an `ajet.Job` with its tasks as data), a client runs its episodes through the server's one
 URL and the job trains; a bad job is a 400 with the config's "did you mean" and the server keeps waiting; a submit
-without the secret or with a wrong one is a 401; a queued job is stopped; `AsyncAjetClient` has the same job methods;
+without the secret or with a wrong one is a 401, with a client key of `--keys` a 403 (the client key runs the
+episodes, an admin key submits); a queued job is stopped; `AsyncAjetClient` has the same job methods;
 a failed job reports its own exit status; `kill -9` of the server leaves no job process behind, and `--resume`
 continues the job."""
 
@@ -21,6 +22,10 @@ from ajet.client import AjetClient, AjetClientError, AsyncAjetClient, RunFinishe
 from tests.local_servers import announced_url
 
 SECRET = "jobs-secret-0123456789abcdef"
+CLIENT_KEY = "alice-client-key-0123456789"   # --keys: client `alice`; admin `ops` from AJET_TEST_OPS_KEY
+OPS_KEY = "ops-admin-key-0123456789abcdef"
+KEYS_YAML = ("serve:\n  keys:\n    - {name: alice, key: %s, scope: client}\n"
+             "    - {name: ops, key_env: AJET_TEST_OPS_KEY, scope: admin}\n" % CLIENT_KEY)
 TASKS = [{"task_id": f"t{i}", "query": f"What is {i} plus 1?", "answer": str(i + 1)} for i in range(6)]
 
 
@@ -35,9 +40,10 @@ class JobServer:
 
     def __init__(self, root: Path, *extra: str):
         self.root = root
-        env = {**os.environ, "AJET_SECRET": SECRET}
+        env = {**os.environ, "AJET_SECRET": SECRET, "AJET_TEST_OPS_KEY": OPS_KEY}
+        (root.parent / f"{root.name}-keys.yaml").write_text(KEYS_YAML)
         self.proc = subprocess.Popen([sys.executable, "-m", "ajet", "serve", "--exp-root", str(root), "--port", "0",
-                                      *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+                                      "--keys", str(root.parent / f"{root.name}-keys.yaml"), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         self.lines, self.url = announced_url(self.proc, "job server on ", "ajet serve", 120)
 
     def stop(self) -> int:
@@ -76,9 +82,9 @@ def server(tmp_path_factory):
 
 def _run_episodes(url: str, max_episodes: int = 50) -> int:
     """Episodes of the running job, answered by the tiny model, rewarded 1.0 for a non-empty answer; until the
-    run is finished. Returns how many were finished."""
+    run is finished. Returns how many were finished. With `--keys`' client key: the job's own server checks it."""
     done = 0
-    with AjetClient(url, secret=SECRET, retry_for_s=300) as client:
+    with AjetClient(url, secret=CLIENT_KEY, retry_for_s=300) as client:
         for _ in range(max_episodes):
             try:
                 with client.episode() as ep:
@@ -96,7 +102,7 @@ def test_a_submitted_job_trains_on_client_episodes(server, tiny_model_dir):
     import ajet
 
     job = ajet.Job(tasks=TASKS, **_config(tiny_model_dir))
-    with AjetClient(server.url, secret=SECRET) as admin:
+    with AjetClient(server.url, secret=OPS_KEY) as admin:          # an admin key of --keys submits
         queued = admin.submit(job)
         assert queued["state"] in ("queued", "running") and queued["total_steps"] == 1
         finished = _run_episodes(server.url)
@@ -123,13 +129,29 @@ def test_a_bad_job_is_a_400_with_did_you_mean(server, tiny_model_dir):
         assert all(j["state"] != "queued" for j in admin.jobs())   # nothing was queued; the server answers on
 
 
-def test_submit_needs_the_secret(server, tiny_model_dir):
+def test_submit_and_stop_need_an_admin_key(server, tiny_model_dir):
+    """No key or a wrong one: 401 on every job route; a client key of --keys: 403 naming the admin key it needs on
+    submit and stop, nothing queued, while it lists and reads jobs; a job may not bring serve.keys."""
     body = {"config": {**_config(tiny_model_dir), "data": {"train_path": "x.jsonl"}}}
     for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
         r = httpx.post(server.url + "/ajet/v1/jobs", json=body, headers=headers, timeout=30)
         assert r.status_code == 401, r.text
         assert r.json()["error"]["code"] == "invalid_secret"
     assert httpx.get(server.url + "/ajet/v1/jobs", timeout=30).status_code == 401
+    with AjetClient(server.url, secret=CLIENT_KEY) as alice:
+        before = [j["id"] for j in alice.jobs()]                 # a client key lists jobs
+        for call in (lambda: alice.submit(body), lambda: alice.stop("job-404")):
+            with pytest.raises(AjetClientError) as err:
+                call()
+            assert err.value.status == 403 and err.value.code == "admin_key_required", err.value
+            assert "`alice` is a client key" in err.value.message and "needs an admin key" in err.value.message
+        assert [j["id"] for j in alice.jobs()] == before         # nothing queued
+    r = httpx.get(f"{server.url}/ajet/v1/jobs/job-404", headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_job", r.text   # reads jobs: past the key
+    with AjetClient(server.url, secret=OPS_KEY) as admin, pytest.raises(AjetClientError) as err:
+        admin.submit({"config": {**_config(tiny_model_dir), "serve": {"keys": [{"name": "x", "key": OPS_KEY}]}},
+                      "tasks": {"train": TASKS}})                # a job's keys would be the server's
+    assert err.value.status == 400 and "serve.keys" in err.value.message, err.value
 
 
 def test_stop_a_queued_job(server, tiny_model_dir):
