@@ -28,7 +28,7 @@ on one episode its `episode_token` from begin in the `X-Ajet-Episode-Token` head
     GET  /ajet/v1/status
 
 A job server (`ajet serve` without `--conf`, docs/serve.md "Jobs from a laptop") also takes jobs from the holder of
-its secret: `submit(job)`, `jobs()`, `wait(job_id, timeout_s)`, `stop(job_id)` (coroutines on `AsyncAjetClient`):
+an admin key (its secret; client keys only list and read jobs): `submit(job)`, `jobs()`, `wait(job_id, timeout_s)`, `stop(job_id)` (coroutines on `AsyncAjetClient`):
 
     POST /ajet/v1/jobs                    {"config": {...}, "tasks"?: {"train"|"val"|"test": [rows]}} -> job
     GET  /ajet/v1/jobs                    -> {"jobs": [job, ...]}
@@ -291,7 +291,7 @@ class _ClientBase:
 
     Args:
         url: the server's base URL (default: `AJET_URL`).
-        secret: the server's secret (default: `AJET_SECRET`).
+        secret: the server's secret or one of its `serve.keys` (default: `AJET_SECRET`).
         client_id: a name for this client in the server's status (default: host-pid-random).
         retry_for_s: how long connection errors and 502/503/504 answers are retried, seconds.
         timeout_s: per-request timeout, seconds.
@@ -435,7 +435,8 @@ class AjetClient(_ClientBase):
 
         Raises:
             AjetClientError: 400 `invalid_job` (the message is what `ajet --conf` says of such a YAML, with its "did
-                you mean"), 401 without the server's secret. ConfigError: `job` is no job.
+                you mean"), 401 without a key of the server, 403 `admin_key_required` with a client key.
+                ConfigError: `job` is no job.
         """
         return self._call(**self._submit_args(job))
 
@@ -465,7 +466,8 @@ class AjetClient(_ClientBase):
         trained). Returns the job as it is now (`wait` for the running one's final state).
 
         Raises:
-            AjetClientError: 404 for an unknown id, 401 without the server's secret.
+            AjetClientError: 404 for an unknown id, 401 without a key of the server, 403 `admin_key_required`
+                with a client key.
         """
         return self._call(**self._job_args(job_id, "stop"))
 
@@ -574,7 +576,7 @@ class AsyncAjetClient(_ClientBase):
         returns the job as it is now.
 
         Raises:
-            AjetClientError: 404 (no such job) or 401 (no secret, a wrong one).
+            AjetClientError: 404 (no such job), 401 (no key, a wrong one) or 403 (a client key).
         """
         return await self._call(**self._job_args(job_id, "stop"))
 
