@@ -235,6 +235,7 @@ print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_ar
     ("algorithm: {loss_agg_mode: seq-mean-token-sum-norm}\ntrinity: {cluster: {gpu_per_node: 2}}\n",
      "ConfigError: loss_agg_mode seq-mean-token-sum-norm with 2 Trinity ranks"),
     ("trinity: {cluster: {node_num: 2, gpu_per_node: 1}}\n", "ConfigError: `trinity.cluster.node_num: 2` on a machine"),
+    ("rollout: {ray_address: '127.0.0.1:6379'}\n", "ConfigError: rollout.ray_address='127.0.0.1:6379' (--ray-address)"),
 ])
 def test_the_trinity_block_reaches_trinitys_config(tmp_path, extra, expected):
     """ajet's keys and the `trinity:` block compose into Trinity's own typed Config (its validators run, in the

@@ -138,8 +138,8 @@ def world_size_of(cfg: AjetConfig, on_cpu: bool) -> int:
     cluster (gloo), e.g. `trinity: {cluster: {gpu_per_node: 2}}` for 2 ranks.
 
     Raises:
-        ConfigError: a count below 1 or not an integer, or several nodes on CPU (the CPU trainer's Ray cluster is
-            this machine).
+        ConfigError: a count below 1 or not an integer, or, on CPU, several nodes or a Ray cluster to join
+            (`rollout.ray_address`): the CPU trainer's Ray cluster is this machine's own, private one.
     """
     cluster = _nested(cfg.trinity or {}).get("cluster", {}) if isinstance(cfg.trinity, dict) else {}
     nodes, per_node = cluster.get("node_num", 1), cluster.get("gpu_per_node", 1)
@@ -150,6 +150,12 @@ def world_size_of(cfg: AjetConfig, on_cpu: bool) -> int:
         raise ConfigError(f"`trinity.cluster.node_num: {nodes}` on a machine without CUDA: the trinity backbone "
                           f"trains on this machine's local Ray cluster; set node_num: 1 and gpu_per_node: N for N "
                           f"ranks")
+    address = cfg.rollout.ray_address
+    if on_cpu and address not in (None, "local"):
+        raise ConfigError(f"rollout.ray_address={address!r} (--ray-address) on a machine without CUDA: the trinity "
+                          f"backbone trains on a private local Ray cluster of its own, which declares logical GPU "
+                          f"slots for its ranks (a joined cluster has none, and Trinity would wait for them); drop "
+                          f"--ray-address, or train on the cluster with --backbone verl (docs/scale-out.md)")
     return nodes * per_node
 
 
