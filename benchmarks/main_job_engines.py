@@ -29,7 +29,8 @@ Per run, printed and written to `OUT/summary.json`:
 - rollout tokens/s: the steps' generated tokens over their rollout seconds (`rollout/generated_tokens`,
   `time/rollout_s` in `metrics.jsonl`); evaluation tokens/s: each held-out evaluation's sampled tokens
   (`val/step_N/eval_trajectories.jsonl`) over its `val/time_s`;
-- held-out `val/pass@1` before and after; seconds in rollout, update, weight sync (`train/weight_sync_s`) and
+- held-out pass@1 before and after: the test set's (`test/pass@1`, the main job's reported figure: 160 problems,
+  before step 1 and on the final model) where the config has one, else the validation set's; seconds in rollout, update, weight sync (`train/weight_sync_s`) and
   evaluation;
 - peak memory of all the run's processes, read every `--interval-s` seconds: the largest sum of RSS, and the
   largest sum of PSS (a page shared by several of them counted once, `/proc/<pid>/smaps_rollup`). Counted: the ajet
@@ -172,10 +173,10 @@ def job_config(backbone: str, engine: str, kv_cache_gb: int, out: Path, override
     return path
 
 
-def eval_tokens(exp_dir: Path, step: int) -> int:
-    """Sampled tokens of the held-out evaluation at `step` (`val/step_<step>/eval_trajectories.jsonl`, every call's
-    `completion_ids`); 0 when the file is missing."""
-    path = exp_dir / "val" / f"step_{step}" / "eval_trajectories.jsonl"
+def eval_tokens(exp_dir: Path, step: int, split: str = "val") -> int:
+    """Sampled tokens of the evaluation of `split` ("val" or "test") at `step`
+    (`<split>/step_<step>/eval_trajectories.jsonl`, every call's `completion_ids`); 0 when the file is missing."""
+    path = exp_dir / split / f"step_{step}" / "eval_trajectories.jsonl"
     if not path.exists():
         return 0
     n = 0
@@ -186,19 +187,24 @@ def eval_tokens(exp_dir: Path, step: int) -> int:
 
 
 def job_figures(exp_dir: Path) -> dict:
-    """A finished (or stopped) job's figures from `exp_dir/metrics.jsonl` and its evaluations' files: pass@1 before
-    and after, rollout and evaluation tokens/s, seconds per phase, steps logged. Missing figures are None."""
+    """A finished (or stopped) job's figures from `exp_dir/metrics.jsonl` and its evaluations' files: the reported
+    pass@1 before and after (the test set's, `test/pass@1`, where the config has one: the main job's 160 problems;
+    else the validation set's, `val/pass@1`), rollout and evaluation tokens/s (validations and test evaluations),
+    seconds per phase, steps logged. Missing figures are None."""
     path = exp_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     steps = [r for r in rows if "time/rollout_s" in r]
-    vals = [r for r in rows if "val/pass@1" in r]
+    split = "test" if any("test/pass@1" in r for r in rows) else "val"
+    held = [r for r in rows if f"{split}/pass@1" in r]
     gen, roll = sum(r.get("rollout/generated_tokens", 0) for r in steps), sum(r["time/rollout_s"] for r in steps)
-    evals = [{"step": r.get("step", 0), "time_s": r.get("val/time_s", 0.0), "tokens": eval_tokens(exp_dir, r.get("step", 0))}
-             for r in vals]
+    evals = [{"split": sp, "step": int(r.get(f"{sp}/step", r.get("step", 0))), "time_s": r.get(f"{sp}/time_s", 0.0)}
+             for r in rows for sp in ("val", "test") if f"{sp}/pass@1" in r]
+    for e in evals:
+        e["tokens"] = eval_tokens(exp_dir, e["step"], e["split"])
     ev_tokens, ev_s = sum(e["tokens"] for e in evals), sum(e["time_s"] for e in evals)
-    return {"steps": len(steps),
-            "before": vals[0]["val/pass@1"] if vals else None,
-            "after": vals[-1]["val/pass@1"] if len(vals) > 1 else None,
+    return {"steps": len(steps), "held_out": split,
+            "before": held[0][f"{split}/pass@1"] if held else None,
+            "after": held[-1][f"{split}/pass@1"] if len(held) > 1 else None,
             "rollout_s": roll, "rollout_tokens": gen, "rollout_tokens_per_s": gen / roll if roll else None,
             "update_s": sum(r.get("train/update_s", 0.0) for r in steps),
             "weight_sync_s": sum(r.get("train/weight_sync_s", 0.0) for r in steps),

@@ -47,6 +47,24 @@ def test_a_jobs_figures_come_from_its_metrics_and_evaluations(tmp_path):
     assert job_figures(tmp_path / "missing")["before"] is None
 
 
+def test_with_a_test_set_the_reported_figure_is_the_test_sets(tmp_path):
+    """The main job validates on 64 problems (selection) and reports the 160 of its test set: before/after are the
+    test set's pass@1 (step 0 and the final model, here step 1's), and its evaluations count in the eval tokens/s."""
+    rows = [{"step": 0, "val/pass@1": 0.125, "val/time_s": 40.0, "test/pass@1": 0.1, "test/time_s": 100.0,
+             "test/step": 0.0},
+            {"step": 1, "rollout/generated_tokens": 300, "time/rollout_s": 10.0, "val/pass@1": 0.3, "val/time_s": 30.0},
+            {"step": 2, "rollout/generated_tokens": 100, "time/rollout_s": 10.0, "val/pass@1": 0.2, "val/time_s": 30.0,
+             "test/pass@1": 0.45, "test/time_s": 90.0, "test/step": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for split, step, ids in (("val", 0, [1]), ("test", 0, [1, 2]), ("test", 1, [1, 2, 3, 4])):
+        folder = tmp_path / split / f"step_{step}"
+        folder.mkdir(parents=True)
+        (folder / "eval_trajectories.jsonl").write_text(json.dumps({"calls": [{"completion_ids": ids}]}) + "\n")
+    f = job_figures(tmp_path)
+    assert (f["held_out"], f["before"], f["after"]) == ("test", 0.1, 0.45)
+    assert (f["eval_tokens"], f["eval_s"]) == (1 + 2 + 4, 40.0 + 100.0 + 30.0 + 30.0 + 90.0)
+
+
 def test_the_table_prints_each_engine_and_the_ratio():
     jobs = [{"engine": "vllm", "wall_s": 600.0, "rollout_tokens_per_s": 90.0, "peak_rss_gb": 9.0},
             {"engine": "in_process", "wall_s": 1200.0, "rollout_tokens_per_s": 30.0, "peak_rss_gb": 6.0}]
