@@ -167,6 +167,15 @@ def server_secret(configured: str | None) -> tuple[str, bool]:
     return (secret, False) if secret is not None else (secrets.token_urlsafe(24), True)
 
 
+def secret_beside(configured: str | None, keys: Iterable[tuple[str, str, str]]) -> tuple[str | None, bool]:
+    """The secret of a server that also has named `keys` ((name, key, scope) each), and whether it was generated:
+    (None, False) when no secret is configured (`configured_secret`) and an admin key is among `keys` (then they
+    are the only admin keys), else `server_secret(configured)`."""
+    if configured_secret(configured) is None and any(scope == "admin" for _, _, scope in keys):
+        return None, False
+    return server_secret(configured)
+
+
 def secret_matches(given: str, secret: str) -> bool:
     """Whether `given` is `secret` (constant time)."""
     return secrets.compare_digest(given.encode(), secret.encode())
@@ -261,3 +270,28 @@ class Guard:
         except Refused as err:
             return await self.render(err)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+
+SECRET_NAME = "secret"   # the name the secret's caller gets in a `KeyRing`; no configured key may take it
+
+
+def key_ring(secret: str | None, keys: Iterable[tuple[str, str, str]]) -> KeyRing:
+    """The `KeyRing` of a server: its secret (an admin key named `SECRET_NAME`; None: it has none) and its named
+    `keys` ((name, key, scope) each).
+
+    Raises:
+        ValueError: what `KeyRing` refuses (two keys with one name, one key twice or also as the secret).
+    """
+    return KeyRing([*([(SECRET_NAME, secret, "admin")] if secret else []), *keys])
+
+
+def describe_keys(keys: Iterable[tuple[str, str, str]]) -> list[str]:
+    """The named keys by scope for a server's start line, e.g. ["2 client keys (alice, bob)", "1 admin key (ops)"]
+    ([] without keys); the keys themselves are never shown."""
+    keys, parts = list(keys), []
+    for scope in SCOPES:
+        names = [n for n, _, s in keys if s == scope]
+        if names:
+            parts.append(f"{len(names)} {scope} key{'s' if len(names) > 1 else ''} ({', '.join(names)})")
+    return parts

@@ -40,17 +40,14 @@ def gateway(cfg: AjetConfig) -> Path:
     from ajet.gateway.sessions import SessionBook
     from ajet.gateway.source import GatewaySource
     from ajet.gateway.store import GatewayStore
-    from ajet.guard import allowed_hosts, configured_secret, server_secret
+    from ajet.guard import allowed_hosts, secret_beside
     from ajet.judges import load_judge
     from ajet.trainer import run
 
     cfg = cfg.for_mode("gateway")   # its checks, and its defaults: adv_estimator, proxy.host (ajet/config/)
     g = cfg.gateway
     keys = _keys(cfg)
-    if configured_secret(g.secret) is None and any(scope == "admin" for _, _, scope in keys):
-        secret, generated = None, False                # the admin keys of gateway.keys are the only ones
-    else:
-        secret, generated = server_secret(g.secret)
+    secret, generated = secret_beside(g.secret, keys)   # None when gateway.keys holds an admin key and none is set
     hosts = allowed_hosts(g.host, g.allowed_hosts)
     judge = load_judge(cfg) if g.on_no_feedback == "judge" or g.n > 1 else None
 
@@ -109,14 +106,13 @@ def _keys(cfg: AjetConfig) -> list[tuple[str, str, str]]:
             name `secret` (gateway.secret's), two entries with one name, or a key equal to another one (or to the
             secret).
     """
-    from ajet.guard import KeyRing, configured_secret
+    from ajet.guard import SECRET_NAME, configured_secret, key_ring
 
     try:
-        if any(k.name == "secret" for k in cfg.gateway.keys):
-            raise ValueError("the name `secret` is gateway.secret's: name the key otherwise")
+        if any(k.name == SECRET_NAME for k in cfg.gateway.keys):
+            raise ValueError(f"the name `{SECRET_NAME}` is gateway.secret's: name the key otherwise")
         keys = [(k.name, k.value(), k.scope) for k in cfg.gateway.keys]
-        secret = configured_secret(cfg.gateway.secret)
-        KeyRing([*keys, *([("secret", secret, "admin")] if secret else [])])
+        key_ring(configured_secret(cfg.gateway.secret), keys)
     except ValueError as e:
         raise ConfigError(f"gateway.keys: {e}") from None
     return keys
@@ -124,12 +120,9 @@ def _keys(cfg: AjetConfig) -> list[tuple[str, str, str]]:
 
 def _describe_keys(keys: list[tuple[str, str, str]], secret: str | None) -> str:
     """"the secret (admin), 2 client keys (alice, bob), 1 admin key (ops)" for the start line."""
-    parts = ["the secret (admin)"] if secret is not None else []
-    for scope in ("client", "admin"):
-        names = [n for n, _, s in keys if s == scope]
-        if names:
-            parts.append(f"{len(names)} {scope} key{'s' if len(names) > 1 else ''} ({', '.join(names)})")
-    return ", ".join(parts)
+    from ajet.guard import describe_keys
+
+    return ", ".join([*(["the secret (admin)"] if secret is not None else []), *describe_keys(keys)])
 
 
 def keys_main(client: int = 1, admin: int = 1) -> int:

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from ajet.config import AjetConfig
-from ajet.guard import server_secret
+from ajet.guard import describe_keys, secret_beside, server_secret
 from ajet.interrupt import StopSignals, Stopped, exit_status, signal_name
 from ajet.rollout import Rollout, RolloutContext, RunMode
 from ajet.serve import ServeSource
@@ -64,11 +64,7 @@ def serve(cfg: AjetConfig) -> Path:
 
 def _describe_keys(keys: list[tuple[str, str, str]]) -> str:
     """"keys: 2 client keys (alice, bob), 1 admin key (ops); " for the start line ("" without keys)."""
-    parts = []
-    for scope in ("client", "admin"):
-        names = [n for n, _, s in keys if s == scope]
-        if names:
-            parts.append(f"{len(names)} {scope} key{'s' if len(names) > 1 else ''} ({', '.join(names)})")
+    parts = describe_keys(keys)
     return f"keys: {', '.join(parts)}; " if parts else ""
 
 
@@ -118,10 +114,7 @@ def serve_jobs(host: str, port: int, root: Path, resume: bool = False, backbone:
         raise ConfigError(f"--host {host} is reachable from other machines: set AJET_SECRET (the admin key that "
                           "submits and stops jobs, and the secret of the episode API)")
     keys = read_file(keys_file) if keys_file is not None else []
-    if server_secret(None)[1] and any(scope == "admin" for _, _, scope in keys):
-        secret, generated = None, False           # the admin keys of --keys are the only ones
-    else:
-        secret, generated = server_secret(None)
+    secret, generated = secret_beside(None, keys)   # None when --keys holds an admin key and AJET_SECRET is unset
     check(keys, secret, f"--keys {keys_file}")
     queue = JobQueue(root, secret, resume, backbone, keys)
     app = build_jobs_app(queue, secret, keys)

@@ -120,8 +120,7 @@ class GatewayApp:
                  decoding: int = 1, read_timeout_s: float | None = None,
                  keys: list[tuple[str, str, str]] = (), allow_query_key: bool = False):
         self.proxy, self.book, self.secret, self.policy_version = proxy, book, secret, policy_version
-        entries = [*([("secret", secret, "admin")] if secret is not None else []), *keys]
-        self.keys = guard.KeyRing(entries) if entries else None
+        self.keys = guard.key_ring(secret, keys) if secret is not None or keys else None
         self.allow_query_key = allow_query_key
         self.allowed_hosts = allowed_hosts
         self.max_queued, self.decoding = max_queued, max(1, decoding)

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ajet.guard import Caller, KeyRing, bearer_token, finite_number
+from ajet.guard import Caller, bearer_token, finite_number, key_ring
 from ajet.proxy.wire import ClientGone, log_client_gone
 from ajet.rollout.episode_queue import TOKEN_HEADER, EpisodeApiError, EpisodeQueue
 
@@ -113,9 +113,9 @@ def build_api(queue: EpisodeQueue, secret: str | None, keys: list[tuple[str, str
     None: only `keys`) and `keys` ((name, key, scope "client" | "admin") each: `serve.keys`).
 
     Raises:
-        ValueError: `keys` that `ajet.guard.KeyRing` refuses (two names, one key twice or as the secret).
+        ValueError: `keys` that `ajet.guard.key_ring` refuses (two names, one key twice or as the secret).
     """
-    ring = KeyRing([*([("secret", secret, "admin")] if secret else []), *keys])
+    ring = key_ring(secret, keys)
 
     async def body(request: Request, model: type[BaseModel]) -> BaseModel:
         try:

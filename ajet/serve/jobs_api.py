@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ajet.errors import ConfigError
-from ajet.guard import KeyRing, bearer_token
+from ajet.guard import bearer_token, key_ring
 from ajet.serve.api import API, _error
 from ajet.serve.jobs import JobQueue
 
@@ -46,11 +46,11 @@ def build_jobs_app(queue: JobQueue, secret: str | None, keys: list[tuple[str, st
             also submits and stops them.
 
     Raises:
-        ValueError: `keys` that `ajet.guard.KeyRing` refuses (two names, one key twice or as the secret).
+        ValueError: `keys` that `ajet.guard.key_ring` refuses (two names, one key twice or as the secret).
     """
     import httpx
 
-    ring = KeyRing([*([("secret", secret, "admin")] if secret else []), *keys])
+    ring = key_ring(secret, keys)
 
     def guarded(handler, admin: bool):
         async def endpoint(request: Request):

@@ -19,10 +19,9 @@ from typing import Iterable
 
 from ajet.config.serving import GatewayKey
 from ajet.errors import ConfigError
-from ajet.guard import KeyRing, configured_secret, server_secret
+from ajet.guard import SECRET_NAME, KeyRing, key_ring, secret_beside
 
 KEYS_ENV = "AJET_SERVE_KEYS"   # (name, key, scope) of the job server's keys, JSON, for each job's own server
-SECRET_NAME = "secret"         # the name the secret's caller gets (no `serve.keys` entry may take it)
 
 Key = tuple[str, str, str]     # (name, key, scope)
 
@@ -54,10 +53,7 @@ def server_keys(configured_keys: Iterable[GatewayKey], configured: str | None) -
         ConfigError: what `resolve` and `check` refuse; a `KEYS_ENV` that is not the JSON a job server writes.
     """
     keys = [*resolve(configured_keys), *from_env()]
-    if configured_secret(configured) is None and any(scope == "admin" for _, _, scope in keys):
-        secret, generated = None, False           # the admin keys are the only ones: none is generated
-    else:
-        secret, generated = server_secret(configured)
+    secret, generated = secret_beside(configured, keys)
     check(keys, secret)
     return keys, secret, generated
 
@@ -69,7 +65,7 @@ def check(keys: list[Key], secret: str | None, where: str = "serve.keys") -> Key
         ConfigError: naming `where`: two keys with one name, or one key given twice (also as the secret).
     """
     try:
-        return KeyRing([*([(SECRET_NAME, secret, "admin")] if secret else []), *keys])
+        return key_ring(secret, keys)
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
 
