@@ -546,8 +546,8 @@ class AsyncAjetClient(_ClientBase):
             the job as queued: {"id", "state": "queued", "step", "total_steps", "exp_dir", ...}.
 
         Raises:
-            AjetClientError: 400 `invalid_job` with the config's "did you mean", or 401 (no secret, a wrong one).
-                ConfigError: `job` is no job (nothing is sent).
+            AjetClientError: 400 `invalid_job` with the config's "did you mean", 401 (no key, a wrong one) or 403
+                `admin_key_required` (a client key). ConfigError: `job` is no job (nothing is sent).
         """
         return await self._call(**self._submit_args(job))
 
@@ -555,7 +555,7 @@ class AsyncAjetClient(_ClientBase):
         """The server's jobs, oldest first, each as `AjetClient.jobs` lists it (id, state, step, result, ...).
 
         Raises:
-            AjetClientError: 401 (no secret, a wrong one).
+            AjetClientError: 401 (no key, a wrong one).
         """
         return (await self._call(**self._job_args()))["jobs"]
 
