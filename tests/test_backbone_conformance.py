@@ -18,8 +18,8 @@ import torch
 
 from ajet.algorithm.loss import LOSS_AGG_MODES, agg_loss
 from ajet.tracker.sample import Sample
-from tests.backbone_conformance.shared import (CLIP, GRAD_REL, ROOT, STEP1_UNITS, UPDATES, ajet_losses, config_check,
-                                               main_job_lr, run_check)
+from tests.backbone_conformance.shared import (CLIP, GRAD_REL, ROOT, STEP1_UNITS, UPDATES, ajet_losses, config_case,
+                                               main_job_lr, printed, run_check, run_scripts)
 from tests.backbone_conformance.shared import recorded  # noqa: F401  (the module fixture the tests take)
 from tests.backbone_conformance.venvs import venv_python
 
@@ -205,7 +205,8 @@ print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora
 """
 
 
-@pytest.mark.parametrize("device, extra, expected", [
+# (device, the config's extra keys, what the check prints first)
+VERL_CONFIG_CASES = [
     ("cuda", "model: {path: Qwen/Qwen2.5-0.5B-Instruct, lora: {rank: 8, alpha: 16}}\nrollout: {num_repeat: 5}\n"
      "algorithm: {kl_coef: 0.01, loss_agg_mode: seq-mean-token-sum-norm, loss_scale_factor: 512, max_grad_norm: 0.5}\n"
      "verl: {trainer: {n_gpus_per_node: 8}, actor_rollout_ref.rollout.engine_kwargs.vllm.logprobs_mode: "
@@ -215,11 +216,15 @@ print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora
      "composed seq-mean-token-mean None 0 4 2 vllm fsdp2 1.0 fp32 sdpa"),
     ("cuda", "model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {actor_rollout_ref.rollout.nmae: vllm}\n",
      "ConfigError: verl's config has no key `actor_rollout_ref.rollout.nmae`"),
-])
-def test_every_translated_key_exists_in_verls_own_config(tmp_path, device, extra, expected):
+]
+
+
+@pytest.mark.parametrize("case", range(len(VERL_CONFIG_CASES)))
+def test_every_translated_key_exists_in_verls_own_config(verl_scripts, case):
     """verl's ppo_trainer.yaml composed by Hydra in the verl venv takes every key the translation writes;
     a misspelt key in the `verl:` block is a ConfigError naming it."""
-    line = config_check(venv_python("verl"), VERL_CONFIG_CHECK, extra, tmp_path, device)
+    expected = VERL_CONFIG_CASES[case][2]
+    line = printed(verl_scripts[f"config{case}"])
     assert line.startswith(expected), line
 
 
@@ -241,12 +246,10 @@ print("ok")
 """
 
 
-def test_the_verl_api_the_adapter_calls_exists():
+def test_the_verl_api_the_adapter_calls_exists(verl_scripts):
     """The GPU-only adapter (backbones/verl/backbone.py) is written against verl 0.9.1: every verl name it
     calls must exist in the pinned verl, so a verl bump that renames one fails here, not on a GPU cluster."""
-    proc = subprocess.run([venv_python("verl"), "-c", VERL_API_CHECK], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    assert printed(verl_scripts["api"]) == "ok"
 
 
 VERL_AGG_LOSS = """
@@ -260,23 +263,39 @@ print(json.dumps({f"{m}/{f}": float(agg_loss(mat, mask, m, loss_scale_factor=f))
 """
 
 
-def test_agg_loss_equals_verls_own_with_fully_masked_rows():
-    """ajet's `agg_loss` against verl 0.9.1's own `agg_loss` (not a re-written reference) on a batch with a
-    fully masked row, which verl leaves out of the sequence count of the seq-mean modes (1e-7: verl adds 1e-8
-    to each row's token count in seq-mean-token-mean)."""
+def _agg_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """`[5, 9]` float64 losses and a loss mask with two fully masked rows (2 and 4)."""
     g = torch.Generator().manual_seed(0)
     loss_mat = torch.randn(5, 9, generator=g, dtype=torch.float64)
     mask = (torch.rand(5, 9, generator=g) > 0.4).double()
     mask[2] = 0
     mask[4] = 0
     mask[0, 0] = 1
-    payload = {"loss_mat": loss_mat.tolist(), "mask": mask.tolist(), "modes": list(LOSS_AGG_MODES)}
-    proc = subprocess.run([venv_python("verl"), "-c", VERL_AGG_LOSS], input=json.dumps(payload), capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    verl = json.loads(proc.stdout.strip().splitlines()[-1])
+    return loss_mat, mask
+
+
+def test_agg_loss_equals_verls_own_with_fully_masked_rows(verl_scripts):
+    """ajet's `agg_loss` against verl 0.9.1's own `agg_loss` (not a re-written reference) on a batch with a
+    fully masked row, which verl leaves out of the sequence count of the seq-mean modes (1e-7: verl adds 1e-8
+    to each row's token count in seq-mean-token-mean)."""
+    loss_mat, mask = _agg_batch()
+    verl = json.loads(printed(verl_scripts["agg_loss"]))
     for mode in LOSS_AGG_MODES:
         for factor in (None, 64.0):
             ours = float(agg_loss(loss_mat, mask, mode, factor))
             assert abs(verl[f"{mode}/{factor}"] - ours) < 1e-7, (mode, factor, verl[f"{mode}/{factor}"], ours)
 
+
+@pytest.fixture(scope="module")
+def verl_scripts(tmp_path_factory) -> dict[str, dict]:
+    """What this file's small check scripts print in the verl venv ({"stdout"}, plus "error" for one that raised),
+    by name: the config checks (config0...), the API check and verl's agg_loss. They run in one process
+    (`run_scripts`): verl's import, ~8 s of CPU, once instead of once a script."""
+    folder = tmp_path_factory.mktemp("verl_scripts")
+    cases = {f"config{i}": config_case(folder, f"c{i}", VERL_CONFIG_CHECK, extra, device)
+             for i, (device, extra, _) in enumerate(VERL_CONFIG_CASES)}
+    loss_mat, mask = _agg_batch()
+    cases["api"] = {"script": VERL_API_CHECK, "argv": []}
+    cases["agg_loss"] = {"script": VERL_AGG_LOSS, "argv": [], "stdin": json.dumps(
+        {"loss_mat": loss_mat.tolist(), "mask": mask.tolist(), "modes": list(LOSS_AGG_MODES)})}
+    return dict(zip(cases, run_scripts(venv_python("verl"), list(cases.values()), folder)))

@@ -13,7 +13,8 @@ import torch
 from ajet.tracker.sample import Sample
 from tests.backbone_conformance.adam import adamw_first_step, first_update_rel, rounding_units
 from tests.backbone_conformance.shared import (CHECKS, CLIP, GRAD_REL, LOSS_AGG_MODES, ROOT, STEP1_UNITS, UPDATES,
-                                               ajet_losses, config_check, main_job_lr, run_check)
+                                               ajet_losses, config_case, main_job_lr, printed, run_check,
+                                               run_scripts)
 from tests.backbone_conformance.shared import recorded  # noqa: F401  (the module fixture the tests take)
 from tests.backbone_conformance.venvs import venv_python
 
@@ -221,7 +222,8 @@ print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_ar
 """
 
 
-@pytest.mark.parametrize("extra, expected", [
+# (the config's extra keys, what the check prints first)
+TRINITY_CONFIG_CASES = [
     ("algorithm: {lr: 2.0e-5, loss_agg_mode: seq-mean-token-sum}\n",
      "composed dapo ppo ['clip_range_high', 'clip_range_low', 'clip_ratio_c', 'loss_agg_mode'] seq-mean-token-sum "
      "none 2e-05 0 {'param_dtype': 'fp32', 'reduce_dtype': 'fp32', 'buffer_dtype': 'fp32'}"),
@@ -236,10 +238,23 @@ print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_ar
      "ConfigError: loss_agg_mode seq-mean-token-sum-norm with 2 Trinity ranks"),
     ("trinity: {cluster: {node_num: 2, gpu_per_node: 1}}\n", "ConfigError: `trinity.cluster.node_num: 2` on a machine"),
     ("rollout: {ray_address: '127.0.0.1:6379'}\n", "ConfigError: rollout.ray_address='127.0.0.1:6379' (--ray-address)"),
-])
-def test_the_trinity_block_reaches_trinitys_config(tmp_path, extra, expected):
+]
+
+
+@pytest.fixture(scope="module")
+def trinity_configs(tmp_path_factory) -> list[dict]:
+    """What TRINITY_CONFIG_CHECK prints for each of TRINITY_CONFIG_CASES in the trinity venv ({"stdout"}, plus
+    "error" for one that raised), all in one process (`run_scripts`): Trinity's import once instead of once a case."""
+    folder = tmp_path_factory.mktemp("trinity_configs")
+    cases = [config_case(folder, f"c{i}", TRINITY_CONFIG_CHECK, extra)
+             for i, (extra, _) in enumerate(TRINITY_CONFIG_CASES)]
+    return run_scripts(venv_python("trinity"), cases, folder)
+
+
+@pytest.mark.parametrize("case", range(len(TRINITY_CONFIG_CASES)))
+def test_the_trinity_block_reaches_trinitys_config(trinity_configs, case):
     """ajet's keys and the `trinity:` block compose into Trinity's own typed Config (its validators run, in the
     trinity venv): Trinity's algorithm choice passes through with that algorithm's own defaults; a misspelt key is
     a ConfigError naming it; a setting the backbone cannot honour is a ConfigError naming the ajet key."""
-    line = config_check(venv_python("trinity"), TRINITY_CONFIG_CHECK, extra, tmp_path)
-    assert line.startswith(expected), line
+    line = printed(trinity_configs[case])
+    assert line.startswith(TRINITY_CONFIG_CASES[case][1]), line
