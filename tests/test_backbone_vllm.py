@@ -3,20 +3,23 @@ venv (.venvs/verl, .venvs/trinity), generates through a vLLM server (.venvs/vllm
 update the trainer's weights reach the server (verl's per-tensor export / Trinity's synchronizer -> safetensors ->
 the server's `reload_weights`), for two steps of a one-call workflow.
 
-Per backbone, two runs of the same config (2 steps, a checkpoint every step):
+Per backbone, two runs of the same config (2 steps, a checkpoint every step), both against the module's server
+(`engine.urls`):
 1. killed with SIGKILL once step 2's episodes are stored (`AJET_TEST_KILL_AT=stored@2`: step 1's update and
-   checkpoint are done, step 2 generated on the synced weights). verl's run uses a server ajet starts and owns, whose
-   process group must be gone after the kill (the watchdog); Trinity's uses the module's server (`engine.urls`).
-2. `--resume`d to the end against the module's server (`engine.urls`; the server first gets the starting weights,
-   then the checkpoint's, before the first call).
+   checkpoint are done, step 2 generated on the synced weights);
+2. `--resume`d to the end (the server first gets the starting weights, then the checkpoint's, before the first
+   call). Before verl's resumed run the test puts the starting weights back on the server, which the killed run left
+   holding step 1's: a resume that skipped the checkpoint's weights would be served the wrong ones.
 Checked, with a transformers forward in fp32 as the reference (vLLM's fp32 logprobs agree with it to ~2e-5,
 tests/test_vllm_engine.py): in both runs step 1's calls record policy version 0 and step 2's version 1, and the
 logprobs the server returned at step 2 are those of step 1's checkpoint (the trainer's weights after update 1),
 not the starting weights'; after the resumed run the server answers a fixed prompt with the logprobs of step 2's
 checkpoint. Trinity's first run meets the module's server holding verl's trained weights: its step-1 calls must
-have the starting weights' logprobs (ajet sends a server at `engine.urls` the starting weights). The module's
-server (tests/test_vllm_engine.py's fixture) is started only after verl's first run, so that two servers never
-run at once.
+have the starting weights' logprobs (ajet sends a server at `engine.urls` the starting weights).
+
+A server ajet starts and owns (`engine: {kind: vllm}` without urls) is the LoRA test's, run first: its process
+group must be gone after the SIGKILL (the watchdog). The module's server (tests/test_vllm_engine.py's fixture)
+starts after it, so that two servers never run at once.
 
 In CI a missing venv FAILS these tests (tests/backbone_conformance/venvs.py, tests/test_vllm_engine.py).
 """
@@ -36,6 +39,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from ajet.engines.vllm import SERVED_NAME, VLLMEngine
 from ajet.trajectory_store import TrajectoryStore
 from tests.backbone_conformance.venvs import venv_python
 from tests.test_vllm_engine import (  # noqa: F401 - module fixtures: the SmolLM2 folder and the module's server
@@ -190,16 +194,25 @@ def _check_server_holds(url: str, tokenizer, model) -> None:
 def test_verl_lora_through_vllm_serves_each_update_as_a_new_adapter(model_path, tmp_path):  # noqa: F811
     """`model.lora` with verl and a server ajet starts: the adapter alone travels (verl's export of the LoRA
     weights, written in peft's format, loaded under a new name per version); step 2's calls record version 1 and
-    have the logprobs of the base model with step 1's adapter (peft), not the base model's. Runs before the module's
-    server starts (one server at a time)."""
+    have the logprobs of the base model with step 1's adapter (peft), not the base model's; the server, which ajet
+    started, is gone after ajet's SIGKILL (the watchdog). Runs before the module's server starts (one server at a
+    time)."""
     from peft import PeftModel
 
     python = venv_python("verl")
     engine = {"kind": "vllm", "python": vllm_python(), "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S,
               "extra_args": EAGER}
     conf = _experiment(tmp_path, model_path, engine, lora={"rank": 8, "alpha": 16})
-    code, out = _run(python, conf, "verl", "--steps", "2", env=_env(AJET_TEST_KILL_AT="stored@2"))
+    groups: list[int] = []
+
+    def watch(_proc):
+        if not groups and (g := _server_group(tmp_path.resolve())) is not None:
+            groups.append(g)
+
+    code, out = _run(python, conf, "verl", "--steps", "2", env=_env(AJET_TEST_KILL_AT="stored@2"), watch=watch)
     assert code == -signal.SIGKILL, out[-4000:]
+    assert groups, f"no vLLM server was seen running: {out[-3000:]}"
+    assert _wait_group_gone(groups[0]), "the vLLM server outlived the ajet process killed with SIGKILL"
     exp = tmp_path / "exp"
     log = (exp / "engine" / "vllm.log").read_text()
     loads = [ln for ln in log.splitlines() if '"POST /v1/load_lora_adapter HTTP/1.1" 200' in ln]
@@ -216,33 +229,24 @@ def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, m
     from transformers import AutoTokenizer
 
     python = venv_python(backbone)
-    vllm = vllm_python()
     folder = tmp_path / backbone
     exp = folder / "exp"
-    if backbone == "verl":       # a server ajet starts and owns: SIGKILL of ajet must take it down
-        engine = {"kind": "vllm", "python": vllm, "kv_cache_gb": 1, "start_timeout_s": START_LIMIT_S,
-                  "extra_args": EAGER}
-        groups: list[int] = []
-
-        def watch(_proc):
-            if not groups and (g := _server_group(folder.resolve())) is not None:
-                groups.append(g)
-    else:
-        engine = {"kind": "vllm", "urls": [request.getfixturevalue("server")["url"]]}
-        watch = None
-    conf = _experiment(folder, model_path, engine)
-    code, out = _run(python, conf, backbone, env=_env(AJET_TEST_KILL_AT="stored@2"), watch=watch)
+    url = request.getfixturevalue("server")["url"]
+    conf = _experiment(folder, model_path, {"kind": "vllm", "urls": [url]})
+    code, out = _run(python, conf, backbone, env=_env(AJET_TEST_KILL_AT="stored@2"))
     assert code == -signal.SIGKILL, out[-4000:]
-    if backbone == "verl":
-        assert groups, f"no vLLM server was seen running: {out[-3000:]}"
-        assert _wait_group_gone(groups[0]), "the vLLM server outlived the ajet process killed with SIGKILL"
     start = _load(model_path)
     step1 = _load(exp / "checkpoints" / "step_1")
     _check_run(exp, 0, start, step1)
 
-    # resumed against the module's server, which holds other weights (the starting ones, or the other backbone's)
-    url = request.getfixturevalue("server")["url"]
-    conf = _experiment(folder, model_path, {"kind": "vllm", "urls": [url]})
+    # resumed against a server that holds other weights than step 1's checkpoint: the killed run left it holding
+    # those, so verl's resume meets the starting weights put back by hand; Trinity's meets verl's last weights
+    if backbone == "verl":
+        engine = VLLMEngine([url], SERVED_NAME, tmp_path / "reset")
+        try:
+            engine.sync_weights(start.state_dict(), 0)
+        finally:
+            engine.close()
     code, out = _run(python, conf, backbone, "--resume", env=_env())
     assert code == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
