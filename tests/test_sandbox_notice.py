@@ -68,3 +68,32 @@ def test_the_no_isolation_notice_only_when_the_workflow_uses_the_sandbox_and_onc
     sandboxed = _run(tmp_path / "sandboxed", tiny_model_dir, "Sandboxed")
     assert sandboxed.count("WITHOUT isolation") == 1, sandboxed   # 4 episodes ran the sandbox: said once
     assert NOTICE in sandboxed, sandboxed
+
+
+def test_sandboxed_calls_starting_at_once_say_the_notice_once(monkeypatch, caplog):
+    """Episodes call the sandbox from several threads at once; while the first is still probing (slow on a loaded
+    machine: seen as 3 notices in one run), the others must not say it too. 8 threads, a probe that takes 0.3 s."""
+    import threading
+    import time
+
+    from ajet.tools import sandbox
+
+    def slow_warning():
+        time.sleep(0.3)
+        return "the code sandbox runs WITHOUT isolation: (a test)"
+
+    monkeypatch.setattr(sandbox, "isolation_warning", slow_warning)
+    monkeypatch.setattr(sandbox, "_warned", False)
+    start = threading.Barrier(8)
+
+    def call():
+        start.wait(timeout=30)
+        sandbox._warn_no_isolation_once()
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    with caplog.at_level("WARNING", logger=sandbox.log.name):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    assert [r.getMessage() for r in caplog.records].count("the code sandbox runs WITHOUT isolation: (a test)") == 1

@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -194,9 +195,18 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, stdin: s
         return pool.submit(lambda: asyncio.run(coro())).result()
 
 
-@functools.lru_cache(maxsize=1)
+_ONCE = threading.Lock()     # sandboxed calls start from several threads at once: probe and warn in one of them
+
+
 def bwrap_status() -> tuple[bool, str]:
-    """Whether bubblewrap runs a sandbox here, probed once per process: (works, reason when it does not)."""
+    """Whether bubblewrap runs a sandbox here, probed once per process (the first caller probes, callers from
+    other threads meanwhile wait for its answer): (works, reason when it does not)."""
+    with _ONCE:
+        return _probe_bwrap()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_bwrap() -> tuple[bool, str]:
     exe = shutil.which("bwrap")
     if exe is None:
         return False, "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
@@ -213,6 +223,9 @@ def bwrap_status() -> tuple[bool, str]:
     return True, ""
 
 
+bwrap_status.cache_clear = _probe_bwrap.cache_clear     # probe again (a test that changed PATH)
+
+
 def isolation_warning() -> str | None:
     """What a person starting a run must read when model-written code would run without isolation
     (bubblewrap does not work here), else None. Said at start by the sandbox's MCP server and by the MCP hub
@@ -226,10 +239,17 @@ def isolation_warning() -> str | None:
             "between it and the run. Install bubblewrap, or pass isolation='bwrap' to refuse to run without it.")
 
 
-@functools.lru_cache(maxsize=1)
+_warned = False
+
+
 def _warn_no_isolation_once() -> None:
-    if (warning := isolation_warning()) is not None:
-        log.warning("%s", warning)
+    global _warned
+    warning = isolation_warning()
+    with _ONCE:       # (functools.lru_cache runs a function once per thread that calls it before it returns)
+        if _warned or warning is None:
+            return
+        _warned = True
+    log.warning("%s", warning)
 
 
 def _choose_isolation(isolation: str) -> tuple[bool, str]:
