@@ -334,6 +334,15 @@ def configure(console: Console | None, enabled: bool = True, interval_s: float |
     return _reporter
 
 
+def reset() -> None:
+    """Close the process's reporter's phases and put back the unconfigured one (it shows nothing), as at import: the
+    end of a run, so that what runs after it in the same process (a second run, a notebook's next cell, a test)
+    draws no live display on the finished run's console, which would hold sys.stdout/stderr while it draws."""
+    global _reporter
+    _reporter.close()
+    _reporter = Reporter(None, enabled=False)
+
+
 def episode_counter(p: Phase, pass_threshold: float, then: Callable[[Any], None] | None = None) -> Callable[[Any], None]:
     """An `on_episode_done(episode)` callback for an evaluation: advances `p` by one per finished episode with
     `pass@1` so far (passed / finished: reward >= `pass_threshold`, a failed episode not passed), `failed` and

@@ -377,7 +377,7 @@ def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, p
     display), then write EXP_DIR/plots/*.png (also after a failed run; not after Ctrl-C or SIGTERM, which ends the
     process promptly: the next run's end, or `python -m ajet.viewer.plots EXP_DIR`, draws them)."""
     from ajet.interrupt import stopping
-    from ajet.progress import quiet, reporter
+    from ajet.progress import quiet, reset
     from ajet.viewer.plots import write_plots_safely
 
     source.close()
@@ -387,7 +387,7 @@ def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, p
     backbone.close()
     store.close()
     log.close()
-    reporter().close()   # a phase an error left open: its live display stops
+    reset()   # a phase an error left open stops its live display; code after the run draws on no old console
     if not stopping():
         write_plots_safely(exp_dir, None if quiet() else console)
 

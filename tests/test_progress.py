@@ -123,6 +123,7 @@ def test_the_live_display_leaves_step_lines_and_log_lines_whole(tiny_model_dir, 
     import logging
 
     import ajet.metrics_log
+    import ajet.progress
     from ajet.trainer import run
 
     # the CLI configures no logging handler: a warning goes to Python's last-resort handler (stderr at the time)
@@ -164,6 +165,12 @@ def test_the_live_display_leaves_step_lines_and_log_lines_whole(tiny_model_dir, 
     assert sum("step 1/2 | episodes" in s for s in segments) == 1   # not also glued to a bar
     warnings = [s for s in segments if "a workflow warning for" in s]
     assert warnings and all(re.fullmatch(r"a workflow warning for t\d", s) for s in warnings), warnings
+    # what runs after the run in this process draws no live display on its console (which would hold sys.stderr
+    # while it draws: a later update's NON-FINITE line went into this buffer)
+    drawn, stderr = len(buf.getvalue()), sys.stderr
+    with ajet.progress.phase("after the run", total=1):
+        assert sys.stderr is stderr
+    assert len(buf.getvalue()) == drawn
 
 
 def test_quiet_prints_only_the_step_lines(tiny_model_dir, tmp_path):
