@@ -33,7 +33,8 @@ def _one_step_config(folder: str, tiny_model_dir: str, tmp_path: Path) -> Path:
         conf["llm_judge"]["rubric"] = str(src / conf["llm_judge"]["rubric"])
     conf["model"] = {"path": tiny_model_dir, "max_model_len": 1024}
     conf["rollout"].update(num_repeat=2, max_tokens=6)
-    conf["trainer"].update(total_steps=1, tasks_per_step=2, tensorboard=False, exp_dir=str(tmp_path / "exp"))
+    conf["trainer"].update(total_steps=1, tasks_per_step=2, tensorboard=False, exp_dir=str(tmp_path / "exp"),
+                           val_freq=0)      # one step: the held-out evaluations are the README's runs
     path = tmp_path / "conf.yaml"
     path.write_text(yaml.safe_dump(conf))
     return path
