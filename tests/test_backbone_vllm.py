@@ -8,7 +8,7 @@ Per backbone, two runs of the same config (2 steps, a checkpoint every step), bo
 1. killed with SIGKILL once step 2's episodes are stored (`AJET_TEST_KILL_AT=stored@2`: step 1's update and
    checkpoint are done, step 2 generated on the synced weights);
 2. `--resume`d to the end (the server first gets the starting weights, then the checkpoint's, before the first
-   call). Before verl's resumed run the test puts the starting weights back on the server, which the killed run left
+   call). Before the resumed run the test puts the starting weights back on the server, which the killed run left
    holding step 1's: a resume that skipped the checkpoint's weights would be served the wrong ones.
 Checked, with a transformers forward in fp32 as the reference (vLLM's fp32 logprobs agree with it to ~2e-5,
 tests/test_vllm_engine.py): in both runs step 1's calls record policy version 0 and step 2's version 1, and the
@@ -240,13 +240,12 @@ def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, m
     _check_run(exp, 0, start, step1)
 
     # resumed against a server that holds other weights than step 1's checkpoint: the killed run left it holding
-    # those, so verl's resume meets the starting weights put back by hand; Trinity's meets verl's last weights
-    if backbone == "verl":
-        engine = VLLMEngine([url], SERVED_NAME, tmp_path / "reset")
-        try:
-            engine.sync_weights(start.state_dict(), 0)
-        finally:
-            engine.close()
+    # those, so the resume meets the starting weights, put back by hand
+    engine = VLLMEngine([url], SERVED_NAME, tmp_path / "reset")
+    try:
+        engine.sync_weights(start.state_dict(), 0)
+    finally:
+        engine.close()
     code, out = _run(python, conf, backbone, "--resume", env=_env())
     assert code == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
