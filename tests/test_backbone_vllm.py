@@ -14,7 +14,8 @@ Checked, with a transformers forward in fp32 as the reference (vLLM's fp32 logpr
 tests/test_vllm_engine.py): in both runs step 1's calls record policy version 0 and step 2's version 1, and the
 logprobs the server returned at step 2 are those of step 1's checkpoint (the trainer's weights after update 1),
 not the starting weights'; after the resumed run the server answers a fixed prompt with the logprobs of step 2's
-checkpoint. Trinity's first run meets the module's server holding verl's trained weights: its step-1 calls must
+checkpoint; over the two attempts every (step, task, repeat) episode is trained by exactly one update and the
+killed attempt's step-2 episodes are abandoned (the trajectory store's ledger). Trinity's first run meets the module's server holding verl's trained weights: its step-1 calls must
 have the starting weights' logprobs (ajet sends a server at `engine.urls` the starting weights).
 
 A server ajet starts and owns (`engine: {kind: vllm}` without urls) is the LoRA test's, run first: its process
@@ -32,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,7 @@ from transformers import AutoModelForCausalLM
 
 from ajet.engines.vllm import SERVED_NAME, VLLMEngine
 from ajet.trajectory_store import TrajectoryStore
+from tests.backbone_conformance.main_job import live_episodes
 from tests.backbone_conformance.venvs import venv_python
 from tests.test_vllm_engine import (  # noqa: F401 - module fixtures: the SmolLM2 folder and the module's server
     EAGER,
@@ -250,6 +253,15 @@ def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, m
     assert code == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     _check_run(exp, 1, start, step1)
+    # every task once over the two attempts: each (step, task, repeat) trained by exactly one update, the killed
+    # attempt's step-2 episodes (stored, not trained) abandoned (the trajectory store's ledger)
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    try:
+        assert store.attempts() == [(0, 0), (1, 1)]          # (attempt, resumed from step): the second from step 1
+    finally:
+        store.close()
+    live = live_episodes(exp)
+    assert set(live.values()) == {1} and sorted(Counter(k[0] for k in live).items()) == [(1, 8), (2, 8)], live
     metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
     last = metrics[-1]
     assert last["step"] == 2 and last["policy_version"] == 2 and last["train/weight_sync_s"] > 0, last
