@@ -28,6 +28,7 @@ from typing import Any, Callable
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _stopping: list[int] = []   # the signal of the `StopSignals` stopping the process now (empty: none)
+_active: list[StopSignals] = []     # the `StopSignals` installed now, innermost last (main thread only)
 
 
 def stopping() -> bool:
@@ -83,12 +84,15 @@ class StopSignals:
             return self
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        _active.append(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self in _active:
+            _active.remove(self)
         if self.signum is not None and self.signum in _stopping:
             _stopping.remove(self.signum)
         self._unmute()
@@ -144,6 +148,17 @@ class StopSignals:
                 os.dup2(saved, fd)
                 os.close(saved)
         self._saved_fds.clear()
+
+
+def reinstall() -> None:
+    """Put the running command's handlers (the innermost `StopSignals`) back on SIGINT and SIGTERM, after a library
+    replaced them: `ray.init` sets the driver's SIGTERM handler to `sys.exit(signum)` (ray/_private/worker.py,
+    "This method overwrite sigterm handler of the driver process"), under which SIGTERM skipped the clean stop and
+    the process ended in Ray's crash dump (exit 134). Call it right after `ray.init`. Does nothing outside the main
+    thread or when no `StopSignals` is installed."""
+    if _active and threading.current_thread() is threading.main_thread():
+        for signum in SIGNALS:
+            signal.signal(signum, _active[-1]._handle)
 
 
 def continue_command(argv: list[str], resume: bool) -> str:

@@ -19,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 WORKFLOW = '''
 import asyncio
 import logging
@@ -198,3 +200,31 @@ def test_outside_the_main_thread_no_handler_is_installed():
     with StopSignals() as stop:      # in the main thread: its handler, and the old one back afterwards
         assert signal.getsignal(signal.SIGTERM) == stop._handle
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_reinstall_puts_the_commands_handlers_back_after_a_library_replaced_them():
+    from ajet.interrupt import StopSignals, reinstall
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    reinstall()                      # no command running: nothing to put back
+    assert {s: signal.getsignal(s) for s in before} == before
+    with StopSignals() as outer, StopSignals() as inner:
+        signal.signal(signal.SIGTERM, lambda *_: None)       # as ray.init does
+        reinstall()
+        assert signal.getsignal(signal.SIGTERM) == inner._handle != outer._handle
+        assert signal.getsignal(signal.SIGINT) == inner._handle
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_sigterm_with_ray_episode_workers_exits_143_in_one_line(tiny_model_dir, tmp_path):
+    """`--with-ray`: ray.init sets the driver's SIGTERM handler to `sys.exit` (ray/_private/worker.py); ajet puts
+    its own back after it (ajet.interrupt.reinstall), so SIGTERM still stops the run in its one line with 143,
+    where Ray's handler ended it in Ray's crash dump with 134."""
+    pytest.importorskip("ray", reason="--with-ray needs `ray` (pip install 'ajet[ray]')")
+    write_project(tmp_path, tiny_model_dir, steps=4)
+    args = ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp", "--with-ray", "1"]
+    rc, lines, everything = stop_when(tmp_path, args, r"step 1/4 \|", signal.SIGTERM, slow_s=3)
+    assert rc == 143, everything[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("ajet: stopped by SIGTERM at step "), lines
+    assert lines[0].endswith("--resume") and "Traceback" not in everything, everything[-3000:]
+    assert sqlite_leftovers(tmp_path / "exp") == []

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
+from ajet import interrupt
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.proxy.server import ProxyServer
@@ -105,6 +106,7 @@ class RayRollout:
             sized = {} if joins else {"num_cpus": (os.cpu_count() or 1) + num_workers}
             ray.init(address=init_at, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
+            interrupt.reinstall()           # ray.init replaced the SIGTERM handler (ajet.interrupt.reinstall)
         try:
             fit = int(_cpus(ray))
             more = "add nodes (`ray start --address=HEAD:PORT --num-cpus N` on another machine)"

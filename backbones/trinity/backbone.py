@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ajet import interrupt
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.config import AjetConfig
 from ajet.ray_cluster import init_address
@@ -83,6 +84,7 @@ class TrinityBackbone:
                              "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK}}))
             except Exception as exc:   # noqa: BLE001  (Ray raises many kinds)
                 raise BackboneUnavailable(f"the trinity backbone could not start Ray: {exc}") from exc
+            interrupt.reinstall()           # ray.init replaced the SIGTERM handler (ajet.interrupt.reinstall)
         self._loop = asyncio.new_event_loop()           # Trinity's trainer API is async; one loop, one thread
         threading.Thread(target=self._loop.run_forever, name="trinity-trainer", daemon=True).start()
         # Trinity's Synchronizer holds the state dict the trainer uploads (sync_method: memory); it watches the

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ajet import progress
+from ajet import interrupt, progress
 from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
@@ -128,6 +128,7 @@ class VerlBackbone:
             ray.init(address=address, runtime_env=runtime_env, include_dashboard=False,
                      num_cpus=None if address != "local" else max(os.cpu_count() or 1,
                                                                         self.dp_size + 2 + cfg.rollout.ray_workers))
+            interrupt.reinstall()           # ray.init replaced the SIGTERM handler (ajet.interrupt.reinstall)
         t = self.config.trainer     # verl's pools wait forever for groups the cluster cannot hold: refuse them now
         check_groups(ray, int(t.nnodes), int(t.n_gpus_per_node), "GPU" if cuda else "CPU",
                      f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} (verl's ranks: one "
