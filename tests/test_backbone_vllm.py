@@ -15,8 +15,9 @@ tests/test_vllm_engine.py): in both runs step 1's calls record policy version 0 
 logprobs the server returned at step 2 are those of step 1's checkpoint (the trainer's weights after update 1),
 not the starting weights'; after the resumed run the server answers a fixed prompt with the logprobs of step 2's
 checkpoint; over the two attempts every (step, task, repeat) episode is trained by exactly one update and the
-killed attempt's step-2 episodes are abandoned (the trajectory store's ledger). Trinity's first run meets the module's server holding verl's trained weights: its step-1 calls must
-have the starting weights' logprobs (ajet sends a server at `engine.urls` the starting weights).
+killed attempt's step-2 episodes are abandoned (the trajectory store's ledger). Trinity's first run meets the
+module's server holding verl's trained weights: its step-1 calls must have the starting weights' logprobs (ajet
+sends a server at `engine.urls` the starting weights).
 
 A server ajet starts and owns (`engine: {kind: vllm}` without urls) is the LoRA test's, run first: its process
 group must be gone after the SIGKILL (the watchdog). The module's server (tests/test_vllm_engine.py's fixture)

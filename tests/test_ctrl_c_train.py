@@ -150,9 +150,15 @@ def test_ctrl_c_mid_run_says_one_line_and_its_command_continues_the_run(tiny_mod
     assert sqlite_leftovers(tmp_path / "exp") == [], cont.stdout[-2000:]
 
 
-def test_sigterm_mid_step_exits_143_in_one_line(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--with-ray", "1"]], ids=["in-process", "with-ray"])
+def test_sigterm_mid_step_exits_143_in_one_line(tiny_model_dir, tmp_path, extra):
+    """SIGTERM mid-step: 143 and the one line. With `--with-ray`, ray.init has set the driver's SIGTERM handler to
+    `sys.exit` (ray/_private/worker.py); ajet puts its own back after it (ajet.interrupt.reinstall), where Ray's
+    handler ended the run in Ray's crash dump (134)."""
+    if extra:
+        pytest.importorskip("ray", reason="--with-ray needs `ray` (pip install 'ajet[ray]')")
     write_project(tmp_path, tiny_model_dir, steps=4)
-    args = ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp"]
+    args = ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp", *extra]
     rc, lines, everything = stop_when(tmp_path, args, r"step 1/4 \|", signal.SIGTERM, slow_s=3)
     assert rc == 143, everything[-3000:]
     assert len(lines) == 1 and lines[0].startswith("ajet: stopped by SIGTERM at step "), lines
@@ -215,16 +221,3 @@ def test_reinstall_puts_the_commands_handlers_back_after_a_library_replaced_them
         assert signal.getsignal(signal.SIGINT) == inner._handle
     assert {s: signal.getsignal(s) for s in before} == before
 
-
-def test_sigterm_with_ray_episode_workers_exits_143_in_one_line(tiny_model_dir, tmp_path):
-    """`--with-ray`: ray.init sets the driver's SIGTERM handler to `sys.exit` (ray/_private/worker.py); ajet puts
-    its own back after it (ajet.interrupt.reinstall), so SIGTERM still stops the run in its one line with 143,
-    where Ray's handler ended it in Ray's crash dump with 134."""
-    pytest.importorskip("ray", reason="--with-ray needs `ray` (pip install 'ajet[ray]')")
-    write_project(tmp_path, tiny_model_dir, steps=4)
-    args = ["--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp", "--with-ray", "1"]
-    rc, lines, everything = stop_when(tmp_path, args, r"step 1/4 \|", signal.SIGTERM, slow_s=3)
-    assert rc == 143, everything[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("ajet: stopped by SIGTERM at step "), lines
-    assert lines[0].endswith("--resume") and "Traceback" not in everything, everything[-3000:]
-    assert sqlite_leftovers(tmp_path / "exp") == []
