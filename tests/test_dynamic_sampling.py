@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from ajet.algorithm.sampling import groups_with_signal, zero_std_groups
+from ajet.algorithm.sampling import groups_with_signal, no_success_groups, zero_std_groups
 from ajet.config import AjetConfig, load_config
 from ajet.episode import Episode
 from ajet.task import Task
@@ -24,8 +24,8 @@ STARTED = set()   # the tasks whose episodes have started (the module is loaded 
 
 
 class RepeatReward(Workflow):
-    """One policy call; tasks "flat*" always score 1 (a group without signal), the others score their
-    repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises. Tasks "wait*"
+    """One policy call; tasks "flat*" always score 1 (a group without signal), "win*" twice their repeat index,
+    the others their repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises. Tasks "wait*"
     first wait (at most 60 s) until an episode of a "var*" task has started, and answer whether one did."""
 
     async def execute(self, task, tuner):
@@ -42,7 +42,8 @@ class RepeatReward(Workflow):
         if task.task_id.startswith("fail") and repeat >= 2:
             raise RuntimeError("this repeat of a fail* task always fails")
         answer = r.choices[0].message.content or ""
-        return WorkflowOutput(reward=1.0 if task.task_id.startswith("flat") else float(repeat),
+        scale = 2.0 if task.task_id.startswith("win") else 1.0
+        return WorkflowOutput(reward=1.0 if task.task_id.startswith("flat") else scale * repeat,
                               final_answer=answer if seen is None else f"var started: {seen}")
 '''
 TASKS = ["flat0", "flat1", "var0", "var1", "flat2", "var2", "flat3", "flat4", "flat5", "flat6", "var3", "var4"]
@@ -59,6 +60,38 @@ def test_zero_std_groups_are_those_whose_successful_episodes_agree():
     # a: equal; c: one success (nothing to compare with); d: no success (nothing to drop); e: 0.5 vs 0.25
     assert zero_std_groups(eps) == ["a", "c"]
     assert groups_with_signal(eps) == ["b", "e"]
+
+
+def test_with_a_success_reward_a_group_that_never_reached_it_has_no_signal():
+    """success_reward 1.0 (the main job's right answer; its bonuses are 0.1 and 0.2): a group whose rewards differ
+    only by bonuses is dropped; one that reached 1.0 exactly is kept; a group of one episode is kept (as verl)."""
+    eps = [_ep("bonus", 0.1, 0), _ep("bonus", 0.2, 1), _ep("bonus", 0.0, 2),     # differences, no success
+           _ep("right", 1.2, 0), _ep("right", 0.1, 1),                           # a success: its bonus counts
+           _ep("exact", 1.0, 0), _ep("exact", 0.0, 1),                           # reached it exactly: kept
+           _ep("flat", 1.1, 0), _ep("flat", 1.1, 1),                             # zero-std: dropped as before
+           _ep("lone", 0.1, 0),                                                  # a group of one: kept
+           _ep("failed", None, 0), _ep("failed", 0.1, 1), _ep("failed", 0.2, 2)]  # a failure, no success
+    assert no_success_groups(eps, 1.0) == ["bonus", "failed"]
+    assert no_success_groups(eps, None) == []
+    assert groups_with_signal(eps, success_reward=1.0) == ["right", "exact", "lone"]
+    assert groups_with_signal(eps) == ["bonus", "right", "exact", "lone", "failed"]
+
+
+def test_groups_without_a_success_are_replaced_and_recorded_with_their_reason(tiny_model_dir, tmp_path):
+    """success_reward 1.5: "var*" groups (rewards 0, 1: a signal, no success) are dropped like the zero-std
+    "flat*" ones and replaced; "win*" groups (0, 2) train."""
+    tasks = ["var0", "win0", "flat0", "win1", "var1"]
+    exp = run(_conf(tmp_path, tiny_model_dir, steps=1, tasks=tasks,
+                    algorithm=", dynamic_sampling: {enabled: true, max_oversample: 3, success_reward: 1.5}"))
+    (m,) = _metrics(exp)
+    assert (m["rollout/no_success_groups"], m["rollout/zero_std_groups"], m["rollout/oversampled_tasks"]) == (1, 1, 2)
+    assert m["rollout/trained_episodes"] == 4 and m["rollout/not_trained/no_success_group"] == 2
+    store = TrajectoryStore(exp / "trajectories.sqlite")
+    ledger, records = store.ledger(), store.episodes()
+    store.close()
+    task_of = {r["episode_id"]: r["task"]["task_id"] for r in records}
+    reasons = {task_of[e["episode_id"]]: e["not_trained"] for e in ledger}
+    assert reasons == {"var0": "no_success_group", "win0": None, "flat0": "zero_std_group", "win1": None}
 
 
 def _conf(tmp_path, tiny_model_dir, steps, enabled=True, exp="exp", resume=False, tasks=TASKS, num_repeat=2,

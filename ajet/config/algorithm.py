@@ -17,6 +17,12 @@ class DynamicSamplingConfig(_Section):
     enabled: bool = Field(False, description="turn dynamic sampling on: drop each group whose rewards are all equal "
                                              "and roll out more tasks in its place")
     max_oversample: int = Field(8, ge=0, description="extra tasks a step may roll out to replace zero-std groups")
+    success_reward: float | None = Field(
+        None, allow_inf_nan=False,
+        description="also drop (and replace) each group in which no episode's reward reached this: its reward "
+                    "differences are partial credit only (a format or tool bonus), which alone can pay a behaviour "
+                    "that never solves the task. The lower bound of PRIME's online prompt filter (Cui et al. 2025) "
+                    "at one success; see ajet/algorithm/sampling.py. None: keep them")
 
 
 class GuardsConfig(_Section):

@@ -7,15 +7,16 @@ as the group it replaces has finished, beside the groups still running (`collect
 out whole, so it is refilled too.
 
 Nothing is lost: every episode it was handed is returned (and was committed to the store by the source);
-the dropped groups' episodes carry `not_trained = "zero_std_group"`, which the trainer records in the
-ledger instead of training them.
+the dropped groups' episodes carry `not_trained = "zero_std_group"` (or `"no_success_group"`, with
+`success_reward`), which the trainer records in the ledger instead of training them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ajet.algorithm.sampling import ZERO_STD_REASON, groups_with_signal, zero_std_groups
+from ajet.algorithm.sampling import (NO_SUCCESS_REASON, ZERO_STD_REASON, groups_with_signal, no_success_groups,
+                                     zero_std_groups)
 from ajet.errors import ConfigError
 from ajet.progress import active
 from ajet.rollout import RefillableSource
@@ -46,13 +47,15 @@ class DynamicSampling:
                               f"{type(source).__name__} cannot: set algorithm.dynamic_sampling.enabled: false")
         self.source, self.tasks_per_step = source, cfg.trainer.tasks_per_step
         self.max_oversample = cfg.algorithm.dynamic_sampling.max_oversample
+        self.success_reward = cfg.algorithm.dynamic_sampling.success_reward
         self.failed_episode_policy = cfg.rollout.failed_episode_policy
         self.num_repeat = cfg.rollout.num_repeat
-        self.oversampled = 0
+        self.oversampled = self.no_success = 0
 
     def collect(self, step: int) -> list[Episode]:
         """The source's episodes of `step` plus those of up to `max_oversample` extra tasks, grouped; the
-        episodes of every group without signal get `not_trained = "zero_std_group"`.
+        episodes of every group without signal get `not_trained = "zero_std_group"` (`"no_success_group"`: no
+        episode reached `success_reward`).
 
         One extra task replaces each group found without signal, within `max_oversample` (`_refill`). A source
         that `refills_while_running` starts it as soon as that group has finished (`collect_refilling`), beside
@@ -69,16 +72,18 @@ class DynamicSampling:
             while (n := self._refill(episodes)) > 0:
                 episodes += self.source.collect_more(step, n)
         flat = set(zero_std_groups(episodes))
+        unsolved = set(no_success_groups(episodes, self.success_reward)) - flat
+        self.no_success = len(unsolved)
         for e in episodes:
-            if e.group_id in flat and e.ok and e.not_trained is None:
-                e.not_trained = ZERO_STD_REASON
+            if e.ok and e.not_trained is None and e.group_id in flat | unsolved:
+                e.not_trained = ZERO_STD_REASON if e.group_id in flat else NO_SUCCESS_REASON
         return episodes
 
     def _refill(self, finished: list[Episode]) -> int:
         """How many extra tasks to draw now, given the episodes of the step's finished groups (the step's tasks
         and the extra ones drawn so far, or some of them): one for each finished group without signal that no
         extra task replaces yet, within what is left of `max_oversample`. Counted into `oversampled`."""
-        signal = groups_with_signal(finished, self.failed_episode_policy)
+        signal = groups_with_signal(finished, self.failed_episode_policy, self.success_reward)
         without_signal = len({e.group_id for e in finished}) - len(signal)
         n = min(without_signal - self.oversampled, self.max_oversample - self.oversampled)
         if n <= 0:
@@ -89,7 +94,8 @@ class DynamicSampling:
         return n
 
     def metrics(self) -> dict[str, Any]:
-        return {**self.source.metrics(), "rollout/oversampled_tasks": self.oversampled}
+        extra = {"rollout/no_success_groups": self.no_success} if self.success_reward is not None else {}
+        return {**self.source.metrics(), "rollout/oversampled_tasks": self.oversampled, **extra}
 
     def bind(self, proxy: ProxyServer) -> None:
         self.source.bind(proxy)
