@@ -16,6 +16,12 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
 # the tests that use a backbone venv run first under pytest-xdist, last without it (tests/ci_backbone_tests.py)
 from tests.ci_backbone_tests import pytest_collection_modifyitems  # noqa: F401
 
+# the heavy test files (backbones, vLLM servers) take their memory from a budget the xdist workers share, and the
+# summary lists what each really held (tests/memory_budget.py)
+from tests.memory_budget import (  # noqa: E402, F401
+    _memory_reservation, pytest_configure, pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown,
+)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:

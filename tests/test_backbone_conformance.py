@@ -23,6 +23,10 @@ from tests.backbone_conformance.shared import (CLIP, GRAD_REL, ROOT, STEP1_UNITS
 from tests.backbone_conformance.shared import recorded  # noqa: F401  (the module fixture the tests take)
 from tests.backbone_conformance.venvs import venv_python
 
+# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
+# budget (tests/memory_budget.py); measured 2.46 alone on 2026-12-06
+PEAK_MEMORY_GB = 3.0
+
 
 def test_the_recording_is_the_same_in_every_process(recorded, tiny_model_dir, tmp_path):
     """Every backbone comparison trains this batch, so it must not change from one recording to the next (it did:

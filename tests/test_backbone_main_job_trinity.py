@@ -14,6 +14,10 @@ from tests.backbone_conformance.main_job import (  # noqa: F401 - debug_run is t
 )
 from tests.backbone_conformance.venvs import venv_python  # noqa: F401 - marks the module as a backbone-venv one
 
+# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
+# budget (tests/memory_budget.py); measured 9.65 alone on 2026-12-06
+PEAK_MEMORY_GB = 10.0
+
 
 def test_the_main_job_through_trinity_equals_the_debug_backbones(debug_run, tmp_path):  # noqa: F811
     _, exp = run_and_check("trinity", debug_run, tmp_path)

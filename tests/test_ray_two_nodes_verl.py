@@ -10,6 +10,10 @@ import subprocess
 from tests.backbone_conformance.venvs import venv_python
 from tests.two_nodes import CLUSTER_ENV, write_run
 
+# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
+# budget (tests/memory_budget.py); measured 3.32 alone on 2026-12-06
+PEAK_MEMORY_GB = 4.0
+
 
 # started by verl's python: a two-raylet cluster (1 CPU each); prints its address, then, once the file argv[1]
 # exists, the actors it ran (name, class, node) and its node ids as JSON lines, and shuts itself down

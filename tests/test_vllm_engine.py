@@ -35,6 +35,10 @@ from ajet.proxy.server import ProxyServer
 # (tests/ci_backbone_tests.py), so its long server start overlaps the rest of the suite
 from tests.backbone_conformance.venvs import venv_python, wait_for_build  # noqa: F401
 
+# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
+# budget (tests/memory_budget.py); measured 9.73 alone on 2026-12-06
+PEAK_MEMORY_GB = 10.5
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venvs" / "vllm"
 START_LIMIT_S = 900          # the server's start on a loaded 2-core machine (about 100 s idle)

@@ -54,6 +54,10 @@ from tests.test_vllm_engine import (  # noqa: F401 - fixtures of this module
     vllm_python,
 )
 
+# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
+# budget (tests/memory_budget.py); measured 5.81 alone on 2026-12-06
+PEAK_MEMORY_GB = 6.5
+
 LONG = 1800          # tokens each aborted call asks for (the module server's max_model_len is 2048)
 SLACK = 400          # tokens vLLM may still decode while a disconnect reaches it (seconds of a loaded machine)
 

@@ -30,6 +30,10 @@ from ajet.llm_call import SamplingParams
 from tests.backbone_conformance.venvs import venv_python  # noqa: F401
 from tests.test_vllm_engine import START_LIMIT_S, model_path, vllm_python  # noqa: F401  (model_path: a fixture)
 
+# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
+# budget (tests/memory_budget.py); measured 5.85 alone on 2026-12-06
+PEAK_MEMORY_GB = 6.5
+
 RANK = 8
 PROMPTS = ["Once upon a time", "6 times 7 is"]
 

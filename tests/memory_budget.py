@@ -1,0 +1,239 @@
+"""How much memory the heavy test files may hold at once (a pytest plugin, registered by tests/conftest.py).
+
+The files that start a backbone's Ray workers or a vLLM server hold several GB each: the verl and Trinity
+kill-and-resume tests through vLLM (tests/test_backbone_vllm.py) 14.4 GB. Under pytest-xdist (the README's `pytest -n 3`) three of them can run at
+once, and on the 24 GB CI machine three did: Ray's memory monitor killed a Trinity trainer at 96% of the node's
+memory and the run failed. So such a file declares what it needs,
+
+    PEAK_MEMORY_GB = 15.0   # the most its processes hold at once, all together (PSS, GB)
+
+and a worker takes that much from a budget the workers share before the file's first fixture is made, giving it
+back after its last fixture is torn down (an autouse module-scoped fixture: it is set up before, and torn down after,
+the file's other module fixtures). A file that asks for more than is free waits; the first worker to wait is served
+first, so a large file is not passed over forever. A file asking for more than the whole budget runs alone.
+
+The budget is `AJET_TEST_MEMORY_GB`, else 90% of the machine's memory (below the 95% at which Ray's memory monitor
+kills workers) less 1 GB for each worker: the light tests the other workers run beside the heavy files. On the
+24 GB CI machine with 3 workers: 18.2 GB.
+Without xdist (one process, one file at a time) nothing is reserved.
+
+Each worker also measures what its files really held: the sum of the proportional set size (PSS,
+/proc/PID/smaps_rollup) of the worker and all its descendants (`ajet` runs, Ray's processes, vLLM servers), every
+second. The terminal summary lists, per file that declares a figure or held over 2 GB, the measured peak beside the
+declared one and the seconds it waited, so the declarations can be kept true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+WAIT_LIMIT_S = 45 * 60      # a file waiting longer than this fails (the whole CI run has 90 minutes)
+POLL_S = 2.0                # how often a waiting worker looks again
+SAMPLE_S = 1.0              # how often the memory of a worker's process tree is measured
+REPORT_OVER_GB = 2.0        # undeclared files listed in the summary once they held this much
+
+
+def _total_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def budget_gb(workers: int) -> float:
+    """The GB the heavy files of one run may hold together: `AJET_TEST_MEMORY_GB`, else 0.9 x the machine's
+    memory less 1 GB per xdist worker."""
+    if env := os.environ.get("AJET_TEST_MEMORY_GB"):
+        return float(env)
+    return 0.9 * _total_gb() - 1.0 * workers
+
+
+# --- measuring: the PSS of a process and its descendants ---
+
+def _children() -> dict[int, list[int]]:
+    """{ppid: [pid, ...]} for every process in /proc."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:                 # it ended while we looked
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])   # after "(comm) state": the 4th field is ppid
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _pss_gb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:                     # ended, or not ours to read
+        pass
+    return 0.0
+
+
+def tree_pss_gb(root: int) -> float:
+    """The PSS of process `root` and all its descendants together, in GB (2**30 bytes)."""
+    tree, total, todo = _children(), 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += _pss_gb(pid)
+        todo.extend(tree.get(pid, ()))
+    return total
+
+
+class _Sampler(threading.Thread):
+    """Measures the worker's process tree every SAMPLE_S seconds; `peak` is the largest figure since `reset()`."""
+
+    def __init__(self) -> None:
+        super().__init__(name="ajet-memory-sampler", daemon=True)
+        self.peak = 0.0
+        self._pid = os.getpid()
+
+    def reset(self) -> None:
+        self.peak = tree_pss_gb(self._pid)
+
+    def run(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_pss_gb(self._pid))
+            time.sleep(SAMPLE_S)
+
+
+# --- the shared budget: a JSON file under a file lock ---
+
+class Budget:
+    """The reservations of the run's workers: {"held": {worker: [gb, file, pid]}, "queue": [worker, ...]}."""
+
+    def __init__(self, path: Path, total_gb: float, worker: str) -> None:
+        self.path, self.total_gb, self.worker = path, total_gb, worker
+        self.lock = FileLock(str(path) + ".lock")
+
+    def _load(self) -> dict:
+        state = json.loads(self.path.read_text()) if self.path.exists() else {"held": {}, "queue": []}
+        # a worker that died (crashed, killed) holds nothing
+        state["held"] = {w: h for w, h in state["held"].items() if _alive(h[2])}
+        return state
+
+    def _save(self, state: dict) -> None:
+        self.path.write_text(json.dumps(state))
+
+    def acquire(self, gb: float, file: str) -> float:
+        """Takes `gb` for `file`, waiting (first come, first served) while the others hold too much.
+        Returns the seconds waited. Raises `pytest.fail` after WAIT_LIMIT_S."""
+        t0 = time.monotonic()
+        while True:
+            with self.lock:
+                state = self._load()
+                if self.worker not in state["queue"]:
+                    state["queue"].append(self.worker)
+                held = sum(h[0] for h in state["held"].values())
+                first = state["queue"][0] == self.worker
+                if first and (not state["held"] or held + gb <= self.total_gb):
+                    state["queue"].remove(self.worker)
+                    state["held"][self.worker] = [gb, file, os.getpid()]
+                    self._save(state)
+                    return time.monotonic() - t0
+                self._save(state)
+            if time.monotonic() - t0 > WAIT_LIMIT_S:
+                self.release()
+                pytest.fail(f"{file} waited {WAIT_LIMIT_S} s for {gb} GB of the tests' {self.total_gb:.1f} GB "
+                            f"memory budget; held: {state['held']}. Lower what the heavy files declare "
+                            "(PEAK_MEMORY_GB) or set AJET_TEST_MEMORY_GB.", pytrace=False)
+            time.sleep(POLL_S)
+
+    def release(self) -> None:
+        with self.lock:
+            state = self._load()
+            state["held"].pop(self.worker, None)
+            if self.worker in state["queue"]:
+                state["queue"].remove(self.worker)
+            self._save(state)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --- the plugin ---
+
+_sampler: _Sampler | None = None
+_budget: Budget | None = None
+_records: list[list] = []       # [file, declared GB or None, measured peak GB, seconds waited]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _sampler, _budget
+    if not os.path.exists("/proc/self/smaps_rollup"):
+        return                          # not Linux: nothing measured, nothing reserved
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return                          # the xdist controller: it runs no test
+    _sampler = _Sampler()
+    _sampler.start()
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if run_id and workers > 1:
+        path = Path(tempfile.gettempdir()) / f"ajet-test-memory-{run_id}.json"
+        _budget = Budget(path, budget_gb(workers), os.environ.get("PYTEST_XDIST_WORKER", "gw?"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _memory_reservation(request: pytest.FixtureRequest):
+    """Holds the module's PEAK_MEMORY_GB of the shared budget while its fixtures and tests run."""
+    declared = getattr(request.module, "PEAK_MEMORY_GB", None)
+    file = request.module.__name__.rsplit(".", 1)[-1] + ".py"
+    waited = 0.0
+    if _budget is not None and declared is not None:
+        waited = _budget.acquire(float(declared), file)
+    if _sampler is not None:
+        _sampler.reset()
+    try:
+        yield
+    finally:
+        if _budget is not None and declared is not None:
+            _budget.release()
+        if _sampler is not None and (declared is not None or _sampler.peak >= REPORT_OVER_GB):
+            _records.append([file, declared, round(_sampler.peak, 2), round(waited, 1)])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):          # an xdist worker: hand the records to the controller
+        session.config.workeroutput["ajet_memory"] = json.dumps(_records)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:           # the xdist controller, as each worker ends
+    _records.extend(json.loads(getattr(node, "workeroutput", {}).get("ajet_memory", "[]")))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _records:
+        return
+    tr = terminalreporter
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) or getattr(tr.config.option, "numprocesses", 0)
+    tr.section("memory of the heavy test files (PSS of each worker's process tree, GB)")
+    if isinstance(workers, int) and workers > 1:
+        tr.write_line(f"budget shared by the {workers} workers: {budget_gb(workers):.1f} GB")
+    for file, declared, peak, waited in sorted(_records, key=lambda r: -r[2]):
+        over = "  MORE THAN DECLARED" if declared is not None and peak > declared else ""
+        tr.write_line(f"{file:45s} peak {peak:6.2f}  declared {declared if declared is not None else '-':>5}"
+                      f"  waited {waited:6.1f} s{over}")

@@ -1,0 +1,105 @@
+"""The heavy test files' shared memory budget (tests/memory_budget.py): who waits, who goes first, and that the
+measurement sees memory a child process holds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests import memory_budget
+from tests.memory_budget import Budget, tree_pss_gb
+
+
+@pytest.fixture
+def fast_poll(monkeypatch):
+    monkeypatch.setattr(memory_budget, "POLL_S", 0.05)
+    monkeypatch.setattr(memory_budget, "WAIT_LIMIT_S", 5)    # a wrong budget fails the test, not hangs it
+
+
+def _taker(budget_path, worker: str, gb: float, log: list, done: threading.Event | None = None):
+    """A thread standing for xdist worker `worker`: takes `gb`, logs when, holds until `done` is set."""
+    def body():
+        Budget(budget_path, 16.0, worker).acquire(gb, f"{worker}.py")
+        log.append(worker)
+        if done is not None:
+            done.wait(10)
+            Budget(budget_path, 16.0, worker).release()
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_until(pred, limit_s: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < limit_s, "timed out"
+        time.sleep(0.02)
+
+
+def _queue(path) -> list[str]:
+    return json.loads(path.read_text())["queue"] if path.exists() else []
+
+
+def test_a_file_that_does_not_fit_waits_and_the_first_to_wait_goes_first(tmp_path, fast_poll):
+    """gw0 holds 10 of 16 GB. gw1 asks 8 (does not fit) and waits; gw2 then asks 2, which would fit, but waits
+    behind gw1 (else a stream of small files could keep a large one out forever). When gw0 gives its 10 back,
+    gw1 goes, then gw2 (8 + 2 <= 16)."""
+    path, log = tmp_path / "budget.json", []
+    release0, release1 = threading.Event(), threading.Event()
+    _taker(path, "gw0", 10, log, release0)
+    _wait_until(lambda: log == ["gw0"])
+    _taker(path, "gw1", 8, log, release1)
+    _wait_until(lambda: _queue(path) == ["gw1"])
+    _taker(path, "gw2", 2, log)
+    _wait_until(lambda: _queue(path) == ["gw1", "gw2"])
+    time.sleep(0.3)                                         # several polls: both still wait
+    assert log == ["gw0"]
+    release0.set()
+    _wait_until(lambda: len(log) == 3)
+    assert log == ["gw0", "gw1", "gw2"]
+    held = json.loads(path.read_text())["held"]
+    assert {w: h[0] for w, h in held.items()} == {"gw1": 8, "gw2": 2}
+    release1.set()
+
+
+def test_a_file_larger_than_the_budget_runs_alone(tmp_path, fast_poll):
+    path, log = tmp_path / "budget.json", []
+    release = threading.Event()
+    _taker(path, "gw0", 1, log, release)
+    _wait_until(lambda: log == ["gw0"])
+    _taker(path, "gw1", 20, log)                            # more than all 16: only when nothing else is held
+    _wait_until(lambda: _queue(path) == ["gw1"])
+    time.sleep(0.3)
+    assert log == ["gw0"]
+    release.set()
+    _wait_until(lambda: log == ["gw0", "gw1"])
+
+
+def test_what_a_dead_worker_held_is_free(tmp_path, fast_poll):
+    """A worker that crashed while holding memory must not block the others until the wait limit."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / "budget.json"
+    path.write_text(json.dumps({"held": {"gw0": [15, "crashed.py", dead.pid]}, "queue": []}))
+    waited = Budget(path, 16.0, "gw1").acquire(8, "next.py")
+    assert waited < 5
+
+
+def test_the_measurement_counts_a_childs_memory():
+    """A child that holds 400 MB (written, so resident) raises this process tree's PSS by about that much."""
+    before = tree_pss_gb(memory_budget.os.getpid())
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys,time; b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+                              "print('ready', flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        grown = tree_pss_gb(memory_budget.os.getpid()) - before
+    finally:
+        child.kill()
+        child.wait()
+    assert 0.38 <= grown <= 0.5, grown                       # 400 MiB = 0.39 GB, plus the child's interpreter
