@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -103,13 +102,22 @@ class _Sampler(threading.Thread):
         super().__init__(name="ajet-memory-sampler", daemon=True)
         self.peak = 0.0
         self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._generation = 0            # a figure measured before the last reset() is not counted after it
 
     def reset(self) -> None:
-        self.peak = tree_pss_gb(self._pid)
+        now = tree_pss_gb(self._pid)
+        with self._lock:
+            self._generation += 1
+            self.peak = now
 
     def run(self) -> None:
         while True:
-            self.peak = max(self.peak, tree_pss_gb(self._pid))
+            generation = self._generation
+            now = tree_pss_gb(self._pid)
+            with self._lock:
+                if generation == self._generation:
+                    self.peak = max(self.peak, now)
             time.sleep(SAMPLE_S)
 
 
@@ -182,27 +190,33 @@ _records: list[list] = []       # [file, declared GB or None, measured peak GB, 
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _sampler, _budget
+    global _sampler
     if not os.path.exists("/proc/self/smaps_rollup"):
         return                          # not Linux: nothing measured, nothing reserved
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return                          # the xdist controller: it runs no test
     _sampler = _Sampler()
     _sampler.start()
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+
+
+def _shared_budget(tmp_path_factory: pytest.TempPathFactory) -> Budget | None:
+    """The run's budget, in the folder the xdist workers' temporary folders share (pytest removes it with them);
+    None without xdist."""
+    global _budget
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if run_id and workers > 1:
-        path = Path(tempfile.gettempdir()) / f"ajet-test-memory-{run_id}.json"
+    if _budget is None and workers > 1:
+        path = tmp_path_factory.getbasetemp().parent / "ajet-test-memory.json"
         _budget = Budget(path, budget_gb(workers), os.environ.get("PYTEST_XDIST_WORKER", "gw?"))
+    return _budget
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _memory_reservation(request: pytest.FixtureRequest):
+def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Holds the module's PEAK_MEMORY_GB of the shared budget while its fixtures and tests run."""
     declared = getattr(request.module, "PEAK_MEMORY_GB", None)
     file = request.module.__name__.rsplit(".", 1)[-1] + ".py"
     waited = 0.0
-    if _budget is not None and declared is not None:
+    if declared is not None and _shared_budget(tmp_path_factory) is not None:
         waited = _budget.acquire(float(declared), file)
     if _sampler is not None:
         _sampler.reset()
