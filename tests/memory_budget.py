@@ -136,8 +136,10 @@ class Budget:
         state["held"] = {w: h for w, h in state["held"].items() if _alive(h[2])}
         return state
 
-    def _save(self, state: dict) -> None:
-        self.path.write_text(json.dumps(state))
+    def _save(self, state: dict) -> None:     # whole or not at all: a worker killed mid-write leaves the old state
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.path)
 
     def acquire(self, gb: float, file: str) -> float:
         """Takes `gb` for `file`, waiting (first come, first served) while the others hold too much.
