@@ -9,8 +9,9 @@ memory and the run failed. So such a file declares what it needs,
 
 and a worker takes that much from a budget the workers share before the file's first fixture is made, giving it
 back after its last fixture is torn down (an autouse module-scoped fixture: it is set up before, and torn down after,
-the file's other module fixtures). A file that asks for more than is free waits; the first worker to wait is served
-first, so a large file is not passed over forever. A file asking for more than the whole budget runs alone.
+the file's other module fixtures). A file that asks for more than is free waits; a later file that fits may go first
+(the cores stay busy), until the first waiter has waited STARVE_S, so a large file is not passed over for ever. A
+file asking for more than the whole budget runs alone.
 
 The budget is `AJET_TEST_MEMORY_GB`, else 90% of the machine's memory (below the 95% at which Ray's memory monitor
 kills workers) less 1 GB for each worker: the light tests the other workers run beside the heavy files. On the
@@ -35,6 +36,7 @@ import pytest
 from filelock import FileLock
 
 WAIT_LIMIT_S = 45 * 60      # a file waiting longer than this fails (the whole CI run has 90 minutes)
+STARVE_S = 300.0            # after the first waiter has waited this long, no later one goes before it
 POLL_S = 2.0                # how often a waiting worker looks again
 SAMPLE_S = 1.0              # how often the memory of a worker's process tree is measured
 REPORT_OVER_GB = 2.0        # undeclared files listed in the summary once they held this much
@@ -124,7 +126,8 @@ class _Sampler(threading.Thread):
 # --- the shared budget: a JSON file under a file lock ---
 
 class Budget:
-    """The reservations of the run's workers: {"held": {worker: [gb, file, pid]}, "queue": [worker, ...]}."""
+    """The reservations of the run's workers: {"held": {worker: [gb, file, pid]}, "queue": [[worker, pid, since],
+    ...]} (`since`: time.time() when it began to wait)."""
 
     def __init__(self, path: Path, total_gb: float, worker: str) -> None:
         self.path, self.total_gb, self.worker = path, total_gb, worker
@@ -132,8 +135,9 @@ class Budget:
 
     def _load(self) -> dict:
         state = json.loads(self.path.read_text()) if self.path.exists() else {"held": {}, "queue": []}
-        # a worker that died (crashed, killed) holds nothing
+        # a worker that died (crashed, killed) holds nothing and waits for nothing
         state["held"] = {w: h for w, h in state["held"].items() if _alive(h[2])}
+        state["queue"] = [q for q in state["queue"] if _alive(q[1])]
         return state
 
     def _save(self, state: dict) -> None:     # whole or not at all: a worker killed mid-write leaves the old state
@@ -142,18 +146,21 @@ class Budget:
         os.replace(tmp, self.path)
 
     def acquire(self, gb: float, file: str) -> float:
-        """Takes `gb` for `file`, waiting (first come, first served) while the others hold too much.
-        Returns the seconds waited. Raises `pytest.fail` after WAIT_LIMIT_S."""
+        """Takes `gb` for `file`, waiting while the others hold too much. A waiter that fits goes before earlier
+        ones that do not, unless the first of them has waited STARVE_S: then they go in order, so a large file is
+        not passed over for ever. Returns the seconds waited. Raises `pytest.fail` after WAIT_LIMIT_S."""
         t0 = time.monotonic()
         while True:
             with self.lock:
                 state = self._load()
-                if self.worker not in state["queue"]:
-                    state["queue"].append(self.worker)
+                queue = state["queue"]
+                if self.worker not in [q[0] for q in queue]:
+                    queue.append([self.worker, os.getpid(), time.time()])
                 held = sum(h[0] for h in state["held"].values())
-                first = state["queue"][0] == self.worker
-                if first and (not state["held"] or held + gb <= self.total_gb):
-                    state["queue"].remove(self.worker)
+                fits = not state["held"] or held + gb <= self.total_gb
+                head, head_since = queue[0][0], queue[0][2]
+                if fits and (head == self.worker or time.time() - head_since < STARVE_S):
+                    state["queue"] = [q for q in queue if q[0] != self.worker]
                     state["held"][self.worker] = [gb, file, os.getpid()]
                     self._save(state)
                     return time.monotonic() - t0
@@ -169,8 +176,7 @@ class Budget:
         with self.lock:
             state = self._load()
             state["held"].pop(self.worker, None)
-            if self.worker in state["queue"]:
-                state["queue"].remove(self.worker)
+            state["queue"] = [q for q in state["queue"] if q[0] != self.worker]
             self._save(state)
 
 

@@ -42,29 +42,46 @@ def _wait_until(pred, limit_s: float = 10.0) -> None:
 
 
 def _queue(path) -> list[str]:
-    return json.loads(path.read_text())["queue"] if path.exists() else []
+    return [q[0] for q in json.loads(path.read_text())["queue"]] if path.exists() else []
 
 
-def test_a_file_that_does_not_fit_waits_and_the_first_to_wait_goes_first(tmp_path, fast_poll):
-    """gw0 holds 10 of 16 GB. gw1 asks 8 (does not fit) and waits; gw2 then asks 2, which would fit, but waits
-    behind gw1 (else a stream of small files could keep a large one out forever). When gw0 gives its 10 back,
-    gw1 goes, then gw2 (8 + 2 <= 16)."""
+def test_a_file_that_does_not_fit_waits_and_a_smaller_one_that_fits_goes_first(tmp_path, fast_poll):
+    """gw0 holds 10 of 16 GB. gw1 asks 8 (does not fit) and waits; gw2 then asks 2, which fits, and goes at once
+    (the first waiter has not waited STARVE_S). When gw0 gives its 10 back, gw1 goes (8 + 2 <= 16)."""
     path, log = tmp_path / "budget.json", []
-    release0, release1 = threading.Event(), threading.Event()
+    release0 = threading.Event()
     _taker(path, "gw0", 10, log, release0)
     _wait_until(lambda: log == ["gw0"])
-    _taker(path, "gw1", 8, log, release1)
+    _taker(path, "gw1", 8, log)
     _wait_until(lambda: _queue(path) == ["gw1"])
     _taker(path, "gw2", 2, log)
+    _wait_until(lambda: log == ["gw0", "gw2"])
+    time.sleep(0.3)                                         # several polls: gw1 still waits
+    assert log == ["gw0", "gw2"] and _queue(path) == ["gw1"]
+    release0.set()
+    _wait_until(lambda: len(log) == 3)
+    held = json.loads(path.read_text())["held"]
+    assert {w: h[0] for w, h in held.items()} == {"gw1": 8, "gw2": 2}
+
+
+def test_once_the_first_waiter_has_waited_long_enough_no_one_passes_it(tmp_path, fast_poll, monkeypatch):
+    """As above, but gw1 has waited STARVE_S when gw2 asks: gw2 waits behind it (else a stream of small files could
+    keep a large one out for ever), and goes after it."""
+    monkeypatch.setattr(memory_budget, "STARVE_S", 0.2)
+    path, log = tmp_path / "budget.json", []
+    release0 = threading.Event()
+    _taker(path, "gw0", 10, log, release0)
+    _wait_until(lambda: log == ["gw0"])
+    _taker(path, "gw1", 8, log)
+    _wait_until(lambda: _queue(path) == ["gw1"])
+    time.sleep(0.3)
+    _taker(path, "gw2", 2, log)
     _wait_until(lambda: _queue(path) == ["gw1", "gw2"])
-    time.sleep(0.3)                                         # several polls: both still wait
+    time.sleep(0.3)
     assert log == ["gw0"]
     release0.set()
     _wait_until(lambda: len(log) == 3)
     assert log == ["gw0", "gw1", "gw2"]
-    held = json.loads(path.read_text())["held"]
-    assert {w: h[0] for w, h in held.items()} == {"gw1": 8, "gw2": 2}
-    release1.set()
 
 
 def test_a_file_larger_than_the_budget_runs_alone(tmp_path, fast_poll):
@@ -81,11 +98,13 @@ def test_a_file_larger_than_the_budget_runs_alone(tmp_path, fast_poll):
 
 
 def test_what_a_dead_worker_held_is_free(tmp_path, fast_poll):
-    """A worker that crashed while holding memory must not block the others until the wait limit."""
+    """A worker that crashed while holding memory, or while first in the queue, must not block the others until
+    the wait limit."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     path = tmp_path / "budget.json"
-    path.write_text(json.dumps({"held": {"gw0": [15, "crashed.py", dead.pid]}, "queue": []}))
+    path.write_text(json.dumps({"held": {"gw0": [15, "crashed.py", dead.pid]},
+                                "queue": [["gw2", dead.pid, time.time() - 3600]]}))   # nor what it waited for
     waited = Budget(path, 16.0, "gw1").acquire(8, "next.py")
     assert waited < 5
 
