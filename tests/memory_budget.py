@@ -1,11 +1,11 @@
 """How much memory the heavy test files may hold at once (a pytest plugin, registered by tests/conftest.py).
 
 The files that start a backbone's Ray workers or a vLLM server hold several GB each: the verl and Trinity
-kill-and-resume tests through vLLM (tests/test_backbone_vllm.py) 14.4 GB. Under pytest-xdist (the README's `pytest -n 3`) three of them can run at
-once, and on the 24 GB CI machine three did: Ray's memory monitor killed a Trinity trainer at 96% of the node's
-memory and the run failed. So such a file declares what it needs,
+kill-and-resume tests through vLLM (tests/test_backbone_vllm.py) about 15 GB. Under pytest-xdist (the README's
+`pytest -n 3`) three of them can run at once, and on the 24 GB CI machine three did: Ray's memory monitor killed a
+Trinity trainer at 96% of the node's memory and the run failed. So such a file declares what it needs,
 
-    PEAK_MEMORY_GB = 15.0   # the most its processes hold at once, all together (PSS, GB)
+    PEAK_MEMORY_GB = 16.0   # the most its processes hold at once, all together (PSS, GB)
 
 and a worker takes that much from a budget the workers share before the file's first fixture is made, giving it
 back after its last fixture is torn down (an autouse module-scoped fixture: it is set up before, and torn down after,

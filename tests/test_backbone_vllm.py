@@ -57,8 +57,8 @@ from tests.test_vllm_engine import (  # noqa: F401 - module fixtures: the SmolLM
 )
 
 # the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
-# budget (tests/memory_budget.py); measured 14.38 alone on 2026-12-06
-PEAK_MEMORY_GB = 15.0
+# budget (tests/memory_budget.py); measured 14.38 alone and 15.06 in .ci/run on 2026-12-06
+PEAK_MEMORY_GB = 16.0
 
 RUN_S = START_LIMIT_S + 1500      # a bound on one CLI run on a loaded 2-core machine, not a speed target
 SAME = 2e-3                       # |vLLM - transformers| logprob, max over a call's tokens, for the same weights
