@@ -36,7 +36,8 @@ from ajet.config import AjetConfig
 UNITS = {
     "max_model_len": "tokens", "max_tokens": "tokens", "loss_scale_factor": "tokens",
     "max_staleness": "policy versions", "save_freq": "steps", "val_freq": "steps", "total_steps": "steps",
-    "tasks_per_step": "tasks", "max_oversample": "tasks", "success_reward": "reward", "max_tasks": "tasks", "num_repeat": "episodes",
+    "tasks_per_step": "tasks", "max_oversample": "tasks", "success_reward": "reward", "max_tasks": "tasks",
+    "num_repeat": "episodes",
     "max_concurrency": "episodes", "max_batch_size": "prompts", "n": "episodes", "max_turns": "model calls",
     "max_calls_per_episode": "tool calls", "max_failed_steps": "steps", "local_workers": "episodes",
     "ray_workers": "actors", "max_processes": "processes",

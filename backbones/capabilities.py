@@ -115,8 +115,8 @@ AJET_SIDE = frozenset("""
     rollout.ray_workers rollout.ray_address
     proxy.host proxy.max_body_bytes proxy.accepted_models proxy.retry_after_s
     algorithm.name algorithm.adv_estimator algorithm.adv_eps algorithm.norm_adv_by_std
-    algorithm.dynamic_sampling.enabled algorithm.dynamic_sampling.max_oversample algorithm.dynamic_sampling.success_reward
-    algorithm.guards.stale_policy
+    algorithm.dynamic_sampling.enabled algorithm.dynamic_sampling.max_oversample
+    algorithm.dynamic_sampling.success_reward algorithm.guards.stale_policy
     algorithm.train_greedy_calls algorithm.group_by_agent_tag algorithm.trainable_targets
     trainer.save_freq trainer.exp_dir trainer.tensorboard trainer.loggers trainer.save_trajectories trainer.resume
     trainer.max_failed_steps trainer.val_freq trainer.val_before_train trainer.keep_best trainer.best_metric

@@ -25,8 +25,9 @@ STARTED = set()   # the tasks whose episodes have started (the module is loaded 
 
 class RepeatReward(Workflow):
     """One policy call; tasks "flat*" always score 1 (a group without signal), "win*" twice their repeat index,
-    the others their repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises. Tasks "wait*"
-    first wait (at most 60 s) until an episode of a "var*" task has started, and answer whether one did."""
+    the others their repeat index (every group has signal); on tasks "fail*" the third repeat (index 2) raises.
+    Tasks "wait*" first wait (at most 60 s) until an episode of a "var*" task has started, and answer whether one
+    did."""
 
     async def execute(self, task, tuner):
         STARTED.add(task.task_id)
