@@ -154,8 +154,8 @@ def reinstall() -> None:
     """Put the running command's handlers (the innermost `StopSignals`) back on SIGINT and SIGTERM, after a library
     replaced them: `ray.init` sets the driver's SIGTERM handler to `sys.exit(signum)` (ray/_private/worker.py,
     "This method overwrite sigterm handler of the driver process"), under which SIGTERM skipped the clean stop and
-    the process ended in Ray's crash dump (exit 134). Call it right after `ray.init`. Does nothing outside the main
-    thread or when no `StopSignals` is installed."""
+    the process ended in Ray's crash dump (exit 134). `ajet.ray_cluster.start_ray` calls it right after `ray.init`.
+    Does nothing outside the main thread or when no `StopSignals` is installed."""
     if _active and threading.current_thread() is threading.main_thread():
         for signum in SIGNALS:
             signal.signal(signum, _active[-1]._handle)

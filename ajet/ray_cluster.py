@@ -4,7 +4,8 @@ Ray never refuses a request it cannot meet: `ray.init(address=...)` retries an a
 minutes, and a placement group that no node can hold stays pending forever (verl's `RayResourcePool` waits on
 its groups with a plain `ray.get`). Used by the `--with-ray` episode pool (`ajet.rollout.ray`) and the verl
 backbone (`trainer.nnodes` x `trainer.n_gpus_per_node`), each check turns such a wait into one `ConfigError`
-naming what the cluster has and what to change.
+naming what the cluster has and what to change. `start_ray` is how ajet starts Ray: `ray.init`, then the running
+command's stop handlers back in place.
 
 Reference: Ray's placement groups, https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html
 """
@@ -15,9 +16,22 @@ import os
 import socket
 from typing import Any
 
+from ajet import interrupt
 from ajet.errors import ConfigError
 
 CONNECT_TIMEOUT_S = 5.0   # how long `check_reachable` waits for the head node's port, seconds
+
+
+def start_ray(ray: Any, **init_kwargs: Any) -> None:
+    """`ray.init(**init_kwargs)`, then the running command's SIGINT/SIGTERM handlers put back: `ray.init` sets the
+    driver's SIGTERM handler to `sys.exit(signum)`, under which SIGTERM skipped ajet's clean stop and the process
+    ended in Ray's crash dump (exit 134; `ajet.interrupt.reinstall`). Every ajet start of Ray goes through here.
+
+    Raises:
+        whatever `ray.init` raises (the handlers are then left as they were).
+    """
+    ray.init(**init_kwargs)
+    interrupt.reinstall()
 
 
 def init_address(address: str | None) -> str | None:

@@ -31,11 +31,10 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
-from ajet import interrupt
 from ajet.episode import Episode
 from ajet.errors import ConfigError
 from ajet.proxy.server import ProxyServer
-from ajet.ray_cluster import check_cpus, check_reachable, init_address
+from ajet.ray_cluster import check_cpus, check_reachable, init_address, start_ray
 from ajet.rollout.episodes import Judge, execute_episode, new_episodes, seed_key
 from ajet.task import Task
 from ajet.workflow import Workflow
@@ -104,9 +103,8 @@ class RayRollout:
             # a local Ray: the machine's CPUs for what else runs on it (verl's ranks join this Ray when it started
             # first), and one more for each worker, whatever the core count (the workers mostly wait on HTTP)
             sized = {} if joins else {"num_cpus": (os.cpu_count() or 1) + num_workers}
-            ray.init(address=init_at, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
-            interrupt.reinstall()           # ray.init replaced the SIGTERM handler (ajet.interrupt.reinstall)
+            start_ray(ray, address=init_at, include_dashboard=False, log_to_driver=False,
+                      runtime_env={"env_vars": {"PYTHONPATH": ":".join(p for p in sys.path if p)}}, **sized)
         try:
             fit = int(_cpus(ray))
             more = "add nodes (`ray start --address=HEAD:PORT --num-cpus N` on another machine)"

@@ -37,10 +37,9 @@ from pathlib import Path
 
 import torch
 
-from ajet import interrupt
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.config import AjetConfig
-from ajet.ray_cluster import init_address
+from ajet.ray_cluster import init_address, start_ray
 from ajet.tracker.sample import Sample
 
 
@@ -78,13 +77,12 @@ class TrinityBackbone:
             patch_verl_for_cpu()
         if not ray.is_initialized():
             try:
-                ray.init(namespace=self.config.ray_namespace,
-                         **({"address": "local", **ray_init_kwargs(self.world_size)} if self.on_cpu else {
-                             "address": init_address(cfg.rollout.ray_address),
-                             "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK}}))
+                start_ray(ray, namespace=self.config.ray_namespace,
+                          **({"address": "local", **ray_init_kwargs(self.world_size)} if self.on_cpu else {
+                              "address": init_address(cfg.rollout.ray_address),
+                              "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK}}))
             except Exception as exc:   # noqa: BLE001  (Ray raises many kinds)
                 raise BackboneUnavailable(f"the trinity backbone could not start Ray: {exc}") from exc
-            interrupt.reinstall()           # ray.init replaced the SIGTERM handler (ajet.interrupt.reinstall)
         self._loop = asyncio.new_event_loop()           # Trinity's trainer API is async; one loop, one thread
         threading.Thread(target=self._loop.run_forever, name="trinity-trainer", daemon=True).start()
         # Trinity's Synchronizer holds the state dict the trainer uploads (sync_method: memory); it watches the

@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 
-from ajet import interrupt, progress
+from ajet import progress
 from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
-from ajet.ray_cluster import check_groups, check_reachable, init_address
+from ajet.ray_cluster import check_groups, check_reachable, init_address, start_ray
 from ajet.engines.pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
@@ -125,10 +125,9 @@ class VerlBackbone:
             check_reachable(cfg.rollout.ray_address)    # ray.init retries an address nothing answers at for minutes
             # a local Ray: the ranks, two spare CPUs and the --with-ray episode workers (1 CPU each)
             address = init_address(cfg.rollout.ray_address)
-            ray.init(address=address, runtime_env=runtime_env, include_dashboard=False,
-                     num_cpus=None if address != "local" else max(os.cpu_count() or 1,
-                                                                        self.dp_size + 2 + cfg.rollout.ray_workers))
-            interrupt.reinstall()           # ray.init replaced the SIGTERM handler (ajet.interrupt.reinstall)
+            start_ray(ray, address=address, runtime_env=runtime_env, include_dashboard=False,
+                      num_cpus=None if address != "local" else max(os.cpu_count() or 1,
+                                                                         self.dp_size + 2 + cfg.rollout.ray_workers))
         t = self.config.trainer     # verl's pools wait forever for groups the cluster cannot hold: refuse them now
         check_groups(ray, int(t.nnodes), int(t.n_gpus_per_node), "GPU" if cuda else "CPU",
                      f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} (verl's ranks: one "
