@@ -43,12 +43,7 @@ def zero_std_groups(episodes: list[Episode]) -> list[str]:
     Returns:
         group ids, each once.
     """
-    sizes: dict[str, int] = {}
-    rewards: dict[str, list[float]] = {}
-    for e in episodes:
-        sizes[e.group_id] = sizes.get(e.group_id, 0) + 1
-        if e.ok:
-            rewards.setdefault(e.group_id, []).append(float(e.reward))
+    sizes, rewards = _group_rewards(episodes)
     return [g for g, r in rewards.items() if max(r) == min(r) and sizes[g] > 1]   # one success of several: equal
 
 
@@ -67,13 +62,20 @@ def no_success_groups(episodes: list[Episode], success_reward: float | None) -> 
     """
     if success_reward is None:
         return []
+    sizes, rewards = _group_rewards(episodes)
+    return [g for g, r in rewards.items() if max(r) < success_reward and sizes[g] > 1]
+
+
+def _group_rewards(episodes: list[Episode]) -> tuple[dict[str, int], dict[str, list[float]]]:
+    """({group: episodes in it}, {group: rewards of its successful episodes}), groups in first-seen order; a group
+    without a successful episode is in the first only."""
     sizes: dict[str, int] = {}
-    best: dict[str, float] = {}
+    rewards: dict[str, list[float]] = {}
     for e in episodes:
         sizes[e.group_id] = sizes.get(e.group_id, 0) + 1
         if e.ok:
-            best[e.group_id] = max(best.get(e.group_id, float("-inf")), float(e.reward))
-    return [g for g, r in best.items() if r < success_reward and sizes[g] > 1]
+            rewards.setdefault(e.group_id, []).append(float(e.reward))
+    return sizes, rewards
 
 
 def groups_with_signal(episodes: list[Episode], failed_episode_policy: str = "drop_episode",
