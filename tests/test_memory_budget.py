@@ -45,15 +45,21 @@ def _queue(path) -> list[str]:
     return [q[0] for q in json.loads(path.read_text())["queue"]] if path.exists() else []
 
 
-def test_a_file_that_does_not_fit_waits_and_a_smaller_one_that_fits_goes_first(tmp_path, fast_poll):
-    """gw0 holds 10 of 16 GB. gw1 asks 8 (does not fit) and waits; gw2 then asks 2, which fits, and goes at once
-    (the first waiter has not waited STARVE_S). When gw0 gives its 10 back, gw1 goes (8 + 2 <= 16)."""
-    path, log = tmp_path / "budget.json", []
+def _gw0_holds_10_and_gw1_waits_for_8(path, log: list) -> threading.Event:
+    """gw0 takes 10 of 16 GB, then gw1 asks for 8 and waits; returns the event that makes gw0 give its 10 back."""
     release0 = threading.Event()
     _taker(path, "gw0", 10, log, release0)
     _wait_until(lambda: log == ["gw0"])
     _taker(path, "gw1", 8, log)
     _wait_until(lambda: _queue(path) == ["gw1"])
+    return release0
+
+
+def test_a_file_that_does_not_fit_waits_and_a_smaller_one_that_fits_goes_first(tmp_path, fast_poll):
+    """gw0 holds 10 of 16 GB. gw1 asks 8 (does not fit) and waits; gw2 then asks 2, which fits, and goes at once
+    (the first waiter has not waited STARVE_S). When gw0 gives its 10 back, gw1 goes (8 + 2 <= 16)."""
+    path, log = tmp_path / "budget.json", []
+    release0 = _gw0_holds_10_and_gw1_waits_for_8(path, log)
     _taker(path, "gw2", 2, log)
     _wait_until(lambda: log == ["gw0", "gw2"])
     time.sleep(0.3)                                         # several polls: gw1 still waits
@@ -69,11 +75,7 @@ def test_once_the_first_waiter_has_waited_long_enough_no_one_passes_it(tmp_path,
     keep a large one out for ever), and goes after it."""
     monkeypatch.setattr(memory_budget, "STARVE_S", 0.2)
     path, log = tmp_path / "budget.json", []
-    release0 = threading.Event()
-    _taker(path, "gw0", 10, log, release0)
-    _wait_until(lambda: log == ["gw0"])
-    _taker(path, "gw1", 8, log)
-    _wait_until(lambda: _queue(path) == ["gw1"])
+    release0 = _gw0_holds_10_and_gw1_waits_for_8(path, log)
     time.sleep(0.3)
     _taker(path, "gw2", 2, log)
     _wait_until(lambda: _queue(path) == ["gw1", "gw2"])
