@@ -19,9 +19,9 @@ kills workers) less 1 GB for each worker: the light tests the other workers run 
 Without xdist (one process, one file at a time) nothing is reserved.
 
 Each worker also measures what its files really held: the sum of the proportional set size (PSS,
-/proc/PID/smaps_rollup) of the worker and all its descendants (`ajet` runs, Ray's processes, vLLM servers), every
-second. The terminal summary lists, per file that declares a figure or held over 2 GB, the measured peak beside the
-declared one and the seconds it waited, so the declarations can be kept true.
+/proc/PID/smaps_rollup, as the benchmarks measure it) of the worker and all its descendants (`ajet` runs, Ray's
+processes, vLLM servers), every second. The terminal summary lists, per file that declares a figure or held over
+2 GB, the measured peak beside the declared one and the seconds it waited, so the declarations can be kept true.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+
+from benchmarks.engines import process_tree_memory
 
 WAIT_LIMIT_S = 45 * 60      # a file waiting longer than this fails (the whole CI run has 90 minutes)
 STARVE_S = 300.0            # after the first waiter has waited this long, no later one goes before it
@@ -60,41 +62,10 @@ def budget_gb(workers: int) -> float:
 
 # --- measuring: the PSS of a process and its descendants ---
 
-def _children() -> dict[int, list[int]]:
-    """{ppid: [pid, ...]} for every process in /proc."""
-    tree: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:                 # it ended while we looked
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])   # after "(comm) state": the 4th field is ppid
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def _pss_gb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:                     # ended, or not ours to read
-        pass
-    return 0.0
-
-
 def tree_pss_gb(root: int) -> float:
-    """The PSS of process `root` and all its descendants together, in GB (2**30 bytes)."""
-    tree, total, todo = _children(), 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += _pss_gb(pid)
-        todo.extend(tree.get(pid, ()))
-    return total
+    """The PSS of process `root` and all its descendants together, in GB (2**30 bytes): the benchmarks' measure
+    (`benchmarks.engines.process_tree_memory`)."""
+    return process_tree_memory(root)[1] / 2**30
 
 
 class _Sampler(threading.Thread):
