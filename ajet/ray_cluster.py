@@ -71,7 +71,8 @@ def alive_nodes(ray: Any) -> list[dict[str, Any]]:
 
 def check_groups(ray: Any, groups: int, per_group: int, resource: str, what: str, fix: str) -> None:
     """Refuse `groups` placement groups of `per_group` units of `resource` (each group on one node, as verl's
-    STRICT_PACK / PACK groups of one node's ranks) when the alive nodes' totals cannot hold them all.
+    STRICT_PACK / PACK groups of one node's ranks) when the alive nodes cannot hold them all beside the placement
+    groups already created on the cluster (e.g. `--with-ray`'s episode workers, one CPU on each of their nodes).
 
     Args:
         ray: the `ray` module, initialized.
@@ -82,15 +83,35 @@ def check_groups(ray: Any, groups: int, per_group: int, resource: str, what: str
         fix: what to change, last in the message.
 
     Raises:
-        ConfigError: "WHAT: the Ray cluster has N node(s) with R RESOURCE(s) ...: FIX".
+        ConfigError: "WHAT: the Ray cluster has N node(s) with R RESOURCE(s) [(H held by placement groups)], room
+            for ...: FIX".
     """
     nodes = alive_nodes(ray)
+    held = held_by_placement_groups(ray, resource)
     totals = [float(n.get("Resources", {}).get(resource, 0.0)) for n in nodes]
-    fits = sum(int(t // per_group) for t in totals) if per_group > 0 else groups
+    free = [t - held.get(n["NodeID"], 0.0) for n, t in zip(nodes, totals)]
+    fits = sum(int(max(f, 0.0) // per_group) for f in free) if per_group > 0 else groups
     if fits < groups:
-        have = ", ".join(f"{t:g}" for t in sorted(totals, reverse=True)) or "none"
-        raise ConfigError(f"{what}: the Ray cluster has {len(nodes)} node(s) with {have} {resource}(s), room for "
-                          f"{fits} group(s) of {per_group}: {fix}")
+        order = sorted(range(len(nodes)), key=lambda i: -totals[i])
+        have = ", ".join(f"{totals[i]:g}" for i in order) or "none"
+        taken = ", ".join(f"{held.get(nodes[i]['NodeID'], 0.0):g}" for i in order)
+        held_note = f" ({taken} held by placement groups)" if any(held.values()) else ""
+        raise ConfigError(f"{what}: the Ray cluster has {len(nodes)} node(s) with {have} {resource}(s){held_note}, "
+                          f"room for {fits} group(s) of {per_group}: {fix}")
+
+
+def held_by_placement_groups(ray: Any, resource: str) -> dict[str, float]:
+    """Units of `resource` that the cluster's created placement groups reserve, per node id (Ray's
+    `placement_group_table`): room that a new placement group cannot have."""
+    held: dict[str, float] = {}
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("state") != "CREATED":
+            continue
+        where = pg.get("bundles_to_node_id") or {}
+        for index, bundle in (pg.get("bundles") or {}).items():
+            if where.get(index):
+                held[where[index]] = held.get(where[index], 0.0) + float(bundle.get(resource, 0.0))
+    return held
 
 
 def check_cpus(ray: Any, needed: int, what: str, fix: str) -> None:
