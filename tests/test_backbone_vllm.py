@@ -23,6 +23,9 @@ A server ajet starts and owns (`engine: {kind: vllm}` without urls) is the LoRA 
 group must be gone after the SIGKILL (the watchdog). The module's server (tests/test_vllm_engine.py's fixture)
 starts after it, so that two servers never run at once.
 
+The scale-out shape, last: verl on a Ray cluster of two nodes (one FSDP rank on each, `--with-ray` episode workers on
+both), generating through the module's server, two steps.
+
 In CI a missing venv FAILS these tests (tests/backbone_conformance/venvs.py, tests/test_vllm_engine.py).
 """
 
@@ -55,6 +58,7 @@ from tests.test_vllm_engine import (  # noqa: F401 - module fixtures: the SmolLM
     server,
     vllm_python,
 )
+from tests.two_nodes import CLUSTER_ENV, verl_cluster
 
 # the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
 # budget (tests/memory_budget.py); measured 14.38 alone and 15.06 in .ci/run on 2026-12-06
@@ -77,6 +81,17 @@ class OneCall(Workflow):
             model=tuner.model, messages=[{"role": "user", "content": task.query}])
         text = r.choices[0].message.content or ""
         return WorkflowOutput(reward=float(len(text) % 5), final_answer=text)
+
+
+class OneCallWhere(OneCall):
+    """OneCall, in a Ray episode worker: the output's metadata names the Ray node it ran on."""
+
+    async def execute(self, task, tuner):
+        import ray
+
+        out = await super().execute(task, tuner)
+        return WorkflowOutput(reward=out.reward, final_answer=out.final_answer,
+                              metadata={"node_id": ray.get_runtime_context().get_node_id()})
 '''
 
 
@@ -272,3 +287,46 @@ def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, m
     assert last["step"] == 2 and last["policy_version"] == 2 and last["train/weight_sync_s"] > 0, last
     _check_server_holds(url, AutoTokenizer.from_pretrained(model_path), _load(exp / "checkpoints" / "step_2"))
     shutil.rmtree(exp / "checkpoints")          # checked: GBs the suite's disk need not hold (kept on a failure)
+
+
+def test_verl_on_two_ray_nodes_with_ray_workers_generates_through_vllm(model_path, request, tmp_path):  # noqa: F811
+    """The scale-out shape on one machine: a Ray cluster of two raylets (2 logical CPUs each), joined with
+    `--ray-address`; verl with `trainer.nnodes=2` (one FSDP rank, gloo, on each node), `--with-ray 2` episode workers
+    spread over both nodes, generation through the module's vLLM server, two steps. Step 2's calls have step 1's
+    checkpoint's logprobs (the two ranks' update reached the server). On the same cluster `trainer.nnodes=3` is
+    refused in one line: the episode workers hold a CPU on each node, so three one-CPU groups cannot be placed
+    (verl's placement groups would wait forever)."""
+    python = venv_python("verl")
+    url = request.getfixturevalue("server")["url"]
+    conf = _experiment(tmp_path, model_path, {"kind": "vllm", "urls": [url]})
+    env = {k: v for k, v in _env(**CLUSTER_ENV).items() if k != "RAY_ADDRESS"}
+    with verl_cluster(tmp_path, cpus_per_node=2, object_store_mib=256) as cluster:
+        args = ["--ray-address", cluster["address"], "--with-ray", "2", "workflow=wf.py:OneCallWhere"]
+        refused = subprocess.run([python, "-m", "ajet", "--conf", conf.name, "--backbone", "verl", "--exp-dir",
+                                  "exp3", *args, "verl.trainer.nnodes=3"], capture_output=True, text=True,
+                                 timeout=300, cwd=tmp_path, env=env)
+        errors = [x for x in refused.stderr.splitlines() if x.startswith("ajet: error:")]
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert len(errors) == 1 and "trainer.nnodes=3" in errors[0] and "(1, 1 held by placement groups)" in \
+            errors[0], refused.stderr[-3000:]
+        code, out = _run(python, conf, "verl", *args, "verl.trainer.nnodes=2", env=env)
+        assert code == 0 and "Traceback" not in out, out[-4000:]
+    exp = tmp_path / "exp"
+    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["policy_version"] == 2, metrics
+    assert all(m["rollout/ray_nodes"] == 2 and m["train/weight_sync_s"] > 0 for m in metrics), metrics
+    nodes = set(cluster["nodes"])
+    assert len(nodes) == 2
+    # the episodes ran on both nodes (what the workflow saw inside its Ray worker), 8 a step
+    episodes = [json.loads(line) for line in (exp / "trajectories.jsonl").read_text().splitlines()]
+    assert len(episodes) == 16 and all(e["error"] is None for e in episodes)
+    assert {e["output"]["metadata"]["node_id"] for e in episodes} == nodes
+    # verl's two ranks, one per node
+    ranks = {a["name"].rsplit("AjetActorWorker_", 1)[1]: a["node"] for a in cluster["actors"]
+             if a["cls"] == "AjetActorWorker"}
+    assert sorted(ranks) == ["0:0", "1:0"] and set(ranks.values()) == nodes, ranks
+    # both ranks' shards in the run's checkpoint (they write from the cluster's working folder, not the run's)
+    shards = sorted(p.name for p in (exp / "checkpoints" / "step_1" / "actor").glob("model_*.pt"))
+    assert shards == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"], shards
+    _check_run(exp, 0, _load(model_path), _load(exp / "checkpoints" / "step_1"))
+    shutil.rmtree(exp / "checkpoints")

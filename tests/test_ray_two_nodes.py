@@ -1,7 +1,7 @@
 """A real two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: two raylets, the head with 2 CPUs, the
 second with 1) joined by `ajet --ray-address`: the `--with-ray` episode workers spread over both nodes (the head
 alone could hold both: packing them there fails the test), a cluster too small for the asked workers is one line
-and exit 2, and an address nothing answers at is one too. verl on two nodes: tests/test_ray_two_nodes_verl.py."""
+and exit 2, and an address nothing answers at is one too. verl on two nodes: tests/test_backbone_vllm.py."""
 
 import json
 import os
