@@ -3,6 +3,7 @@ training step from its YAML alone (the built-in ToolAgent, no Python of the user
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 
 import yaml
@@ -15,12 +16,26 @@ from tests.ajet_cli import train_one_step
 TUTORIAL = Path(__file__).resolve().parent.parent / "tutorial" / "example_mcp_tools"
 # loaded by file path under a unique module name: the math tutorial has a make_tasks.py too
 make_tasks = load_object(f"{TUTORIAL / 'make_tasks.py'}:make_tasks")
+make_splits = load_object(f"{TUTORIAL / 'make_tasks.py'}:make_splits")
 
 
-def test_tasks_file_matches_the_database():
-    rows = [json.loads(line) for line in (TUTORIAL / "tasks" / "train.jsonl").read_text().splitlines()]
-    assert rows == make_tasks() and len(rows) >= 40
-    assert all(r["answer"].isdigit() for r in rows)
+def _read(name: str) -> list[dict]:
+    return [json.loads(line) for line in (TUTORIAL / "tasks" / name).read_text().splitlines()]
+
+
+def test_tasks_files_match_the_database_and_hold_out_questions_never_trained():
+    train, held_out = _read("train.jsonl"), _read("val.jsonl")
+    assert (train, held_out) == make_splits() and len(train) >= 30 and len(held_out) >= 12
+    assert all(r["answer"].isdigit() for r in train + held_out)
+    assert not {r["query"] for r in train} & {r["query"] for r in held_out}
+    # every kind of question is held out, none wholly: the first word pair tells the template
+    kinds = {" ".join(r["query"].split()[:3]) for r in held_out}
+    assert len(kinds) == 4 and kinds <= {" ".join(r["query"].split()[:3]) for r in train}
+    # the answers are the database's, by a query written here (not make_tasks.py's SQL)
+    db = sqlite3.connect(":memory:")
+    db.executescript((TUTORIAL / "shop.sql").read_text())
+    berlin = db.execute("SELECT COUNT(*) FROM customers WHERE city = 'Berlin'").fetchone()[0]
+    assert [r["answer"] for r in train + held_out if r["query"] == "How many customers live in Berlin?"] == [str(berlin)]
 
 
 def test_sqlite_server_answers_read_only_queries():
@@ -48,9 +63,10 @@ def test_sqlite_server_answers_read_only_queries():
 def test_trains_one_step_from_the_yaml_alone(tiny_model_dir, tmp_path):
     conf = yaml.safe_load((TUTORIAL / "mcp_tools.yaml").read_text())
     conf["model"]["path"] = tiny_model_dir
-    conf["data"]["train_path"] = str(TUTORIAL / conf["data"]["train_path"])
+    conf["data"] = {"train_path": str(TUTORIAL / conf["data"]["train_path"])}     # (no held-out evaluation)
+    conf["trainer"].pop("best_metric")
     conf["tools"]["mcp_servers"]["shop"]["cwd"] = str(TUTORIAL)   # the copy lives elsewhere
-    conf["trainer"].update(tasks_per_step=2, tensorboard=False)
+    conf["trainer"].update(tasks_per_step=2, tensorboard=False, val_freq=0)
     conf["rollout"]["num_repeat"] = 2
     proc, exp = train_one_step(conf, tmp_path)
     assert "MCP tools: query" in proc.stdout
