@@ -35,7 +35,8 @@ def test_tasks_files_match_the_database_and_hold_out_questions_never_trained():
     db = sqlite3.connect(":memory:")
     db.executescript((TUTORIAL / "shop.sql").read_text())
     berlin = db.execute("SELECT COUNT(*) FROM customers WHERE city = 'Berlin'").fetchone()[0]
-    assert [r["answer"] for r in train + held_out if r["query"] == "How many customers live in Berlin?"] == [str(berlin)]
+    berlins = [r["answer"] for r in train + held_out if r["query"] == "How many customers live in Berlin?"]
+    assert berlins == [str(berlin)]
 
 
 def test_sqlite_server_answers_read_only_queries():

@@ -50,8 +50,9 @@ trainer: {{total_steps: 1, tasks_per_step: 2, tensorboard: false}}
 """)
 
 
-# started by verl's python: a two-raylet cluster (argv[2] CPUs and argv[3] MiB of object store each); prints its address, then, once the file
-# argv[1] exists, the actors it ran (name, class, node) and its node ids as JSON lines, and shuts itself down
+# started by verl's python: a two-raylet cluster (argv[2] CPUs and argv[3] MiB of object store each); prints its
+# address, then, once the file argv[1] exists, the actors it ran (name, class, node) and its node ids as JSON lines,
+# and shuts itself down
 VERL_CLUSTER = """
 import json, os, sys, time
 import ray
@@ -85,12 +86,14 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 @contextmanager
-def verl_cluster(folder: Path, cpus_per_node: int, object_store_mib: int = 80) -> Iterator[dict]:
+def verl_cluster(folder: Path, cpus_per_node: int, object_store_mib: int) -> Iterator[dict]:
     """A Ray cluster of two raylets on this machine (`ray.cluster_utils.Cluster`, started by verl's python so that
     its workers import verl), `cpus_per_node` logical CPUs and `object_store_mib` of object store each (what a
-    step passes through it beyond that spills to disk: a model's weights on their way to a vLLM server). Yields `{"address": "IP:PORT"}`; when the block
-    ends without an error the dict gains `"actors"` (`[{"name", "cls", "node"}]`, every actor the cluster ran) and
-    `"nodes"` (the alive node ids). The cluster is shut down either way (its raylets with it)."""
+    step passes through it beyond that spills to disk: a model's weights on their way to a vLLM server).
+
+    Yields `{"address": "IP:PORT"}`; when the block ends without an error the dict gains `"actors"` (`[{"name",
+    "cls", "node"}]`, every actor the cluster ran) and `"nodes"` (the alive node ids). The cluster is shut down
+    either way (its raylets with it)."""
     stop = folder / "cluster-stop"
     proc = subprocess.Popen([venv_python("verl"), "-c", VERL_CLUSTER, str(stop), str(cpus_per_node),
                              str(object_store_mib)],
