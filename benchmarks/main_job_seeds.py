@@ -25,8 +25,8 @@ than CONF as it is is written to `OUT/<config>.yaml` (file paths made absolute);
 Every run is a plain `ajet` command (the table's figures are read from each run's `metrics.jsonl`); their output
 goes to `OUT/<run>.log`. One table per config is printed: per seed, held-out `val/pass@1` before and after, the gain
 in points, the held-out valid and grounded `calculate` calls per episode before and after (the tutorial's
-`workflow/valid_tool_calls` and `workflow/grounded_tool_calls`: what its reward's two 0.1 terms pay for); under it
-the config's mean gain, its minimum and the number of seeds with +10 points or more. All of it goes to
+`workflow/valid_tool_calls` and `workflow/grounded_tool_calls`: what its reward's two 0.1 terms pay for), its wall
+time and the peak RSS and PSS of its process tree (measured every 5 s); under it the config's mean gain, its minimum and the number of seeds with +10 points or more. All of it goes to
 `OUT/summary.json`. `--parallel N` runs at most N at once (default: all). Runs still going at `--deadline-s` are
 stopped and reported as not finished.
 
@@ -56,13 +56,18 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.engines import process_tree_memory  # noqa: E402
+
+MEMORY_EVERY_S = 5.0   # how often each run's process tree is measured (its peak is the table's column)
 BEFORE_KEYS = ("model", "workflow", "judge", "data", "eval")   # what the initial policy's held-out score depends on
 MAIN_JOB = ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml"
 
 
 class Run:
     """One `python -m ajet ...` child: its name, command, log file, start and end (seconds since the benchmark
-    started) and exit status (None while it runs)."""
+    started), exit status (None while it runs) and the peak RSS and PSS of its process tree (bytes, measured every
+    MEMORY_EVERY_S seconds while it runs)."""
 
     def __init__(self, name: str, argv: list[str], out: Path, env: dict[str, str], t0: float):
         self.name, self.argv, self.exp_dir = name, argv, out / name
@@ -70,13 +75,23 @@ class Run:
         self.started = time.monotonic() - t0
         self.ended: float | None = None
         self.rc: int | None = None
+        self.peak_rss = self.peak_pss = 0.0
+        self._measured = 0.0
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def poll(self, t0: float) -> bool:
-        """True once the child has exited (its status and end time are then set)."""
+        """True once the child has exited (its status and end time are then set); measures its memory while it
+        runs."""
         if self.rc is None and self.proc.poll() is not None:
             self.rc, self.ended = self.proc.returncode, time.monotonic() - t0
             self.log.close()
+        elif self.rc is None and time.monotonic() - self._measured >= MEMORY_EVERY_S:
+            self._measured = time.monotonic()
+            try:
+                rss, pss, _ = process_tree_memory(self.proc.pid)
+            except Exception:  # noqa: BLE001 - it exited between the two calls: measured next time, if ever
+                return False
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
         return self.rc is not None
 
     def stop(self) -> None:
@@ -213,16 +228,18 @@ def _calls(r: dict, when: str) -> str:
 
 
 def config_table(name: str, runs: dict[str, dict]) -> list[str]:
-    """One config's markdown table: a row per run (`runs`: run name -> `held_out` dict plus "rc" and "wall_s"),
-    then its `config_summary` line."""
+    """One config's markdown table: a row per run (`runs`: run name -> `held_out` dict plus "rc", "wall_s" and,
+    when measured, "peak_rss_gb" / "peak_pss_gb"), then its `config_summary` line."""
     lines = [f"config {name}:", "",
              "| run | exit | held-out val/pass@1 before -> after | gain (points) | valid / grounded calls per episode "
-             "before -> after | steps | wall time |", "|---|---|---|---|---|---|---|"]
+             "before -> after | steps | wall time | peak RSS / PSS |", "|---|---|---|---|---|---|---|---|"]
     for run, r in runs.items():
         gain = f"{r['gain_points']:+.1f}" if r.get("gain_points") is not None else "-"
         wall = f"{r['wall_s']:.0f} s" if r.get("wall_s") is not None else "not finished"
+        memory = f"{r['peak_rss_gb']:.2f} / {r['peak_pss_gb']:.2f} GB" if r.get("peak_pss_gb") else "-"
         lines.append(f"| {run} | {r.get('rc')} | {_pct(r.get('before'))} -> {_pct(r.get('after'))} | {gain} | "
-                     f"{_calls(r, 'before')} -> {_calls(r, 'after')} | {r.get('last_step', '-')} | {wall} |")
+                     f"{_calls(r, 'before')} -> {_calls(r, 'after')} | {r.get('last_step', '-')} | {wall} | "
+                     f"{memory} |")
     c = config_summary(list(runs.values()))
     if c["finished"]:
         lines.append(f"\n{name}: mean gain {c['mean_gain']:+.1f} points, minimum {c['min_gain']:+.1f}, "
@@ -482,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in runs.items():
         summary["runs"][name] = {"rc": r.rc, "started_s": round(r.started, 1),
                                  "wall_s": round(r.ended - r.started, 1) if r.ended is not None else None,
+                                 "peak_rss_gb": round(r.peak_rss / 2**30, 2), "peak_pss_gb": round(r.peak_pss / 2**30, 2),
                                  **({} if name == "before" else held_out(r.exp_dir, before))}
     for config in configs:
         rows = {n: summary["runs"].get(n, {"rc": None, "wall_s": None}) for n in (run_name(config, s) for s in seeds)}

@@ -5,14 +5,17 @@ worked out by hand from the synthetic metrics below."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.main_job_seeds import (MAIN_JOB, call_form, config_data, config_summary, config_table, dynamics,
-                                      eval_before, held_out, parse_seeds)
+from benchmarks import main_job_seeds
+from benchmarks.main_job_seeds import (MAIN_JOB, Run, call_form, config_data, config_summary, config_table,
+                                      dynamics, eval_before, held_out, parse_seeds)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,11 +72,12 @@ def test_a_config_reports_mean_minimum_and_seeds_at_ten_points(runs):
 def test_the_table_has_a_row_per_seed_and_the_configs_line(runs):
     runs = {n: {**r, "rc": 0, "wall_s": 600.0} for n, r in runs.items()}
     runs["seed_3"].update(rc=-15, wall_s=None)
+    runs["seed_0"].update(peak_rss_gb=5.1, peak_pss_gb=4.25)
     text = "\n".join(config_table("shipped", runs))
-    assert "| seed_0 | 0 | 13.8% -> 50.0% | +36.2 | 0.35 / 0.21 -> 1.00 / 0.96 | 2 | 600 s |" in text
-    assert "| seed_1 | 0 | 13.8% -> 1.9% | -11.9 | 0.35 / 0.21 -> 1.00 / 0.18 | 2 | 600 s |" in text
-    assert "| seed_2 | 0 | 25.0% -> 35.0% | +10.0 | 0.50 / 0.25 -> 0.75 / 0.50 | 2 | 600 s |" in text
-    assert "| seed_3 | -15 | 13.8% -> - | - | 0.35 / 0.21 -> - | 1 | not finished |" in text
+    assert "| seed_0 | 0 | 13.8% -> 50.0% | +36.2 | 0.35 / 0.21 -> 1.00 / 0.96 | 2 | 600 s | 5.10 / 4.25 GB |" in text
+    assert "| seed_1 | 0 | 13.8% -> 1.9% | -11.9 | 0.35 / 0.21 -> 1.00 / 0.18 | 2 | 600 s | - |" in text
+    assert "| seed_2 | 0 | 25.0% -> 35.0% | +10.0 | 0.50 / 0.25 -> 0.75 / 0.50 | 2 | 600 s | - |" in text
+    assert "| seed_3 | -15 | 13.8% -> - | - | 0.35 / 0.21 -> - | 1 | not finished | - |" in text
     assert "shipped: mean gain +11.5 points, minimum -11.9, 2 of 3 seeds +10 points or more (1 not finished)" in text
 
 
@@ -180,3 +184,17 @@ def test_dynamics_per_step_from_metrics_and_the_store(tmp_path):
     assert s2["no_signal_share"] == 0.0 and s2["adv_foreign"] is None and s2["top_form"] == "3*N"
     assert s2["wrong_answer_adv_share"] is None
     assert s2["top_form_share"] == 1.0 and s2["valid_calls"] is None
+
+
+def test_a_run_measures_its_process_trees_peak_memory(tmp_path, monkeypatch):
+    """A child that starts a grandchild holding 300 MiB of written pages for 3 s: the run's peak counts the
+    grandchild's memory (its process tree), and is kept after both exit."""
+    monkeypatch.setattr(main_job_seeds, "MEMORY_EVERY_S", 0.5)
+    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+            "'import time; x = bytearray(300 * 2**20); x[::4096] = b\"1\" * len(x[::4096]); time.sleep(3)'])")
+    run = Run("mem", [sys.executable, "-c", code], tmp_path, dict(os.environ), time.monotonic())
+    deadline = time.monotonic() + 60
+    while not run.poll(0.0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert run.rc == 0
+    assert 0.28 * 2**30 <= run.peak_pss <= run.peak_rss < 2**30, (run.peak_pss, run.peak_rss)
