@@ -27,8 +27,8 @@ goes to `OUT/<run>.log`. One table per config is printed: per seed, held-out `va
 in points, the held-out valid and grounded `calculate` calls per episode before and after (the tutorial's
 `workflow/valid_tool_calls` and `workflow/grounded_tool_calls`: what its reward's two 0.1 terms pay for), its wall
 time and the peak RSS and PSS of its process tree (measured every 5 s); under it the config's mean gain, its
-minimum and the number of seeds with +10 points or more. All of it goes to `OUT/summary.json`. `--parallel N` runs at most N at once (default: all). Runs still going at `--deadline-s` are
-stopped and reported as not finished.
+minimum and the number of seeds with +10 points or more. All of it goes to `OUT/summary.json`. `--parallel N` runs
+at most N at once (default: all). Runs still going at `--deadline-s` are stopped and reported as not finished.
 
     python benchmarks/main_job_seeds.py                                   # seeds 0-4, then SFT from seed 1's run
     python benchmarks/main_job_seeds.py --seeds 0,1,2 --no-sft --out experiments/seeds
