@@ -41,6 +41,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MATH_DIR = ROOT / "tutorial" / "example_math_agent"
 CONF = MATH_DIR / "math_agent.yaml"
 ENGINES = ("in_process", "vllm")
+READY_LINE = "Application startup complete"   # a vLLM server's log line once it serves (uvicorn's)
 
 
 @dataclass
@@ -155,6 +157,45 @@ def process_tree_memory(pid: int, marker: str | None = None) -> tuple[float, flo
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return rss, pss, count
+
+
+class TreeMemory:
+    """A daemon thread summing RSS and PSS (bytes) over process `pid` and its descendants, and with `marker`
+    (`NAME=VALUE`) every other process whose environment holds it (`process_tree_memory`), every `interval_s`
+    seconds; keeps the peaks, the largest process count, and the first time (s after `t0`, `time.monotonic`) that
+    `ready_log` held `READY_LINE` (None until then, or without `ready_log`)."""
+
+    def __init__(self, pid: int, t0: float, interval_s: float = 1.0, ready_log: Path | None = None,
+                 marker: str | None = None):
+        self.pid, self.t0, self.interval_s, self.ready_log, self.marker = pid, t0, interval_s, ready_log, marker
+        self.peak_rss = self.peak_pss = 0.0
+        self.max_processes = 0
+        self.ready_s: float | None = None
+        self._read = 0                                        # bytes of ready_log already searched
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tree-memory", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                rss, pss, n = process_tree_memory(self.pid, self.marker)
+            except Exception:  # noqa: BLE001 - the job has exited (psutil.NoSuchProcess)
+                continue
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.max_processes = max(self.max_processes, n)
+            if self.ready_log is not None and self.ready_s is None and self.ready_log.exists():
+                start = max(0, self._read - len(READY_LINE))     # overlap: a line split across two reads
+                with open(self.ready_log, "rb") as f:
+                    f.seek(start)
+                    chunk = f.read()
+                self._read = start + len(chunk)
+                if READY_LINE.encode() in chunk:
+                    self.ready_s = time.monotonic() - self.t0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def marked_pids(marker: str) -> list[int]:

@@ -57,7 +57,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.engines import process_tree_memory  # noqa: E402
+from benchmarks.engines import TreeMemory  # noqa: E402
 
 MEMORY_EVERY_S = 5.0   # how often each run's process tree is measured (its peak is the table's column)
 BEFORE_KEYS = ("model", "workflow", "judge", "data", "eval")   # what the initial policy's held-out score depends on
@@ -66,8 +66,8 @@ MAIN_JOB = ROOT / "tutorial" / "example_math_agent" / "math_agent.yaml"
 
 class Run:
     """One `python -m ajet ...` child: its name, command, log file, start and end (seconds since the benchmark
-    started), exit status (None while it runs) and the peak RSS and PSS of its process tree (bytes, measured every
-    MEMORY_EVERY_S seconds while it runs)."""
+    started), exit status (None while it runs) and `memory`, the peak RSS and PSS of its process tree (bytes,
+    read every MEMORY_EVERY_S seconds while it runs: `benchmarks.engines.TreeMemory`)."""
 
     def __init__(self, name: str, argv: list[str], out: Path, env: dict[str, str], t0: float):
         self.name, self.argv, self.exp_dir = name, argv, out / name
@@ -75,23 +75,15 @@ class Run:
         self.started = time.monotonic() - t0
         self.ended: float | None = None
         self.rc: int | None = None
-        self.peak_rss = self.peak_pss = 0.0
-        self._measured = 0.0
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.memory = TreeMemory(self.proc.pid, t0, MEMORY_EVERY_S)
 
     def poll(self, t0: float) -> bool:
-        """True once the child has exited (its status and end time are then set); measures its memory while it
-        runs."""
+        """True once the child has exited (its status and end time are then set, its memory no longer read)."""
         if self.rc is None and self.proc.poll() is not None:
             self.rc, self.ended = self.proc.returncode, time.monotonic() - t0
             self.log.close()
-        elif self.rc is None and time.monotonic() - self._measured >= MEMORY_EVERY_S:
-            self._measured = time.monotonic()
-            try:
-                rss, pss, _ = process_tree_memory(self.proc.pid)
-            except Exception:  # noqa: BLE001 - it exited between the two calls: measured next time, if ever
-                return False
-            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.memory.stop()
         return self.rc is not None
 
     def stop(self) -> None:
@@ -499,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in runs.items():
         summary["runs"][name] = {"rc": r.rc, "started_s": round(r.started, 1),
                                  "wall_s": round(r.ended - r.started, 1) if r.ended is not None else None,
-                                 "peak_rss_gb": round(r.peak_rss / 2**30, 2), "peak_pss_gb": round(r.peak_pss / 2**30, 2),
+                                 "peak_rss_gb": round(r.memory.peak_rss / 2**30, 2),
+                                 "peak_pss_gb": round(r.memory.peak_pss / 2**30, 2),
                                  **({} if name == "before" else held_out(r.exp_dir, before))}
     for config in configs:
         rows = {n: summary["runs"].get(n, {"rc": None, "wall_s": None}) for n in (run_name(config, s) for s in seeds)}

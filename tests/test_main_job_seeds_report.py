@@ -197,4 +197,5 @@ def test_a_run_measures_its_process_trees_peak_memory(tmp_path, monkeypatch):
     while not run.poll(0.0) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert run.rc == 0
-    assert 0.28 * 2**30 <= run.peak_pss <= run.peak_rss < 2**30, (run.peak_pss, run.peak_rss)
+    mem = run.memory
+    assert 0.28 * 2**30 <= mem.peak_pss <= mem.peak_rss < 2**30, (mem.peak_pss, mem.peak_rss)

@@ -28,7 +28,7 @@ def test_tasks_files_match_the_database_and_hold_out_questions_never_trained():
     assert (train, held_out) == make_splits() and len(train) >= 30 and len(held_out) >= 12
     assert all(r["answer"].isdigit() for r in train + held_out)
     assert not {r["query"] for r in train} & {r["query"] for r in held_out}
-    # every kind of question is held out, none wholly: the first word pair tells the template
+    # every kind of question is held out, none wholly: the first three words tell the template
     kinds = {" ".join(r["query"].split()[:3]) for r in held_out}
     assert len(kinds) == 4 and kinds <= {" ".join(r["query"].split()[:3]) for r in train}
     # the answers are the database's, by a query written here (not make_tasks.py's SQL)
