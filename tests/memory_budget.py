@@ -21,7 +21,10 @@ Without xdist (one process, one file at a time) nothing is reserved.
 Each worker also measures what its files really held: the sum of the proportional set size (PSS,
 /proc/PID/smaps_rollup, as the benchmarks measure it) of the worker and all its descendants (`ajet` runs, Ray's
 processes, vLLM servers), every second. The terminal summary lists, per file that declares a figure or held over
-2 GB, the measured peak beside the declared one and the seconds it waited, so the declarations can be kept true.
+2 GB, the measured peak beside the declared one and the seconds it waited, so the declarations can be kept true;
+and, to see where the suite's time goes, the worker that ran it, when it began and ended (seconds since the
+suite's start) and how busy the machine's cores were over the whole suite (/proc/stat: below 100%, cores sat idle
+while files waited; at 100%, only less work shortens the run).
 """
 
 from __future__ import annotations
@@ -165,13 +168,24 @@ def _alive(pid: int) -> bool:
 
 _sampler: _Sampler | None = None
 _budget: Budget | None = None
-_records: list[list] = []       # [file, declared GB or None, measured peak GB, seconds waited]
+_records: list[list] = []       # [file, declared GB, peak GB, seconds waited, worker, began, ended (time.time())]
+_suite_start: tuple[float, tuple[int, int]] | None = None      # the controller's: time.time(), cpu_jiffies()
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all the machine's cores since boot (/proc/stat's first line; busy: all but idle
+    and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _sampler
+    global _sampler, _suite_start
     if not os.path.exists("/proc/self/smaps_rollup"):
         return                          # not Linux: nothing measured, nothing reserved
+    if not hasattr(config, "workerinput"):
+        _suite_start = (time.time(), cpu_jiffies())
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return                          # the xdist controller: it runs no test
     _sampler = _Sampler()
@@ -197,6 +211,7 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
     waited = 0.0
     if declared is not None and _shared_budget(tmp_path_factory) is not None:
         waited = _budget.acquire(float(declared), file)
+    began = time.time()
     if _sampler is not None:
         _sampler.reset()
     try:
@@ -205,7 +220,8 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
         if _budget is not None and declared is not None:
             _budget.release()
         if _sampler is not None and (declared is not None or _sampler.peak >= REPORT_OVER_GB):
-            _records.append([file, declared, round(_sampler.peak, 2), round(waited, 1)])
+            _records.append([file, declared, round(_sampler.peak, 2), round(waited, 1),
+                             os.environ.get("PYTEST_XDIST_WORKER", "-"), began, time.time()])
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -226,7 +242,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     tr.section("memory of the heavy test files (PSS of each worker's process tree, GB)")
     if isinstance(workers, int) and workers > 1:
         tr.write_line(f"budget shared by the {workers} workers: {budget_gb(workers):.1f} GB")
-    for file, declared, peak, waited in sorted(_records, key=lambda r: -r[2]):
+    t0 = _suite_start[0] if _suite_start else min(r[5] - r[3] for r in _records)
+    for file, declared, peak, waited, worker, began, ended in sorted(_records, key=lambda r: -r[2]):
         over = "  MORE THAN DECLARED" if declared is not None and peak > declared else ""
         tr.write_line(f"{file:45s} peak {peak:6.2f}  declared {declared if declared is not None else '-':>5}"
-                      f"  waited {waited:6.1f} s{over}")
+                      f"  waited {waited:6.1f} s  {worker} ran {began - t0:5.0f}-{ended - t0:5.0f} s{over}")
+    if _suite_start is not None:
+        busy, total = (now - then for now, then in zip(cpu_jiffies(), _suite_start[1]))
+        tr.write_line(f"the machine's {os.cpu_count()} cores were {100 * busy / max(total, 1):.0f}% busy over the "
+                      f"suite's {time.time() - t0:.0f} s")

@@ -124,3 +124,52 @@ def test_the_measurement_counts_a_childs_memory():
         child.kill()
         child.wait()
     assert 0.38 <= grown <= 0.5, grown                       # 400 MiB = 0.39 GB, plus the child's interpreter
+
+
+HEAVY_FILE = '''
+import time
+
+PEAK_MEMORY_GB = 1.0
+
+
+def test_spins():
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.5:     # 0.5 s of CPU: the suite's cores are busy
+        pass
+'''
+
+
+def test_the_summary_says_when_each_heavy_file_ran_and_how_busy_the_cores_were(tmp_path):
+    """Two files of 1 GB each under a 1.5 GB budget on two xdist workers: the summary lists each file's worker and
+    its span (seconds since the suite's start), the second beginning once the first has ended, and the cores'
+    busy share over the suite."""
+    from tests.backbone_conformance.venvs import ROOT
+
+    (tmp_path / "conftest.py").write_text(
+        "from tests.memory_budget import (  # noqa: F401\n"
+        "    _memory_reservation, pytest_configure, pytest_sessionfinish, pytest_terminal_summary,"
+        " pytest_testnodedown)\n")
+    for name in ("test_heavy_a.py", "test_heavy_b.py"):
+        (tmp_path / name).write_text(HEAVY_FILE)
+    env = {**memory_budget.os.environ, "AJET_TEST_MEMORY_GB": "1.5", "PYTHONPATH": str(ROOT),
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}          # xdist alone: the other plugins' imports take seconds
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist.plugin", "-n", "2", "--dist", "loadfile",
+                           "-p", "no:cacheprovider", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("test_heavy_"):
+            name, rest = line.split(maxsplit=1)
+            worker, span = rest.split(" ran ")
+            began, ended = (float(x) for x in span.removesuffix(" s").split("-"))
+            rows[name] = (worker.split()[-1], began, ended)
+    assert sorted(rows) == ["test_heavy_a.py", "test_heavy_b.py"], proc.stdout[-3000:]
+    assert {w for w, _, _ in rows.values()} == {"gw0", "gw1"}                # one file per worker
+    first, second = sorted(rows.values(), key=lambda r: r[1])
+    assert 0 <= first[1] and first[2] - first[1] >= 0.5                     # it spun 0.5 s of CPU
+    assert second[1] >= first[2] - 0.5                                      # waited for the first's gigabyte
+    busy = [line for line in proc.stdout.splitlines() if "cores were" in line]
+    assert len(busy) == 1, proc.stdout[-3000:]
+    share = float(busy[0].split(" were ")[1].split("%")[0])
+    assert 0 < share <= 100, busy
