@@ -4,7 +4,7 @@ update the trainer's weights reach the server (verl's per-tensor export / Trinit
 the server's `reload_weights`), for two steps of a one-call workflow.
 
 Per backbone, two runs of the same config (2 steps, a checkpoint every step), both against the module's server
-(`engine.urls`):
+(`engine.urls`; `_kill_then_resume`):
 1. killed with SIGKILL once step 2's episodes are stored (`AJET_TEST_KILL_AT=stored@2`: step 1's update and
    checkpoint are done, step 2 generated on the synced weights);
 2. `--resume`d to the end (the server first gets the starting weights, then the checkpoint's, before the first
@@ -15,16 +15,15 @@ tests/test_vllm_engine.py): in both runs step 1's calls record policy version 0 
 logprobs the server returned at step 2 are those of step 1's checkpoint (the trainer's weights after update 1),
 not the starting weights'; after the resumed run the server answers a fixed prompt with the logprobs of step 2's
 checkpoint; over the two attempts every (step, task, repeat) episode is trained by exactly one update and the
-killed attempt's step-2 episodes are abandoned (the trajectory store's ledger). Trinity's first run meets the
-module's server holding verl's trained weights: its step-1 calls must have the starting weights' logprobs (ajet
-sends a server at `engine.urls` the starting weights).
+killed attempt's step-2 episodes are abandoned (the trajectory store's ledger).
 
 A server ajet starts and owns (`engine: {kind: vllm}` without urls) is the LoRA test's, run first: its process
 group must be gone after the SIGKILL (the watchdog). The module's server (tests/test_vllm_engine.py's fixture)
-starts after it, so that two servers never run at once.
-
-The scale-out shape, last: verl on a Ray cluster of two nodes (one FSDP rank on each, `--with-ray` episode workers on
-both), generating through the module's server, two steps.
+starts after it, so that two servers never run at once. Trinity's kill and resume comes next. verl's is the
+scale-out shape, last: verl on a Ray cluster of two nodes (one FSDP rank on each, `--with-ray` episode workers on
+both), killed and resumed on that cluster. Its first run meets the module's server holding Trinity's trained
+weights: its step-1 calls must have the starting weights' logprobs (ajet sends a server at `engine.urls` the
+starting weights).
 
 In CI a missing venv FAILS these tests (tests/backbone_conformance/venvs.py, tests/test_vllm_engine.py).
 """
@@ -246,17 +245,16 @@ def test_verl_lora_through_vllm_serves_each_update_as_a_new_adapter(model_path, 
     shutil.rmtree(exp / "checkpoints")
 
 
-@pytest.mark.parametrize("backbone", ["verl", "trinity"])
-def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, model_path, request,  # noqa: F811
-                                                                     tmp_path):
+def _kill_then_resume(python: str, conf: Path, backbone: str, url: str, model_path: str, *args: str,
+                      env: dict) -> Path:
+    """`ajet --conf conf --backbone backbone args...` against the server at `url`, killed with SIGKILL once step 2's
+    episodes are stored, then `--resume`d to the end; each attempt checked (`_check_run`), and over the two every
+    (step, task, repeat) trained by exactly one update, the killed attempt's step-2 episodes abandoned, and the
+    server left holding step 2's checkpoint. Returns the run's exp folder (its checkpoints still there)."""
     from transformers import AutoTokenizer
 
-    python = venv_python(backbone)
-    folder = tmp_path / backbone
-    exp = folder / "exp"
-    url = request.getfixturevalue("server")["url"]
-    conf = _experiment(folder, model_path, {"kind": "vllm", "urls": [url]})
-    code, out = _run(python, conf, backbone, env=_env(AJET_TEST_KILL_AT="stored@2"))
+    exp = conf.parent / "exp"
+    code, out = _run(python, conf, backbone, *args, env={**env, "AJET_TEST_KILL_AT": "stored@2"})
     assert code == -signal.SIGKILL, out[-4000:]
     start = _load(model_path)
     step1 = _load(exp / "checkpoints" / "step_1")
@@ -264,12 +262,12 @@ def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, m
 
     # resumed against a server that holds other weights than step 1's checkpoint: the killed run left it holding
     # those, so the resume meets the starting weights, put back by hand
-    engine = VLLMEngine([url], SERVED_NAME, tmp_path / "reset")
+    engine = VLLMEngine([url], SERVED_NAME, conf.parent / "reset")
     try:
         engine.sync_weights(start.state_dict(), 0)
     finally:
         engine.close()
-    code, out = _run(python, conf, backbone, "--resume", env=_env())
+    code, out = _run(python, conf, backbone, "--resume", *args, env=env)
     assert code == 0, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     _check_run(exp, 1, start, step1)
@@ -283,19 +281,29 @@ def test_backbone_trains_through_vllm_syncs_every_update_and_resumes(backbone, m
     live = live_episodes(exp)
     assert set(live.values()) == {1} and sorted(Counter(k[0] for k in live).items()) == [(1, 8), (2, 8)], live
     metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
-    last = metrics[-1]
-    assert last["step"] == 2 and last["policy_version"] == 2 and last["train/weight_sync_s"] > 0, last
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["policy_version"] == 2, metrics
+    assert all(m["train/weight_sync_s"] > 0 for m in metrics), metrics
     _check_server_holds(url, AutoTokenizer.from_pretrained(model_path), _load(exp / "checkpoints" / "step_2"))
+    return exp
+
+
+def test_trinity_trains_through_vllm_syncs_every_update_and_resumes(model_path, request, tmp_path):  # noqa: F811
+    """Trinity through the module's server, killed at step 2 and resumed (`_kill_then_resume`). verl's kill and
+    resume: the two-node test below."""
+    url = request.getfixturevalue("server")["url"]
+    conf = _experiment(tmp_path, model_path, {"kind": "vllm", "urls": [url]})
+    exp = _kill_then_resume(venv_python("trinity"), conf, "trinity", url, model_path, env=_env())
     shutil.rmtree(exp / "checkpoints")          # checked: GBs the suite's disk need not hold (kept on a failure)
 
 
 def test_verl_on_two_ray_nodes_with_ray_workers_generates_through_vllm(model_path, request, tmp_path):  # noqa: F811
     """The scale-out shape on one machine: a Ray cluster of two raylets (2 logical CPUs each), joined with
     `--ray-address`; verl with `trainer.nnodes=2` (one FSDP rank, gloo, on each node), `--with-ray 2` episode workers
-    spread over both nodes, generation through the module's vLLM server, two steps. Step 2's calls have step 1's
-    checkpoint's logprobs (the two ranks' update reached the server). On the same cluster `trainer.nnodes=3` is
-    refused in one line: the episode workers hold a CPU on each node, so three one-CPU groups cannot be placed
-    (verl's placement groups would wait forever)."""
+    spread over both nodes, generation through the module's vLLM server, two steps, killed at step 2 and resumed on
+    the same cluster (`_kill_then_resume`: step 2's calls have step 1's checkpoint's logprobs, so the two ranks'
+    update reached the server; the resumed run restores them). Each attempt's two ranks are on the two nodes. On
+    the same cluster `trainer.nnodes=3` is refused in one line: the episode workers hold a CPU on each node, so
+    three one-CPU groups cannot be placed (verl's placement groups would wait forever)."""
     python = venv_python("verl")
     url = request.getfixturevalue("server")["url"]
     conf = _experiment(tmp_path, model_path, {"kind": "vllm", "urls": [url]})
@@ -309,24 +317,24 @@ def test_verl_on_two_ray_nodes_with_ray_workers_generates_through_vllm(model_pat
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert len(errors) == 1 and "trainer.nnodes=3" in errors[0] and "(1, 1 held by placement groups)" in \
             errors[0], refused.stderr[-3000:]
-        code, out = _run(python, conf, "verl", *args, "verl.trainer.nnodes=2", env=env)
-        assert code == 0 and "Traceback" not in out, out[-4000:]
-    exp = tmp_path / "exp"
-    metrics = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2] and metrics[-1]["policy_version"] == 2, metrics
-    assert all(m["rollout/ray_nodes"] == 2 and m["train/weight_sync_s"] > 0 for m in metrics), metrics
+        exp = _kill_then_resume(python, conf, "verl", url, model_path, *args, "verl.trainer.nnodes=2", env=env)
+    assert all(m["rollout/ray_nodes"] == 2 for m in (json.loads(x) for x in
+                                                      (exp / "metrics.jsonl").read_text().splitlines()))
     nodes = set(cluster["nodes"])
     assert len(nodes) == 2
     # the episodes ran on both nodes (what the workflow saw inside its Ray worker), 8 a step
     episodes = [json.loads(line) for line in (exp / "trajectories.jsonl").read_text().splitlines()]
     assert len(episodes) == 16 and all(e["error"] is None for e in episodes)
     assert {e["output"]["metadata"]["node_id"] for e in episodes} == nodes
-    # verl's two ranks, one per node
-    ranks = {a["name"].rsplit("AjetActorWorker_", 1)[1]: a["node"] for a in cluster["actors"]
-             if a["cls"] == "AjetActorWorker"}
-    assert sorted(ranks) == ["0:0", "1:0"] and set(ranks.values()) == nodes, ranks
+    # verl's two ranks, one per node, in each attempt (a worker group each: "<group>AjetActorWorker_<rank>:0")
+    groups: dict[str, dict[str, str]] = {}
+    for a in cluster["actors"]:
+        if a["cls"] == "AjetActorWorker":
+            group, rank = a["name"].rsplit("AjetActorWorker_", 1)
+            groups.setdefault(group, {})[rank] = a["node"]
+    assert len(groups) == 2, groups
+    assert all(sorted(g) == ["0:0", "1:0"] and set(g.values()) == nodes for g in groups.values()), groups
     # both ranks' shards in the run's checkpoint (they write from the cluster's working folder, not the run's)
     shards = sorted(p.name for p in (exp / "checkpoints" / "step_1" / "actor").glob("model_*.pt"))
     assert shards == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"], shards
-    _check_run(exp, 0, _load(model_path), _load(exp / "checkpoints" / "step_1"))
     shutil.rmtree(exp / "checkpoints")
