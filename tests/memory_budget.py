@@ -24,7 +24,8 @@ processes, vLLM servers), every second. The terminal summary lists, per file tha
 2 GB, the measured peak beside the declared one and the seconds it waited, so the declarations can be kept true;
 and, to see where the suite's time goes, the worker that ran it, when it began and ended (seconds since the
 suite's start) and how busy the machine's cores were over the whole suite (/proc/stat: below 100%, cores sat idle
-while files waited; at 100%, only less work shortens the run).
+while files waited; at 100%, only less work shortens the run). Every file's CPU seconds are counted too (the
+worker's and those of the processes it started and waited for, `os.times`), and the summary lists the largest.
 """
 
 from __future__ import annotations
@@ -170,6 +171,16 @@ _sampler: _Sampler | None = None
 _budget: Budget | None = None
 _records: list[list] = []       # [file, declared GB, peak GB, seconds waited, worker, began, ended (time.time())]
 _suite_start: tuple[float, tuple[int, int]] | None = None      # the controller's: time.time(), cpu_jiffies()
+_cpu: list[list] = []           # [file, CPU seconds of the worker and the children it waited for], every file
+CPU_TOP = 15                    # files listed by CPU in the summary
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) this process used, and its children that have been waited for (theirs roll up
+    through their own waits: an `ajet` run's workers that it waited for are counted, a daemon re-parented to init
+    is not)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -211,7 +222,7 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
     waited = 0.0
     if declared is not None and _shared_budget(tmp_path_factory) is not None:
         waited = _budget.acquire(float(declared), file)
-    began = time.time()
+    began, cpu0 = time.time(), cpu_seconds()
     if _sampler is not None:
         _sampler.reset()
     try:
@@ -219,6 +230,7 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
     finally:
         if _budget is not None and declared is not None:
             _budget.release()
+        _cpu.append([file, round(cpu_seconds() - cpu0, 1)])
         if _sampler is not None and (declared is not None or _sampler.peak >= REPORT_OVER_GB):
             _records.append([file, declared, round(_sampler.peak, 2), round(waited, 1),
                              os.environ.get("PYTEST_XDIST_WORKER", "-"), began, time.time()])
@@ -227,14 +239,18 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if hasattr(session.config, "workeroutput"):          # an xdist worker: hand the records to the controller
         session.config.workeroutput["ajet_memory"] = json.dumps(_records)
+        session.config.workeroutput["ajet_cpu"] = json.dumps(_cpu)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:           # the xdist controller, as each worker ends
     _records.extend(json.loads(getattr(node, "workeroutput", {}).get("ajet_memory", "[]")))
+    _cpu.extend(json.loads(getattr(node, "workeroutput", {}).get("ajet_cpu", "[]")))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    if _cpu:
+        _cpu_summary(terminalreporter)
     if not _records:
         return
     tr = terminalreporter
@@ -251,3 +267,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
         busy, total = (now - then for now, then in zip(cpu_jiffies(), _suite_start[1]))
         tr.write_line(f"the machine's {os.cpu_count()} cores were {100 * busy / max(total, 1):.0f}% busy over the "
                       f"suite's {time.time() - t0:.0f} s")
+
+
+def _cpu_summary(tr) -> None:
+    """The CPU seconds of all the files together and of the CPU_TOP largest, with their share."""
+    total = sum(c for _, c in _cpu)
+    tr.section("CPU of the test files (each worker and the processes it waited for, seconds)")
+    tr.write_line(f"all {len(_cpu)} files: {total:.0f} s")
+    for file, c in sorted(_cpu, key=lambda r: -r[1])[:CPU_TOP]:
+        tr.write_line(f"{file:45s} {c:8.1f} s  {100 * c / max(total, 1e-9):4.1f}%")
