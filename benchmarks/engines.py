@@ -162,13 +162,14 @@ def process_tree_memory(pid: int, marker: str | None = None) -> tuple[float, flo
 class TreeMemory:
     """A daemon thread summing RSS and PSS (bytes) over process `pid` and its descendants, and with `marker`
     (`NAME=VALUE`) every other process whose environment holds it (`process_tree_memory`), every `interval_s`
-    seconds; keeps the peaks, the largest process count, and the first time (s after `t0`, `time.monotonic`) that
-    `ready_log` held `READY_LINE` (None until then, or without `ready_log`)."""
+    seconds; keeps the peaks (and `peak_root_rss`, process `pid`'s own), the largest process count, and the first
+    time (s after `t0`, `time.monotonic`) that `ready_log` held `READY_LINE` (None until then, or without
+    `ready_log`)."""
 
     def __init__(self, pid: int, t0: float, interval_s: float = 1.0, ready_log: Path | None = None,
                  marker: str | None = None):
         self.pid, self.t0, self.interval_s, self.ready_log, self.marker = pid, t0, interval_s, ready_log, marker
-        self.peak_rss = self.peak_pss = 0.0
+        self.peak_rss = self.peak_pss = self.peak_root_rss = 0.0
         self.max_processes = 0
         self.ready_s: float | None = None
         self._read = 0                                        # bytes of ready_log already searched
@@ -177,12 +178,16 @@ class TreeMemory:
         self._thread.start()
 
     def _watch(self) -> None:
+        import psutil
+
         while not self._stop.wait(self.interval_s):
             try:
                 rss, pss, n = process_tree_memory(self.pid, self.marker)
+                root = psutil.Process(self.pid).memory_info().rss
             except Exception:  # noqa: BLE001 - the job has exited (psutil.NoSuchProcess)
                 continue
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.peak_root_rss = max(self.peak_root_rss, root)
             self.max_processes = max(self.max_processes, n)
             if self.ready_log is not None and self.ready_s is None and self.ready_log.exists():
                 start = max(0, self._read - len(READY_LINE))     # overlap: a line split across two reads

@@ -34,7 +34,12 @@ start, the feedback reward per window, p50/p99 latency of the model calls (send 
 flight at a swap (their interval contains a gate decision or a served version change) against the others, swaps
 accepted and refused by the gate (with both figures), requests failed (must be 0) and feedback lost
 (acknowledged with a 200 but not in gateway.sqlite after the kill; must be 0), and the policy versions that
-answered. `--json PATH` also writes them as JSON.
+answered, and the peak memory of the gateway process (RSS) and of its process tree (RSS and PSS, sampled every
+second). `--json PATH` also writes them as JSON.
+
+`--lora RANK` trains a LoRA adapter beside the one base model (`model.lora`) instead of all the weights;
+`--micro-batch-tokens` sets the update's chunk (`algorithm.micro_batch_tokens`); `--engine vllm` generates through
+a vLLM server the gateway starts (`engine: {kind: vllm}`, from .venvs/vllm: .ci/make_vllm_env.sh).
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ sys.path.insert(0, str(TUTORIAL))
 from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, CalculatorTool, math_agent_reward  # noqa: E402
 
 from ajet import Task, WorkflowOutput  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+from benchmarks.engines import TreeMemory  # noqa: E402
 from ajet.judges import math_answer_judge  # noqa: E402
 
 SECRET = "live-traffic-benchmark-secret"
@@ -75,17 +83,21 @@ def write_config(run_dir: Path, args) -> Path:
     (run_dir / "gate_val.jsonl").write_text("".join(json.dumps(t) + "\n" for t in val[:args.gate_tasks]))
     lr = _lr(args)
     wf = TUTORIAL / "math_workflow.py"
+    lora = f", lora: {{rank: {args.lora}, alpha: {2 * args.lora}}}" if args.lora else ""
+    engine = (f'engine: {{kind: vllm, python: "{args.vllm_python}", kv_cache_gb: 1}}' if args.engine == "vllm"
+              else "engine: {kind: in_process}")
     conf = run_dir / "gateway.yaml"
     conf.write_text(textwrap.dedent(f"""
         experiment_name: live_traffic
         workflow: "{wf}:MathAgentWorkflow"
         judge: "{wf}:math_agent_reward"
-        model: {{path: {args.model}, max_model_len: 2048}}
+        model: {{path: {args.model}, max_model_len: 2048{lora}}}
         data: {{val_path: "{run_dir / 'gate_val.jsonl'}"}}
         rollout: {{num_repeat: {args.num_repeat}, temperature: {args.temperature}, max_tokens: {args.max_tokens}}}
         trainer: {{total_steps: 100000, tasks_per_step: {args.tasks_per_step}, save_freq: 0, seed: {args.seed},
                    tensorboard: false}}
-        algorithm: {{lr: {lr}}}
+        algorithm: {{lr: {lr}, micro_batch_tokens: {args.micro_batch_tokens}}}
+        {engine}
         gateway:
           session_idle_s: 60
           feedback_deadline_s: {max(30.0, 150 * args.delay_scale):g}
@@ -104,7 +116,8 @@ POISON = (b"1e300", b"NaN")      # rewards a poisoner sends (raw JSON: NaN is no
 
 
 class GatewayProcess:
-    """`python -m ajet gateway` in a subprocess; its output goes to `log`; `url` once it serves."""
+    """`python -m ajet gateway` in a subprocess; its output goes to `log`; `url` once it serves. `memory` samples
+    its process tree every second (the gateway and what it starts: a vLLM server with `--engine vllm`)."""
 
     def __init__(self, conf: Path, exp: Path, log: Path, threads: int):
         self.log = log.open("w")
@@ -112,6 +125,7 @@ class GatewayProcess:
                                       "debug", "--exp-dir", str(exp), "--port", "0"], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, cwd=conf.parent,
                                      env={**os.environ, "AJET_SECRET": SECRET, "OMP_NUM_THREADS": str(threads)})
+        self.memory = TreeMemory(self.proc.pid, time.monotonic())
         self.url = ""
         ready = threading.Event()
 
@@ -129,6 +143,7 @@ class GatewayProcess:
             raise SystemExit(f"ajet gateway did not start; see {log}")
 
     def kill(self) -> None:
+        self.memory.stop()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(60)
@@ -286,8 +301,10 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics_text: str) -> dict:
-    """The figures, from the clients' records and gateway.sqlite (read after the kill)."""
+def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics_text: str,
+           memory: TreeMemory) -> dict:
+    """The figures, from the clients' records, gateway.sqlite (read after the kill) and `memory` (the gateway's
+    process tree, sampled every second)."""
     db = sqlite3.connect(db_path)
     stored = {}
     for sid, reward in db.execute("SELECT session_id, reward FROM feedback WHERE source = 'client'"):
@@ -336,7 +353,11 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
     served_versions = [v["version"] for v in served_rows]
     return {
         "minutes": args.minutes, "users": args.users, "harmful": args.harmful, "poison": args.poison,
-        "lr": _lr(args), "feedback": args.feedback,
+        "lr": _lr(args), "feedback": args.feedback, "engine": args.engine, "lora_rank": args.lora,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "gateway_peak_rss_gb": round(memory.peak_root_rss / 2**30, 2),
+        "tree_peak_rss_gb": round(memory.peak_rss / 2**30, 2), "tree_peak_pss_gb": round(memory.peak_pss / 2**30, 2),
+        "tree_max_processes": memory.max_processes,
         "poisoned_feedback_sent": len(pop.poison),
         "poisoned_feedback_400": sum(1 for _, status in pop.poison if status == 400),
         "poisoned_feedback_accepted": sum(1 for _, status in pop.poison if status == 200),
@@ -371,8 +392,13 @@ def report(pop: Population, db_path: Path, t_gateway_start: float, args, metrics
 
 
 def print_report(r: dict) -> None:
+    trained = f"LoRA rank {r['lora_rank']}" if r["lora_rank"] else "full fine-tuning"
     print(f"\n== live traffic: {r['minutes']:g} min, {r['users']} users, lr {r['lr']:g}"
-          f"{' (HARMFUL)' if r['harmful'] else ''}{' (POISON)' if r['poison'] else ''}, feedback={r['feedback']} ==")
+          f"{' (HARMFUL)' if r['harmful'] else ''}{' (POISON)' if r['poison'] else ''}, feedback={r['feedback']}, "
+          f"engine {r['engine']}, {trained} ==")
+    print(f"peak memory: the gateway process {r['gateway_peak_rss_gb']:.2f} GB RSS; its process tree "
+          f"({r['tree_max_processes']} processes at most) {r['tree_peak_rss_gb']:.2f} GB RSS, "
+          f"{r['tree_peak_pss_gb']:.2f} GB PSS")
     print(f"gateway ready after {r['gateway_start_s']} s; {r['conversations']} conversations, {r['model_calls']} model "
           f"calls ({r['streamed_calls']} streamed), {r['silent_conversations']} conversations never answered")
     for w in r["windows"]:
@@ -436,6 +462,16 @@ def main() -> int:
                    help="seconds a model call may take before its client gives up (a failed request)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="the gateway's OMP_NUM_THREADS (torch's CPU threads)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="train a LoRA adapter of this rank (alpha 2 x rank) beside the one base model instead of "
+                        "all the weights (model.lora; 0: full fine-tuning)")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096,
+                   help="algorithm.micro_batch_tokens: tokens per forward/backward chunk of an update (the "
+                        "update's activations scale with it)")
+    p.add_argument("--engine", choices=["in_process", "vllm"], default="in_process",
+                   help="engine.kind: generation in the gateway's process, or a vLLM server it starts")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venvs" / "vllm" / "bin" / "python"),
+                   help="the vLLM venv's python (.ci/make_vllm_env.sh) for --engine vllm")
     p.add_argument("--run-dir", help="keep the gateway's config, log and experiment folder here")
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
@@ -462,7 +498,7 @@ def main() -> int:
     (run_dir / "clients.json").write_text(json.dumps(
         {"t0": pop.t0, "calls": pop.calls, "convs": pop.convs, "acked": pop.acked, "unsent": pop.unsent,
          "failures": pop.failures, "close_errors": pop.close_errors, "feedback_errors": pop.feedback_errors}))
-    r = report(pop, exp / "gateway.sqlite", t_start, args, metrics_text)
+    r = report(pop, exp / "gateway.sqlite", t_start, args, metrics_text, gw.memory)
     print_report(r)
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1, default=str))
