@@ -68,10 +68,10 @@ sys.path.insert(0, str(TUTORIAL))
 from math_workflow import CALCULATE_TOOL, MAX_TURNS, SYSTEM_PROMPT, CalculatorTool, math_agent_reward  # noqa: E402
 
 from ajet import Task, WorkflowOutput  # noqa: E402
+from ajet.judges import math_answer_judge  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.engines import TreeMemory  # noqa: E402
-from ajet.judges import math_answer_judge  # noqa: E402
 
 SECRET = "live-traffic-benchmark-secret"
 FORCED = {"type": "function", "function": {"name": "calculate"}}
