@@ -124,7 +124,8 @@ def test_verl_update_on_cpu_equals_the_debug_backbones(recorded, tiny_model_dir,
     d, samples = recorded
     assert len(samples) % 2 == 0            # so that "drop_last" makes the row count odd
     res = run_check(py, "verl_update_check.py", {"model_dir": tiny_model_dir, "samples": d["samples"],
-                                                 "lr": main_job_lr(), "runs": VERL_UPDATE_RUNS},
+                                                 "exp_dir": str(tmp_path / "exp"), "lr": main_job_lr(),
+                                                 "runs": VERL_UPDATE_RUNS},
                     tmp_path, timeout=1800)   # a bound
     assert set(res) == {r["name"] for r in VERL_UPDATE_RUNS}
     for name, r in res.items():                                           # shown by pytest -rP
