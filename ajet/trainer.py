@@ -76,9 +76,11 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
     from ajet.rollout import RolloutContext
     from ajet.rollout.in_process import in_process_mode
     from ajet.trajectory_store import TrajectoryStore
+    from ajet.viewer.plots import plots_wanted
 
     mode = mode or in_process_mode()
     check_supported(cfg)   # a setting the backbone does not honour: refused before anything runs or is written
+    plots = plots_wanted(cfg.trainer.plots)   # (a bad AJET_PLOTS is refused now, not at the run's end)
     exp_dir = cfg.exp_path()
     # a folder with trained steps needs --resume; one whose run trained nothing is moved aside (ajet/run_folder.py)
     moved_aside = check_exp_dir(exp_dir, cfg.trainer.resume, mode.server)
@@ -183,7 +185,7 @@ def run(cfg: AjetConfig, mode: RunMode | None = None) -> Path:
             log.log(total, final_test)
         rollout.after_training()
     finally:
-        _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log)
+        _close_run(exp_dir, console, source, ctx.tools, proxy, backbone, store, log, plots)
     if best.enabled or validate.test_tasks:   # the run's last line: the model it ends with, and its step
         first_test = _test_figures(exp_dir, 0) or validate.firsts.get("test")   # (also in a resumed run)
         console.print(_final_line(best, total, final_test, first_test), markup=False, highlight=False)
@@ -372,10 +374,10 @@ def _log_step(cfg: AjetConfig, step: int, metrics: dict[str, Any], episodes: lis
 
 
 def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, proxy: ProxyServer, backbone: Any,
-               store: TrajectoryStore, log: MetricsLogger) -> None:
+               store: TrajectoryStore, log: MetricsLogger, plots: bool) -> None:
     """Close what a started run holds, in order (source, MCP servers, proxy, backbone, store, logger, live
-    display), then write EXP_DIR/plots/*.png (also after a failed run; not after Ctrl-C or SIGTERM, which ends the
-    process promptly: the next run's end, or `python -m ajet.viewer.plots EXP_DIR`, draws them)."""
+    display), then, with `plots`, write EXP_DIR/plots/*.png (also after a failed run; not after Ctrl-C or SIGTERM,
+    which ends the process promptly: the next run's end, or `python -m ajet.viewer.plots EXP_DIR`, draws them)."""
     from ajet.interrupt import stopping
     from ajet.progress import quiet, reset
     from ajet.viewer.plots import write_plots_safely
@@ -388,7 +390,7 @@ def _close_run(exp_dir: Path, console: Any, source: RolloutSource, tools: Any, p
     store.close()
     log.close()
     reset()   # a phase an error left open stops its live display; code after the run draws on no old console
-    if not stopping():
+    if plots and not stopping():
         write_plots_safely(exp_dir, None if quiet() else console)
 
 

@@ -118,9 +118,9 @@ AJET_SIDE = frozenset("""
     algorithm.dynamic_sampling.enabled algorithm.dynamic_sampling.max_oversample
     algorithm.dynamic_sampling.success_reward algorithm.guards.stale_policy
     algorithm.train_greedy_calls algorithm.group_by_agent_tag algorithm.trainable_targets
-    trainer.save_freq trainer.exp_dir trainer.tensorboard trainer.loggers trainer.save_trajectories trainer.resume
-    trainer.max_failed_steps trainer.val_freq trainer.val_before_train trainer.keep_best trainer.best_metric
-    trainer.best_mode trainer.stop_on_invalid_eval trainer.progress trainer.progress_interval_s
+    trainer.save_freq trainer.exp_dir trainer.tensorboard trainer.loggers trainer.plots trainer.save_trajectories
+    trainer.resume trainer.max_failed_steps trainer.val_freq trainer.val_before_train trainer.keep_best
+    trainer.best_metric trainer.best_mode trainer.stop_on_invalid_eval trainer.progress trainer.progress_interval_s
     serve.host serve.port serve.secret serve.keys serve.episode_idle_timeout_s serve.local_workers
     tools.mcp_servers tools.max_calls_per_episode tools.call_timeout_s tools.startup_timeout_s
     tools.health_check_interval_s tools.max_result_chars

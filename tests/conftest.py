@@ -9,6 +9,10 @@ import os
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
+# The end-of-run plots (matplotlib, about 2 s of CPU a run) are left out of the suite's hundred-odd runs; the tests
+# that check them turn them on (AJET_PLOTS=1 in their run's environment: tests/tiny_experiment.py and others).
+os.environ.setdefault("AJET_PLOTS", "0")
+
 import pytest  # noqa: E402
 
 from tests.tiny_model import build_tiny_model  # noqa: E402

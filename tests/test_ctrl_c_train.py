@@ -86,9 +86,9 @@ def write_project(root: Path, model_dir: str, steps: int, workflow: str = "Slow"
 
 
 def ajet(root: Path, args: list[str], slow_s: float = 0, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    """`python -m ajet ARGS` in `root`, to its end."""
+    """`python -m ajet ARGS` in `root`, to its end (its plots drawn: they read the store after it closed)."""
     return subprocess.run([sys.executable, "-m", "ajet", *args], cwd=root, capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "AJET_TEST_SLOW_S": str(slow_s)})
+                          timeout=timeout_s, env={**os.environ, "AJET_TEST_SLOW_S": str(slow_s), "AJET_PLOTS": "1"})
 
 
 def stop_when(root: Path, args: list[str], pattern: str, signum: int, slow_s: float,

@@ -77,7 +77,8 @@ def test_an_evaluation_with_too_many_failures_is_invalid_in_metrics_jsonl_and_aj
         trainer: {{total_steps: 1, tasks_per_step: 4, val_freq: 1, tensorboard: false, stop_on_invalid_eval: false}}
     """))
     exp = tmp_path / "exp"
-    run = dict(capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "250"})
+    run = dict(capture_output=True, text=True, timeout=600, cwd=tmp_path,
+               env={**os.environ, "COLUMNS": "250", "AJET_PLOTS": "1"})     # val.png is checked
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--exp-dir", str(exp)], **run)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())

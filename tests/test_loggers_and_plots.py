@@ -2,6 +2,9 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -11,7 +14,8 @@ from ajet.config import trainer as config_module
 from ajet.config import load_config
 from ajet.errors import ConfigError
 from ajet.metrics_log import MetricsLogger
-from ajet.viewer.plots import moving_average, write_plots, write_plots_safely
+from ajet.viewer.plots import moving_average, plots_wanted, write_plots, write_plots_safely
+from tests.tiny_experiment import WORKFLOW
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -23,6 +27,42 @@ def test_a_real_run_ends_with_plots(tiny_experiment):
     for p in plots.glob("*.png"):
         data = p.read_bytes()
         assert data.startswith(PNG) and len(data) > 5_000, p
+
+
+@pytest.mark.parametrize("env, configured, wanted", [
+    (None, True, True), (None, False, False), ("", False, False),      # unset or empty: trainer.plots decides
+    ("0", True, False), ("Off", True, False), ("no", True, False), ("false", True, False),
+    ("1", False, True), ("ON", False, True), (" yes ", False, True), ("true", False, True)])
+def test_ajet_plots_overrides_trainer_plots_either_way(monkeypatch, env, configured, wanted):
+    monkeypatch.delenv("AJET_PLOTS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("AJET_PLOTS", env)
+    assert plots_wanted(configured) is wanted
+
+
+def test_a_run_with_plots_off_draws_none_and_a_bad_ajet_plots_stops_it_before_it_starts(tiny_model_dir, tmp_path):
+    (tmp_path / "wf.py").write_text(WORKFLOW)
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"task_id": "t0", "query": "What is 1 plus 1?", "answer": "2"}))
+    (tmp_path / "conf.yaml").write_text(textwrap.dedent(f"""
+        workflow: wf.py:ToolLoopWorkflow
+        model: {{path: "{tiny_model_dir}", max_model_len: 1024}}
+        data: {{train_path: tasks.jsonl}}
+        rollout: {{num_repeat: 2, max_tokens: 4}}
+        trainer: {{total_steps: 1, tasks_per_step: 1, tensorboard: false}}
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "AJET_PLOTS"}      # the config alone decides
+
+    def ajet(*extra, **more_env):
+        return subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--exp-dir", "exp", *extra],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**env, **more_env})
+
+    bad = ajet(AJET_PLOTS="maybe")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "AJET_PLOTS='maybe': use 0 (no plots at the end of a run) or 1 (plots)" in bad.stderr
+    assert not (tmp_path / "exp").exists()                                 # refused before anything was written
+    run = ajet("trainer.plots=false")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert (tmp_path / "exp" / "metrics.jsonl").is_file() and not (tmp_path / "exp" / "plots").exists()
 
 
 def test_moving_average_is_trailing_and_skips_nan():

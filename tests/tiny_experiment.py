@@ -9,6 +9,7 @@ tensorboard and the held-out evaluation on, so it leaves every output the README
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -58,7 +59,8 @@ def make_tiny_experiment(root: Path, model_dir: str, steps: int = 2, timeout_s: 
         trainer: {{total_steps: {steps}, tasks_per_step: 2, val_freq: {steps}, stop_on_invalid_eval: false}}
     """))
     proc = subprocess.run([sys.executable, "-m", "ajet", "--conf", "conf.yaml", "--backbone=debug", "--exp-dir", "exp"],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=root)
+                          capture_output=True, text=True, timeout=timeout_s, cwd=root,
+                          env={**os.environ, "AJET_PLOTS": "1"})   # every output, plots too (the suite's default: none)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (root / "run.log").write_text(proc.stdout + proc.stderr)
     return root / "exp"

@@ -70,6 +70,9 @@ class TrainerConfig(_Section):
                                                                                  "wandb (`pip install 'ajet[wandb]'`;"
                                                                                  " offline under exp_dir/wandb unless"
                                                                                  " WANDB_API_KEY is set)")
+    plots: bool = Field(True, description="draw exp_dir/plots/*.png at the end of the run (matplotlib: about 2 s of "
+                                          "CPU); the environment variable AJET_PLOTS (0 or 1) overrides it; "
+                                          "`python -m ajet.viewer.plots EXP_DIR` draws them at any time")
     save_trajectories: bool = Field(True, description="write every episode (calls with token ids and logprobs, "
                                                       "samples, reward) to exp_dir/trajectories.jsonl")
     resume: bool = Field(False, description="continue from the newest checkpoint in exp_dir (CLI: --resume)")

@@ -10,17 +10,42 @@
                         invalid one (`val/valid` 0: too many episodes failed) is a dashed line, never a point
 
 Inputs are `metrics.jsonl` (one line per step) and, for the shares, `trajectories.sqlite` (read-only).
-`python -m ajet.viewer.plots EXP_DIR` redraws them for any finished or running experiment.
+`python -m ajet.viewer.plots EXP_DIR` redraws them for any finished or running experiment. `trainer.plots: false`,
+or the environment variable AJET_PLOTS=0 (which overrides the config either way: `plots_wanted`), leaves them out of
+the run's end, e.g. in a test suite of many short runs.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
+
+
+PLOTS_ENV = "AJET_PLOTS"
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def plots_wanted(configured: bool) -> bool:
+    """Whether a run draws its plots at the end: $AJET_PLOTS when set (0/false/no/off or 1/true/yes/on, any case),
+    else `configured` (`trainer.plots`).
+
+    Raises:
+        ConfigError: AJET_PLOTS holds another value.
+    """
+    raw = os.environ.get(PLOTS_ENV, "").strip().lower()
+    if not raw:
+        return configured
+    if raw in _OFF + _ON:
+        return raw in _ON
+    from ajet.errors import ConfigError
+
+    raise ConfigError(f"{PLOTS_ENV}={os.environ[PLOTS_ENV]!r}: use 0 (no plots at the end of a run) or 1 (plots), "
+                      f"or unset it (trainer.plots decides)")
 
 
 def moving_average(values: list[float], window: int = 3) -> list[float]:
