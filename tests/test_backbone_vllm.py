@@ -48,7 +48,7 @@ from ajet.engines.vllm import SERVED_NAME, VLLMEngine
 from ajet.trajectory_store import TrajectoryStore
 from tests.backbone_conformance.main_job import live_episodes
 from tests.backbone_conformance.venvs import venv_python
-from tests.test_vllm_engine import (  # noqa: F401 - module fixtures: the SmolLM2 folder and the module's server
+from tests.vllm_server import (  # noqa: F401 - module fixtures: the SmolLM2 folder and the module's server
     EAGER,
     START_LIMIT_S,
     _vllm_direct,

@@ -28,7 +28,7 @@ from ajet.engines.vllm_server import VLLMServer
 from ajet.llm_call import SamplingParams
 # importing `venv_python` marks this module as one that waits for a venv build (tests/ci_backbone_tests.py)
 from tests.backbone_conformance.venvs import venv_python  # noqa: F401
-from tests.test_vllm_engine import START_LIMIT_S, model_path, vllm_python  # noqa: F401  (model_path: a fixture)
+from tests.vllm_server import START_LIMIT_S, model_path, vllm_python  # noqa: F401  (model_path: a fixture)
 
 # the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
 # budget (tests/memory_budget.py); measured 5.85 alone on 2026-12-06

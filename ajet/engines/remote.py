@@ -25,7 +25,7 @@ the unprocessed distribution), and greedy tokens are not trained on as samples.
 Cancelling `generate` (the proxy does when the call's client disconnects or its episode is closed at its time
 limit) closes the request's connection: aiohttp and httpx close a connection whose answer was not read to the
 end instead of returning it to the pool, and vLLM aborts a request whose connection closes, so nothing goes on
-decoding for nobody (tests/test_vllm_faults.py reads vLLM's own /metrics to show it). A connection the server
+decoding for nobody (tests/vllm_faults.py reads vLLM's own /metrics to show it). A connection the server
 refuses (nothing was sent) raises `ServerUnreachable`, on which `ajet.engines.pool.ServerPool` sends the call to
 another server.
 

@@ -8,8 +8,9 @@
 - the server a run started, SIGKILLed mid-rollout: the episodes it was serving fail, the episodes already recorded
   stay in the trajectory store, and the run stops with exit status 2 and one line naming the server and its log.
 
-One server for the module (tests/test_vllm_engine.py's fixture); the kill test's run starts its own, first (before
-the module's server starts: one server at a time).
+These tests are collected in tests/test_vllm_engine.py's module (one unit of work under xdist, in its memory budget),
+so that they share its one server (tests/vllm_server.py); the kill test's run starts its own, first (before the
+module's server starts: one server at a time).
 """
 
 from __future__ import annotations
@@ -41,22 +42,8 @@ from ajet.proxy.server import ProxyServer
 from ajet.rollout.episodes import new_episodes, run_episode
 from ajet.task import Task
 from ajet.workflow import Workflow, WorkflowOutput
-# importing `venv_python` marks this module as one that waits for a venv build (scheduled first under xdist)
-from tests.backbone_conformance.venvs import venv_python  # noqa: F401
 from tests.test_stream_disconnects import _read_to_first_token, _request
-from tests.test_vllm_engine import (  # noqa: F401 - fixtures of this module
-    EAGER,
-    START_LIMIT_S,
-    _vllm_direct,
-    _wait_group_gone,
-    model_path,
-    server,
-    vllm_python,
-)
-
-# the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
-# budget (tests/memory_budget.py); measured 5.81 alone on 2026-12-06
-PEAK_MEMORY_GB = 6.5
+from tests.vllm_server import EAGER, START_LIMIT_S, _vllm_direct, _wait_group_gone, vllm_python
 
 LONG = 1800          # tokens each aborted call asks for (the module server's max_model_len is 2048)
 SLACK = 400          # tokens vLLM may still decode while a disconnect reaches it (seconds of a loaded machine)
@@ -102,7 +89,7 @@ def _recorded(exp: Path) -> list[tuple[str, str | None]]:
         return []
 
 
-def test_the_server_killed_mid_rollout_stops_the_run_in_one_line(model_path, tmp_path):  # noqa: F811
+def test_the_server_killed_mid_rollout_stops_the_run_in_one_line(model_path, tmp_path):
     """`ajet` with `engine: {kind: vllm}` (its own server), the server's process group SIGKILLed once two episodes of
     step 1 are recorded: exit status 2, one line naming the server and its log, no traceback; the episodes recorded
     before the kill are all still in the store, the ones the server was serving failed naming it."""
@@ -184,13 +171,14 @@ class _NoEos(RemoteEngine):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_path):  # noqa: F811
+def smollm2_tokenizer(model_path):
+    """The served model's tokenizer (the proxy renders the prompts with it)."""
     from ajet.model import load_tokenizer
 
     return load_tokenizer(model_path)
 
 
-def _proxy(server, tokenizer, client: str = "aiohttp") -> ProxyServer:  # noqa: F811
+def _proxy(server, tokenizer, client: str = "aiohttp") -> ProxyServer:
     engine = _NoEos(server["url"], SERVED_NAME, client=client)
     return ProxyServer(engine, tokenizer, SamplingParams(temperature=1.0, max_tokens=LONG), max_model_len=2048,
                        seed=0).start()
@@ -210,8 +198,8 @@ def _assert_aborted(url: str, before: dict[str, float], left_at: float) -> None:
 
 @pytest.mark.parametrize("stream,client", [(False, "aiohttp"), (True, "aiohttp"), (False, "httpx")],
                          ids=["plain", "streamed", "plain-httpx"])
-def test_a_client_gone_aborts_its_call_in_vllm(server, tokenizer, stream, client):  # noqa: F811
-    proxy = _proxy(server, tokenizer, client)
+def test_a_client_gone_aborts_its_call_in_vllm(server, smollm2_tokenizer, stream, client):
+    proxy = _proxy(server, smollm2_tokenizer, client)
     try:
         ep = proxy.open_episode("gone")
         url = ep.base_url + "/chat/completions"
@@ -237,11 +225,11 @@ class _OneLongCall(Workflow):
         return WorkflowOutput(reward=1.0)
 
 
-def test_an_episode_timeout_aborts_its_call_in_vllm(server, tokenizer):  # noqa: F811
+def test_an_episode_timeout_aborts_its_call_in_vllm(server, smollm2_tokenizer):
     """`rollout.episode_timeout_s` reached while the episode's call decodes (20 s into a call of 1800 tokens, more
     than a minute of decoding here; 20 s so that a loaded machine has sent it to vLLM by then): the episode fails
     with the timeout, and vLLM aborts the call (at most `SLACK` tokens after the limit)."""
-    proxy = _proxy(server, tokenizer)
+    proxy = _proxy(server, smollm2_tokenizer)
     try:
         (episode,) = new_episodes([Task("t0", "Go.", "1")], 1, step=1)
         before = _metrics(server["url"])
@@ -253,10 +241,11 @@ def test_an_episode_timeout_aborts_its_call_in_vllm(server, tokenizer):  # noqa:
         proxy.stop()
 
 
-def test_calls_go_to_another_server_when_one_refuses_connections(server, tokenizer, tmp_path):  # noqa: F811
+def test_calls_go_to_another_server_when_one_refuses_connections(server, smollm2_tokenizer, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}/v1"       # nothing listens there: every connection is refused
     engine = VLLMEngine([dead, server["url"]], SERVED_NAME, tmp_path / "weights")
-    prompts = [tokenizer.encode(f"Question {i}: what is {i} plus {i}?", add_special_tokens=False) for i in range(4)]
+    prompts = [smollm2_tokenizer.encode(f"Question {i}: what is {i} plus {i}?", add_special_tokens=False)
+               for i in range(4)]
     params = [SamplingParams(temperature=0.8, max_tokens=8, seed=100 + i) for i in range(4)]
 
     async def calls():
@@ -278,12 +267,12 @@ def test_calls_go_to_another_server_when_one_refuses_connections(server, tokeniz
         assert answer.token_ids == ids            # the server that answered sampled what it samples for that seed
 
 
-def test_the_engine_closed_after_its_proxy_stopped_leaves_no_unclosed_session(server, tokenizer, tmp_path,  # noqa: F811
-                                                                             caplog):
+def test_the_engine_closed_after_its_proxy_stopped_leaves_no_unclosed_session(server, smollm2_tokenizer, tmp_path,
+                                                                              caplog):
     """The end of a run: the trainer stops the proxy (its event loop ends) before the backbone closes the engine;
     the HTTP session the proxy's loop opened is closed all the same (no "Unclosed client session")."""
     engine = VLLMEngine([server["url"]], SERVED_NAME, tmp_path / "weights")
-    proxy = ProxyServer(engine, tokenizer, SamplingParams(max_tokens=4), max_model_len=2048).start()
+    proxy = ProxyServer(engine, smollm2_tokenizer, SamplingParams(max_tokens=4), max_model_len=2048).start()
     try:
         ep = proxy.open_episode("one")
         r = httpx.post(ep.base_url + "/chat/completions", timeout=300,
