@@ -18,14 +18,14 @@ checkpoint; over the two attempts every (step, task, repeat) episode is trained 
 killed attempt's step-2 episodes are abandoned (the trajectory store's ledger).
 
 A server ajet starts and owns (`engine: {kind: vllm}` without urls) is the LoRA test's, run first: its process
-group must be gone after the SIGKILL (the watchdog). The module's server (tests/test_vllm_engine.py's fixture)
+group must be gone after the SIGKILL (the watchdog). The module's server (tests/vllm_server.py's fixture)
 starts after it, so that two servers never run at once. Trinity's kill and resume comes next. verl's is the
 scale-out shape, last: verl on a Ray cluster of two nodes (one FSDP rank on each, `--with-ray` episode workers on
 both), killed and resumed on that cluster. Its first run meets the module's server holding Trinity's trained
 weights: its step-1 calls must have the starting weights' logprobs (ajet sends a server at `engine.urls` the
 starting weights).
 
-In CI a missing venv FAILS these tests (tests/backbone_conformance/venvs.py, tests/test_vllm_engine.py).
+In CI a missing venv FAILS these tests (tests/backbone_conformance/venvs.py, tests/vllm_server.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ adapters loaded under a name never used before, calls answered by the version th
 versions unloaded once drained, one adapter per agent role.
 
 One server for the module, started with LoRA enabled (`VLLMServer(lora_rank=8)`, as `vllm_engine` starts it), from
-the vLLM venv of tests/test_vllm_engine.py, with its skip/fail rules (in CI a missing venv fails these tests). Which
+the vLLM venv of tests/vllm_server.py, with its skip/fail rules (in CI a missing venv fails these tests). Which
 version answered is never taken from the engine's record alone: every completion's greedy tokens are checked against
 a transformers + peft forward of each version's adapter, computed here.
 """

@@ -1,4 +1,4 @@
-"""Faults against a real vLLM server (the vLLM venv, SmolLM2-135M; skip/fail rules of tests/test_vllm_engine.py):
+"""Faults against a real vLLM server (the vLLM venv, SmolLM2-135M; skip/fail rules of tests/vllm_server.py):
 
 - a call whose client disconnects, or whose episode reaches `rollout.episode_timeout_s`, is aborted in vLLM, as vLLM's
   own /metrics shows: no request left running, and its generated-token counter stops far below the call's
