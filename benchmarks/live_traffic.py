@@ -476,7 +476,8 @@ def main() -> int:
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args()
 
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ajet-live-traffic-"))
+    # absolute: the gateway runs from the run folder, so a relative --run-dir would not name its config there
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="ajet-live-traffic-")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     tasks = [json.loads(line) for line in (TUTORIAL / "tasks" / "train.jsonl").read_text().splitlines() if line]
     conf, exp = write_config(run_dir, args), run_dir / "exp"
