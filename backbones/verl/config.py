@@ -122,6 +122,9 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
         "trainer.total_training_steps": t.total_steps,
         "data.seed": t.seed,
     }
+    if rollout_name != "ajet":     # verl's trainer starts these pools for its own rollout loop, which ajet does not
+        out.update({"actor_rollout_ref.rollout.agent.num_workers": 1,      # run (ajet's proxy generates through
+                    "reward.num_workers": 1, "data.dataloader_num_workers": 0})   # verl's servers): one, not 8 each
     if a.loss_scale_factor is not None:
         out["actor_rollout_ref.actor.loss_scale_factor"] = a.loss_scale_factor
     if m.lora:
