@@ -126,6 +126,10 @@ def test_translation_key_by_key(tmp_path):
         "trainer.experiment_name": "ajet",
         "trainer.total_training_steps": 100,
         "data.seed": 7,
+        # verl's own rollout: the pools of verl's rollout loop, which ajet does not run, at one (not 8) / none
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "reward.num_workers": 1,
+        "data.dataloader_num_workers": 0,
     }
     assert o == expected
 
