@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-
-import pytest
 
 from tests.backbone_conformance.venvs import venv_python
 from tests.test_backbone_vllm import _check_run, _env, _experiment, _load, _run
@@ -69,4 +68,4 @@ def test_verl_trains_with_its_own_vllm_rollout_on_cpu(model_path, tmp_path):  # 
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"verl's vLLM server outlived the run: pids {left}"
-    pytest.importorskip("shutil").rmtree(exp / "checkpoints")
+    shutil.rmtree(exp / "checkpoints")          # checked: GBs the suite's disk need not hold
