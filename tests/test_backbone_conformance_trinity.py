@@ -262,3 +262,27 @@ def test_the_trinity_block_reaches_trinitys_config(trinity_configs, case):
     a ConfigError naming it; a setting the backbone cannot honour is a ConfigError naming the ajet key."""
     line = printed(trinity_configs[case])
     assert line.startswith(TRINITY_CONFIG_CASES[case][1]), line
+
+
+HOOK_CHECK = """
+import json, sys
+from ajet.backbones.trinity.loss import _build_trinity_loss_shared, setup_worker
+setup_worker()                  # as Ray runs it first in each worker of the backbone's cluster
+before = sorted(m for m in ("torch", "trinity", "verl") if m in sys.modules)
+import trinity.trainer.verl.workers as workers
+import torch
+import verl.utils.device as device
+print(json.dumps({"before": before, "trinity_loss": workers.build_trinity_loss is _build_trinity_loss_shared,
+                  "backend": device.get_nccl_backend(), "capability": list(torch.cuda.get_device_capability())}))
+"""
+
+
+def test_the_workers_setup_hook_changes_verl_and_trinity_once_the_worker_imports_them():
+    """Ray's setup hook of the backbone's cluster imports neither torch nor verl (a worker that never imports them,
+    such as Trinity's Synchronizer, pays for neither), and a worker that then imports Trinity's worker module gets
+    the CPU changes and the micro-batch loss: the state the checks above train in."""
+    proc = subprocess.run([venv_python("trinity"), "-c", HOOK_CHECK], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"before": [], "trinity_loss": True, "backend": "gloo", "capability": [0, 0]}, out

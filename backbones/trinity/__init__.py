@@ -1,9 +1,17 @@
 """The Trinity-RFT backbone (`pip install 'ajet[trinity]'`): ajet explores, Trinity-RFT's trainer updates.
 
-Importing this package imports no Trinity: `data`, `config` and `cpu` import it inside their functions,
-`backbone` when the backbone is built."""
+Importing this package imports no Trinity, and no torch: `TrinityBackbone` (`BACKBONE`) is imported on first use,
+and `data`, `config` and `cpu` import Trinity inside their functions. So a Ray worker of the backbone's cluster
+that runs only its setup hook (`loss.setup_worker`) pays for nothing else."""
 
-from ajet.backbones.trinity.backbone import TrinityBackbone
+from __future__ import annotations
 
-BACKBONE = TrinityBackbone
 __all__ = ["BACKBONE", "TrinityBackbone"]
+
+
+def __getattr__(name: str):
+    if name in ("BACKBONE", "TrinityBackbone"):
+        from ajet.backbones.trinity.backbone import TrinityBackbone
+
+        return TrinityBackbone
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

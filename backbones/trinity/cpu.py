@@ -3,7 +3,8 @@
 Trinity's `VERLTrainer` places its FSDP workers with verl's `RayWorkerGroup` on a resource pool of "GPUs"
 and names the device "cuda" (trinity/trainer/verl/trainer.py: `self.device_name = "cuda"`). Nothing in the
 update itself needs CUDA; seven places assume it, and `patch_verl_for_cpu` changes 1-6, in every
-process that imports verl (the driver, and each Ray worker through Ray's `worker_process_setup_hook`):
+process that imports verl (the driver, and each Ray worker once it imports verl, through Ray's
+`worker_process_setup_hook`: `loss.setup_worker`):
 
   1. verl/utils/device.py `get_nccl_backend()` returns "nccl" whatever the device, and the worker's process
      group (verl/utils/distributed.py `initialize_global_process_group_ray`, called by verl/workers/
@@ -124,8 +125,8 @@ WORKER_SETUP_HOOK = "ajet.backbones.trinity.loss.setup_worker"
 
 def ray_init_kwargs(world_size: int) -> dict:
     """`ray.init` arguments for a local CPU cluster that can hold `world_size` FSDP ranks (change 7), with
-    `patch_verl_for_cpu` (and the micro-batch loss of `backbones/trinity/loss.py`) run in every Ray worker process
-    before it imports the actor class."""
+    `patch_verl_for_cpu` (and the micro-batch loss of `backbones/trinity/loss.py`) applied in every Ray worker
+    process that imports verl (and Trinity's worker module), as it imports them (`loss.setup_worker`)."""
     return {
         # logical counts, not cores: verl's placement group asks 3 CPUs per rank (max_colocate_count), and
         # Trinity's Synchronizer / CheckpointMonitor and ajet's explorer handle are actors too

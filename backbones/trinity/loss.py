@@ -90,10 +90,31 @@ def install_micro_batch_loss() -> None:
     workers.build_trinity_loss = _build_trinity_loss_shared
 
 
+_WORKER_PATCHES = {     # module -> its change, made once a worker imports it (`setup_worker`)
+    "verl": lambda _: _patch_verl(),                                # the CPU changes (a no-op with CUDA)
+    "trinity.trainer.verl.workers": lambda workers: setattr(workers, "build_trinity_loss", _build_trinity_loss_shared),
+}
+
+
 def setup_worker() -> None:
     """Ray's `worker_process_setup_hook` for the trinity backbone's cluster: the CPU changes of
-    `backbones/trinity/cpu.py` (no-op with CUDA), then `install_micro_batch_loss`."""
-    from ajet.backbones.trinity.cpu import patch_verl_for_cpu
+    `backbones/trinity/cpu.py` once the worker imports verl, and `install_micro_batch_loss` once it imports Trinity's
+    worker module (`ajet.backbones.import_patch`). A worker that imports neither (Trinity's Synchronizer, ajet's
+    explorer handle, Ray's idle workers) no longer imports verl for them: about 6 s of CPU each on the 2-core
+    machine. Raises ImportError (when the module is imported) if the installed verl or Trinity lacks what the changes
+    touch."""
+    import sys
+
+    from ajet.backbones.import_patch import patch_on_import
+
+    if "verl" in sys.modules:                       # imported before the hook ran: changed now
+        _patch_verl()
+    if "trinity.trainer.verl.workers" in sys.modules:
+        install_micro_batch_loss()
+    patch_on_import(_WORKER_PATCHES)
+
+
+def _patch_verl() -> None:
+    from ajet.backbones.trinity.cpu import patch_verl_for_cpu     # imported here: this module imports nothing
 
     patch_verl_for_cpu()
-    install_micro_batch_loss()

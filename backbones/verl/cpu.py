@@ -22,9 +22,7 @@ sleep mode (`vllm_rollout_overrides`), and vLLM's worker loads verl's weight buc
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.metadata
-import importlib.util
 import os
 import sys
 import types
@@ -32,6 +30,8 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+
+from ajet.backbones.import_patch import patch_on_import
 
 MODULE = __name__     # "ajet.backbones.verl.cpu": what verl's VERL_USE_EXTERNAL_MODULES imports
 
@@ -102,7 +102,7 @@ def replace_pinned_offload(transformer_impl=None) -> None:
     policy) in `CPUOffloadPolicy(pin_memory=True)` (verl/workers/engine/fsdp/transformer_impl.py,
     `_build_fsdp_module`), and pinning needs an accelerator: "RuntimeError: Cannot access accelerator device
     when none is available". On CPU the same policy without pinning (the parameters already live in CPU memory).
-    `transformer_impl`: that module, when it is being imported (`_PatchOnImport`)."""
+    `transformer_impl`: that module, when it is being imported (`patch_on_import`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if transformer_impl is None:
@@ -159,34 +159,12 @@ def _reload_weights_from_ipc(update_weights_from_ipc):
     return wrapped
 
 
-_PATCHES = {   # module -> what to patch in it once it is imported (`_PatchOnImport`), with verl's vLLM rollout
+_PATCHES = {   # module -> what to patch in it once it is imported (`patch_on_import`), with verl's vLLM rollout
     "verl.workers.engine.fsdp.transformer_impl": replace_pinned_offload,   # verl's own worker: its reference policy
     "verl.workers.rollout.vllm_rollout.utils": lambda m: setattr(
         m.vLLMColocateWorkerExtension, "update_weights_from_ipc",
         _reload_weights_from_ipc(m.vLLMColocateWorkerExtension.update_weights_from_ipc)),
 }
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Applies `_PATCHES[name]` right after module `name` is executed, wherever it is imported from (verl imports
-    this module while `verl` itself is being imported: the patched modules cannot be imported here)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _PATCHES:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _PATCHES[fullname](module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
 
 
 def _install_vllm_rollout_shims() -> None:
@@ -200,8 +178,7 @@ def _install_vllm_rollout_shims() -> None:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         sys.meta_path.append(_VllmCpuAlias())
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    patch_on_import(_PATCHES)
 
 
 def init_process_group() -> None:
