@@ -9,10 +9,9 @@ Trinity trainer at 96% of the node's memory and the run failed. So such a file d
 
 and a worker takes that much from a budget the workers share before the file's first fixture is made, giving it
 back after its last fixture is torn down (an autouse module-scoped fixture: it is set up before, and torn down after,
-the file's other module fixtures). Under xdist the scheduler hands a heavy file to a worker when it fits
-(tests/ci_scheduler.py), so waiting here is the exception. A file that asks for more than is free waits; a later
-file that fits may go first (the cores stay busy), until the first waiter has waited STARVE_S, so a large file is
-not passed over for ever. A file asking for more than the whole budget runs alone.
+the file's other module fixtures). A file that asks for more than is free waits; a later file that fits may go first
+(the cores stay busy), until the first waiter has waited STARVE_S, so a large file is not passed over for ever. A
+file asking for more than the whole budget runs alone.
 
 The budget is `AJET_TEST_MEMORY_GB`, else 90% of the machine's memory (below the 95% at which Ray's memory monitor
 kills workers) less 1 GB for each worker: the light tests the other workers run beside the heavy files. On the
