@@ -3,8 +3,9 @@
 The scale-out backbones change a few verl and Trinity functions on CPU (backbones/verl/cpu.py,
 backbones/trinity/cpu.py). Some of those modules cannot be imported at the moment the change is installed (verl
 imports ajet's module while `verl` itself is still being imported), and importing them costs seconds of CPU in a
-process that never uses them (a Ray cluster's idle workers, Trinity's Synchronizer). So the change waits for the
-module: a `sys.meta_path` finder wraps the module's loader, and once the module's code has run, the change runs.
+process that never uses them (a Ray cluster's idle workers, the trinity backbone's explorer handle). So the change
+waits for the module: a `sys.meta_path` finder wraps the module's loader, and once the module's code has run, the
+change runs.
 """
 
 from __future__ import annotations

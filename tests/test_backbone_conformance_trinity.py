@@ -279,7 +279,7 @@ print(json.dumps({"before": before, "trinity_loss": workers.build_trinity_loss i
 
 def test_the_workers_setup_hook_changes_verl_and_trinity_once_the_worker_imports_them():
     """Ray's setup hook of the backbone's cluster imports neither torch nor verl (a worker that never imports them,
-    such as Trinity's Synchronizer, pays for neither), and a worker that then imports Trinity's worker module gets
+    such as ajet's explorer handle, pays for neither), and a worker that then imports Trinity's worker module gets
     the CPU changes and the micro-batch loss: the state the checks above train in."""
     proc = subprocess.run([venv_python("trinity"), "-c", HOOK_CHECK], capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
