@@ -82,39 +82,36 @@ def _build_trinity_loss_shared(algo_config) -> MicroBatchShareLoss:
     return MicroBatchShareLoss(build_trinity_loss(algo_config))
 
 
-def install_micro_batch_loss() -> None:
-    """Make Trinity's worker build `MicroBatchShareLoss` around its policy loss (this process; idempotent).
-    Raises ImportError when Trinity is not installed."""
-    import trinity.trainer.verl.workers as workers
-
+def use_micro_batch_loss(workers) -> None:
+    """Make Trinity's worker module `workers` (`trinity.trainer.verl.workers`) build `MicroBatchShareLoss` around its
+    policy loss (idempotent)."""
     workers.build_trinity_loss = _build_trinity_loss_shared
 
 
+def _patch_verl(_verl) -> None:
+    from ajet.backbones.trinity.cpu import patch_verl_for_cpu     # imported here: this module imports nothing
+
+    patch_verl_for_cpu()
+
+
 _WORKER_PATCHES = {     # module -> its change, made once a worker imports it (`setup_worker`)
-    "verl": lambda _: _patch_verl(),                                # the CPU changes (a no-op with CUDA)
-    "trinity.trainer.verl.workers": lambda workers: setattr(workers, "build_trinity_loss", _build_trinity_loss_shared),
+    "verl": _patch_verl,                                            # the CPU changes (a no-op with CUDA)
+    "trinity.trainer.verl.workers": use_micro_batch_loss,
 }
 
 
 def setup_worker() -> None:
     """Ray's `worker_process_setup_hook` for the trinity backbone's cluster: the CPU changes of
-    `backbones/trinity/cpu.py` once the worker imports verl, and `install_micro_batch_loss` once it imports Trinity's
-    worker module (`ajet.backbones.import_patch`). A worker that imports neither (ajet's explorer handle, Ray's idle
-    workers) no longer imports verl for them: the hook costs 0.08 s of CPU instead of 8.2 s on the 2-core machine.
-    Raises ImportError (when the module is imported) if the installed verl or Trinity lacks what the changes
-    touch."""
+    `backbones/trinity/cpu.py` once the worker imports verl, and `use_micro_batch_loss` once it imports Trinity's
+    worker module (`ajet.backbones.import_patch`); a module imported before the hook ran is changed at once. A worker
+    that imports neither (ajet's explorer handle, Ray's idle workers) no longer imports verl for them: the hook costs
+    0.08 s of CPU instead of 8.2 s on the 2-core machine. Raises ImportError (when the module is imported) if the
+    installed verl or Trinity lacks what the changes touch."""
     import sys
 
     from ajet.backbones.import_patch import patch_on_import
 
-    if "verl" in sys.modules:                       # imported before the hook ran: changed now
-        _patch_verl()
-    if "trinity.trainer.verl.workers" in sys.modules:
-        install_micro_batch_loss()
+    for name, patch in _WORKER_PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
     patch_on_import(_WORKER_PATCHES)
-
-
-def _patch_verl() -> None:
-    from ajet.backbones.trinity.cpu import patch_verl_for_cpu     # imported here: this module imports nothing
-
-    patch_verl_for_cpu()
