@@ -28,6 +28,7 @@ from ajet.harnesses.workflow import HarnessWorkflow
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.tasks import read_jsonl_tasks
+from ajet.tasks.repo import DEFAULT_TEST_COMMAND
 from ajet.tools.sandbox import bwrap_status
 from ajet.tools.workdir_sandbox import SANDBOX_DIR
 from ajet.workflow import Tuner
@@ -38,7 +39,7 @@ TASKS = Path(__file__).resolve().parent.parent / "tutorial" / "example_swe_tasks
 BUG = "return (s[mid - 1] + s[mid]) / 3"
 FIX = "return (s[mid - 1] + s[mid]) / 2"
 WRONG = "return (s[mid - 1] + s[mid]) / 4"
-TEST_CMD = "python -m pytest -q -rA -p no:cacheprovider"
+TEST_CMD = DEFAULT_TEST_COMMAND               # what the instruction tells the agent to run
 BWRAP, WHY_NOT = bwrap_status()
 
 

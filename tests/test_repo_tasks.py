@@ -16,12 +16,13 @@ import pytest
 from ajet.config import HarnessSpec, HarnessWorkflowConfig, load_config
 from ajet.errors import ConfigError
 from ajet.harnesses.workflow import HarnessWorkflow
-from ajet.judges.tests import parse_pytest_results, score
+from ajet.judges.tests import parse_pytest_results, run_tests, score
 from ajet.llm_call import SamplingParams
 from ajet.proxy.server import ProxyServer
 from ajet.task import Task
-from ajet.tasks.repo import RepoTask, diff, read_tree
+from ajet.tasks.repo import DEFAULT_TEST_COMMAND, RepoTask, diff, read_tree
 from ajet.tools.sandbox import bwrap_status
+from ajet.tools.workdir_sandbox import WorkdirLimits
 from ajet.workflow import Tuner
 from tests.scripted_engine import ScriptedEngine
 
@@ -42,7 +43,7 @@ AGENT = textwrap.dedent("""
 
 def _median_task() -> Task:
     return Task("median", "Fix median.", None, {"repo": "repos/median", "tests": ["tests/test_median.py::test_even"],
-                                                 "test_command": "python -m pytest -q -rA -p no:cacheprovider"})
+                                                 "test_command": DEFAULT_TEST_COMMAND})
 
 
 def test_pytest_results_and_score_count_a_missing_named_test_as_failed():
@@ -54,6 +55,28 @@ def test_pytest_results_and_score_count_a_missing_named_test_as_failed():
         0.5, {"tests/t.py::test_a": "passed", "tests/t.py::test_gone": "missing"})
     assert score(reported, []) == (1 / 3, reported)
     assert score({}, []) == (0.0, {})
+
+
+def test_the_default_test_command_runs_plain_pytest_without_the_trainers_plugins(tmp_path):
+    """The shipped test command leaves out the pytest plugins installed beside the trainer (pytest-xdist is one in
+    the test extra): a task's tests see plain pytest. The same tests under `python -m pytest` alone see xdist
+    loaded, so a judge that dropped the variable scores them 0."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_plain.py").write_text(
+        "import sys\n\n\ndef test_no_plugin_loaded():\n    assert 'xdist.plugin' not in sys.modules\n")
+    (tmp_path / "home").mkdir()
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"      # `python` is this interpreter, which has xdist
+
+    def judge(command: str):
+        return asyncio.run(run_tests(command, repo, tmp_path / "home", ("tests/test_plain.py::test_no_plugin_loaded",),
+                                     path=path, limits=WorkdirLimits(timeout_s=120), isolation="none"))
+
+    assert DEFAULT_TEST_COMMAND.startswith("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest ")
+    plain = judge(DEFAULT_TEST_COMMAND)
+    assert (plain.reward, plain.returncode) == (1.0, 0), plain.output
+    with_plugins = judge("python -m pytest -q -rA -p no:cacheprovider")
+    assert with_plugins.reward == 0.0 and "xdist.plugin" in with_plugins.output
 
 
 def test_repo_task_checks_out_a_git_ref_and_diffs_what_changed(tmp_path):

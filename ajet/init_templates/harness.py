@@ -6,6 +6,8 @@ the config says how to put a registered coding-agent CLI (`ajet harnesses`) in i
 
 import json
 
+from ajet.tasks.repo import DEFAULT_TEST_COMMAND
+
 SUMMARY = ("a coding agent on repository tasks: a harness (a program defined in the config) edits a fresh copy "
            "of a small repository per episode; the share of its named tests that pass is the reward")
 
@@ -126,8 +128,8 @@ def test_blank():
         ["test_sentence", "test_one_word", "test_blank"]),
 }
 
-TEST_COMMAND = "python -m pytest -q -rA -p no:cacheprovider"
-TASKS = "".join(json.dumps({"task_id": name, "query": issue, "repo": f"repos/{name}", "test_command": TEST_COMMAND,
+TASKS = "".join(json.dumps({"task_id": name, "query": issue, "repo": f"repos/{name}",
+                            "test_command": DEFAULT_TEST_COMMAND,
                             "tests": [f"tests/test_{name}.py::{t}" for t in tests]}) + "\n"
                 for name, (_, _, issue, tests) in REPOS.items())
 

@@ -29,8 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ajet.tasks.repo import DEFAULT_TEST_COMMAND as TEST_COMMAND
+
 HERE = Path(__file__).parent
-TEST_COMMAND = "python -m pytest -q -rA -p no:cacheprovider"
 
 SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv,
