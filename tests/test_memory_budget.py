@@ -126,6 +126,52 @@ def test_the_measurement_counts_a_childs_memory():
     assert 0.38 <= grown <= 0.5, grown                       # 400 MiB = 0.39 GB, plus the child's interpreter
 
 
+GROWER = """
+import sys, time
+blocks = []
+for _ in range(4):                      # 4 x 100 MB, written (resident), 0.6 s apart, then held
+    b = bytearray(100 * 2**20)
+    b[::4096] = b"x" * len(b[::4096])
+    blocks.append(b)
+    print(len(blocks), flush=True)
+    time.sleep(0.6)
+time.sleep(30)
+"""
+
+
+def test_the_sampler_measures_a_rise_to_its_peak_and_little_else(monkeypatch):
+    """The sampler reads the tree's RSS every tick and measures PSS only as RSS rises (or after PSS_REFRESH_S): a
+    child growing to 400 MB in four steps is measured at its peak, within a few measurements, and 2 s of a steady
+    tree add none. A sampler that measured PSS at every tick made ~25 measurements here; one that ignored the
+    rise never saw the child's memory."""
+    monkeypatch.setattr(memory_budget, "SAMPLE_S", 0.1)
+    monkeypatch.setattr(memory_budget, "PSS_GAP_S", 0.3)
+    monkeypatch.setattr(memory_budget, "PSS_REFRESH_S", 120.0)
+    sampler = memory_budget._Sampler()
+    sampler.reset()
+    base, first = sampler.peak, sampler.measured
+    sampler.start()
+    child = subprocess.Popen([sys.executable, "-c", GROWER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert [child.stdout.readline().strip() for _ in range(4)] == ["1", "2", "3", "4"]
+        deadline = time.monotonic() + 10                       # the last step measured (a loaded machine: seconds)
+        while sampler.peak - base < 0.38 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        risen = sampler.measured - first
+        grown = sampler.peak - base
+        time.sleep(2.0)                                        # steady: RSS does not rise
+        steady = sampler.measured - first - risen
+    finally:
+        sampler.stop.set()
+        child.kill()
+        child.wait()
+        sampler.join(5)
+    assert 0.38 <= grown <= 0.5, grown                         # 400 MiB = 0.39 GB, plus the child's interpreter
+    assert 1 <= risen <= 8, risen
+    assert steady == 0, steady
+
+
 HEAVY_FILE = '''
 import time
 
