@@ -6,10 +6,10 @@ run verl and Trinity in their own venvs and Ray workers: the slowest files of th
 venvs that CI builds in the background while the README's test install runs (.ci/run). So:
 
 - under pytest-xdist (the README's test command, `python -m pytest -q -n 3`; pyproject's addopts give
-  `--dist loadfile --no-loadscope-reorder`: a file is one unit of work, handed out in collection order) their files
-  come FIRST: the longest units start at once on their own workers instead of ending the run alone, and a test
-  whose venv is still being built waits for it (tests/backbone_conformance/venvs.py) while the other workers run
-  the rest;
+  `--dist loadfile --no-loadscope-reorder`: a file is one unit of work) their files come first in the collection;
+  which file each worker runs next is then chosen by tests/ci_scheduler.py, which hands out the heavy ones (these
+  among them) as soon as their venvs are built and their memory fits, the rest in this order; a test whose venv is
+  still being built waits for it (tests/backbone_conformance/venvs.py);
 - in one process (no `-n`) they come LAST, in their order: the rest of the suite runs while the venvs build.
 """
 

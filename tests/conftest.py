@@ -20,6 +20,10 @@ from tests.tiny_model import build_tiny_model  # noqa: E402
 # the tests that use a backbone venv run first under pytest-xdist, last without it (tests/ci_backbone_tests.py)
 from tests.ci_backbone_tests import pytest_collection_modifyitems  # noqa: F401
 
+# under pytest-xdist each worker's next file is chosen so that the heavy ones (below) fit beside each other without
+# waiting (tests/ci_scheduler.py)
+from tests.ci_scheduler import pytest_xdist_make_scheduler  # noqa: E402, F401
+
 # the heavy test files (backbones, vLLM servers) take their memory from a budget the xdist workers share, and the
 # summary lists what each really held (tests/memory_budget.py)
 from tests.memory_budget import (  # noqa: E402, F401

@@ -9,9 +9,11 @@ Trinity trainer at 96% of the node's memory and the run failed. So such a file d
 
 and a worker takes that much from a budget the workers share before the file's first fixture is made, giving it
 back after its last fixture is torn down (an autouse module-scoped fixture: it is set up before, and torn down after,
-the file's other module fixtures). A file that asks for more than is free waits; a later file that fits may go first
-(the cores stay busy), until the first waiter has waited STARVE_S, so a large file is not passed over for ever. A
-file asking for more than the whole budget runs alone.
+the file's other module fixtures). Under xdist the scheduler hands a heavy file to a worker when it fits
+(tests/ci_scheduler.py), so waiting here is the exception. A file that asks for more than is free waits; a later
+file that fits may go first (the cores stay busy), until the first waiter has waited STARVE_S, so a large file is
+not passed over for ever. A file asking for more than the whole budget runs alone. Under xdist the processes a light
+file starts run niced (LIGHT_NICE) where the worker can set its niceness back for a heavy file (`set_priority`).
 
 The budget is `AJET_TEST_MEMORY_GB`, else 90% of the machine's memory (below the 95% at which Ray's memory monitor
 kills workers) less 1 GB for each worker: the light tests the other workers run beside the heavy files. On the
@@ -54,6 +56,7 @@ PSS_GAP_S = 2.0             # the least time between two PSS measurements (each 
 PSS_REFRESH_S = 15.0        # the most time between two PSS measurements
 PSS_RISE = 0.02             # a PSS measurement is due once the tree's RSS is this share above the last one's
 REPORT_OVER_GB = 2.0        # undeclared files listed in the summary once they held this much
+LIGHT_NICE = 5              # a light file's niceness under xdist (where it can be set back: `can_renice`)
 
 
 def _total_gb() -> float:
@@ -243,6 +246,24 @@ def pytest_configure(config: pytest.Config) -> None:
     _sampler.start()
 
 
+def can_renice() -> bool:
+    """Whether this process may set its niceness back to 0 after raising it: root, or an RLIMIT_NICE of 20 (the
+    lowest niceness a process may set itself is 20 - RLIMIT_NICE)."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def set_priority(heavy: bool) -> None:
+    """Under xdist, where it can be undone (`can_renice`): the niceness of the calling thread (the worker's, which
+    runs the tests and starts their processes, which inherit it) for the next file: 0 for a heavy one, LIGHT_NICE
+    for a light one. The heavy files (Ray, backbones, vLLM servers) are the suite's longest chain of work, one or two
+    at a time within the budget; the light files beside them take the CPU they leave, instead of an equal share
+    that stretched that chain (a heavy file beside two workers of light files took twice as long)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1 and can_renice():
+        os.setpriority(os.PRIO_PROCESS, 0, 0 if heavy else LIGHT_NICE)     # 0: this thread (Linux)
+
+
 def _shared_budget(tmp_path_factory: pytest.TempPathFactory) -> Budget | None:
     """The run's budget, in the folder the xdist workers' temporary folders share (pytest removes it with them);
     None without xdist."""
@@ -262,6 +283,7 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
     waited = 0.0
     if declared is not None and _shared_budget(tmp_path_factory) is not None:
         waited = _budget.acquire(float(declared), file)
+    set_priority(declared is not None)
     began, cpu0 = time.time(), cpu_seconds()
     if _sampler is not None:
         _sampler.reset()
