@@ -13,7 +13,8 @@ the file's other module fixtures). Under xdist the scheduler hands a heavy file 
 (tests/ci_scheduler.py), so waiting here is the exception. A file that asks for more than is free waits; a later
 file that fits may go first (the cores stay busy), until the first waiter has waited STARVE_S, so a large file is
 not passed over for ever. A file asking for more than the whole budget runs alone. Under xdist the processes a light
-file starts run niced (LIGHT_NICE) where the worker can set its niceness back for a heavy file (`set_priority`).
+file, and of a heavy file small enough to run beside another, start niced (YIELD_NICE) where the worker can set its
+niceness back for the largest heavy files (`set_priority`).
 
 The budget is `AJET_TEST_MEMORY_GB`, else 90% of the machine's memory (below the 95% at which Ray's memory monitor
 kills workers) less 1 GB for each worker: the light tests the other workers run beside the heavy files. On the
@@ -56,7 +57,7 @@ PSS_GAP_S = 2.0             # the least time between two PSS measurements (each 
 PSS_REFRESH_S = 15.0        # the most time between two PSS measurements
 PSS_RISE = 0.02             # a PSS measurement is due once the tree's RSS is this share above the last one's
 REPORT_OVER_GB = 2.0        # undeclared files listed in the summary once they held this much
-LIGHT_NICE = 5              # a light file's niceness under xdist (where it can be set back: `can_renice`)
+YIELD_NICE = 10             # under xdist, the niceness of every file but the chain's (`set_priority`)
 
 
 def _total_gb() -> float:
@@ -254,14 +255,21 @@ def can_renice() -> bool:
     return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
-def set_priority(heavy: bool) -> None:
+def in_chain(declared: float | None, budget: float) -> bool:
+    """Whether a file declaring `declared` GB (None: light) belongs to the chain: more than half the `budget` GB, so
+    no two such files run at once and, one after another, they are the suite's longest path (on the 2-core machine
+    the backbones and vLLM servers through vLLM, Trinity's main job, the vLLM engine's and verl's vLLM rollout's
+    files: about 1,000-1,700 s of the suite's 1,750-1,800)."""
+    return declared is not None and declared > budget / 2
+
+
+def set_priority(chain: bool) -> None:
     """Under xdist, where it can be undone (`can_renice`): the niceness of the calling thread (the worker's, which
-    runs the tests and starts their processes, which inherit it) for the next file: 0 for a heavy one, LIGHT_NICE
-    for a light one. The heavy files (Ray, backbones, vLLM servers) are the suite's longest chain of work, one or two
-    at a time within the budget; the light files beside them take the CPU they leave, instead of an equal share
-    that stretched that chain (a heavy file beside two workers of light files took twice as long)."""
+    runs the tests and starts their processes, which inherit it) for the next file: 0 for one of the chain
+    (`in_chain`), YIELD_NICE for any other, so that the chain gets the cores first and the rest takes what it leaves
+    (with equal shares a chain file beside two workers of light files took 1.4-2x as long as beside one)."""
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1 and can_renice():
-        os.setpriority(os.PRIO_PROCESS, 0, 0 if heavy else LIGHT_NICE)     # 0: this thread (Linux)
+        os.setpriority(os.PRIO_PROCESS, 0, 0 if chain else YIELD_NICE)     # 0: this thread (Linux)
 
 
 def _shared_budget(tmp_path_factory: pytest.TempPathFactory) -> Budget | None:
@@ -283,7 +291,7 @@ def _memory_reservation(request: pytest.FixtureRequest, tmp_path_factory: pytest
     waited = 0.0
     if declared is not None and _shared_budget(tmp_path_factory) is not None:
         waited = _budget.acquire(float(declared), file)
-    set_priority(declared is not None)
+    set_priority(_budget is not None and in_chain(declared, _budget.total_gb))
     began, cpu0 = time.time(), cpu_seconds()
     if _sampler is not None:
         _sampler.reset()

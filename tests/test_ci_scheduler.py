@@ -1,7 +1,7 @@
 """The suite's xdist scheduling (tests/ci_scheduler.py), on small suites run by real pytest-xdist workers: a heavy file
 that does not fit beside another goes after it while the other worker runs light files (no worker waits for
-memory), heavy files wait for a venv build to end while light files run, and what a light file starts runs niced
-(tests/memory_budget.py's `set_priority`)."""
+memory), heavy files wait for a venv build to end while light files run, and what a file outside the chain of the
+largest heavy ones starts runs niced (tests/memory_budget.py's `set_priority`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.backbone_conformance.venvs import ROOT
 from tests.ci_scheduler import declared_gb
-from tests.memory_budget import LIGHT_NICE, can_renice
+from tests.memory_budget import YIELD_NICE, can_renice
 
 CONFTEST = ("from tests.memory_budget import (  # noqa: F401\n"
             "    _memory_reservation, pytest_configure, pytest_sessionfinish, pytest_terminal_summary,"
@@ -96,15 +96,16 @@ def test_records_niceness():
 """
 
 
-def test_a_light_files_processes_run_niced_and_a_heavy_files_do_not(tmp_path):
-    """Where the worker may set its niceness back (root, as in CI), a process a light file starts runs at
-    LIGHT_NICE and one a heavy file starts at 0, whichever ran first on the worker; elsewhere neither is changed."""
+def test_only_the_largest_heavy_files_processes_run_at_full_priority(tmp_path):
+    """Where the worker may set its niceness back (root, as in CI), a process that a file of the chain (more than
+    half the budget: 5 of 8 GB) starts runs at niceness 0, and one that a light file or a smaller heavy one (1 GB)
+    starts at YIELD_NICE, whichever ran first on the worker; elsewhere none is changed."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "pytest.ini").write_text("[pytest]\naddopts = --dist loadfile --no-loadscope-reorder\n")
     (suite / "conftest.py").write_text(CONFTEST)
-    for name, heavy in (("test_a_light", ""), ("test_b_heavy", "PEAK_MEMORY_GB = 1.0"), ("test_c_light", ""),
-                        ("test_d_heavy", "PEAK_MEMORY_GB = 1.0")):
+    for name, heavy in (("test_a_light", ""), ("test_b_chain", "PEAK_MEMORY_GB = 5.0"), ("test_c_light", ""),
+                        ("test_d_small", "PEAK_MEMORY_GB = 1.0"), ("test_e_chain", "PEAK_MEMORY_GB = 5.0")):
         (suite / f"{name}.py").write_text(NICENESS.format(heavy=heavy, name=name))
     env = {**os.environ, "AJET_TEST_MEMORY_GB": "8", "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist.plugin", "-n", "2", "-p",
@@ -114,7 +115,8 @@ def test_a_light_files_processes_run_niced_and_a_heavy_files_do_not(tmp_path):
     nice = {f.stem: int(f.read_text()) for f in suite.glob("*.nice")}
     start = os.nice(0)              # what this process (and so the suite's workers) started with
     if can_renice():
-        assert nice == {"test_a_light": LIGHT_NICE, "test_b_heavy": 0, "test_c_light": LIGHT_NICE, "test_d_heavy": 0}
+        assert nice == {"test_a_light": YIELD_NICE, "test_b_chain": 0, "test_c_light": YIELD_NICE,
+                        "test_d_small": YIELD_NICE, "test_e_chain": 0}
     else:
         assert set(nice.values()) == {start}, nice
 
