@@ -58,6 +58,7 @@ PSS_REFRESH_S = 15.0        # the most time between two PSS measurements
 PSS_RISE = 0.02             # a PSS measurement is due once the tree's RSS is this share above the last one's
 REPORT_OVER_GB = 2.0        # undeclared files listed in the summary once they held this much
 YIELD_NICE = 10             # under xdist, the niceness of every file but the chain's (`set_priority`)
+_RAY_NICENESS = os.environ.get("RAY_worker_niceness")     # as the suite found it (`set_priority`)
 
 
 def _total_gb() -> float:
@@ -267,9 +268,18 @@ def set_priority(chain: bool) -> None:
     """Under xdist, where it can be undone (`can_renice`): the niceness of the calling thread (the worker's, which
     runs the tests and starts their processes, which inherit it) for the next file: 0 for one of the chain
     (`in_chain`), YIELD_NICE for any other, so that the chain gets the cores first and the rest takes what it leaves
-    (with equal shares a chain file beside two workers of light files took 1.4-2x as long as beside one)."""
+    (with equal shares a chain file beside two workers of light files took 1.4-2x as long as beside one). Ray starts
+    its workers 15 nicer than the process that started Ray (its `worker_niceness`, `RAY_worker_niceness`), which
+    put the chain's trainers below every light file's process: for the chain that variable is 0 (the rest keep
+    Ray's default)."""
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) > 1 and can_renice():
         os.setpriority(os.PRIO_PROCESS, 0, 0 if chain else YIELD_NICE)     # 0: this thread (Linux)
+        if chain:
+            os.environ["RAY_worker_niceness"] = "0"
+        elif _RAY_NICENESS is None:
+            os.environ.pop("RAY_worker_niceness", None)
+        else:
+            os.environ["RAY_worker_niceness"] = _RAY_NICENESS
 
 
 def _shared_budget(tmp_path_factory: pytest.TempPathFactory) -> Budget | None:

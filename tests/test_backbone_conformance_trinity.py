@@ -19,8 +19,8 @@ from tests.backbone_conformance.shared import recorded  # noqa: F401  (the modul
 from tests.backbone_conformance.venvs import venv_python
 
 # the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
-# budget (tests/memory_budget.py); measured 4.00 alone on 2026-12-06
-PEAK_MEMORY_GB = 4.5
+# budget (tests/memory_budget.py); measured 4.00 alone on 2026-12-06, 4.75 in .ci/run on 2026-12-07
+PEAK_MEMORY_GB = 5.0
 
 
 def test_trinity_experiences_and_policy_loss_equal_ajets(recorded, tmp_path):

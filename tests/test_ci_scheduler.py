@@ -90,7 +90,8 @@ NICENESS = """import os, subprocess, sys
 {heavy}
 
 def test_records_niceness():
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0))"], capture_output=True, text=True)
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0), os.environ.get('RAY_worker_niceness'))"],
+                           capture_output=True, text=True)
     with open(os.path.join(os.path.dirname(__file__), "{name}.nice"), "w") as f:
         f.write(child.stdout)
 """
@@ -112,13 +113,15 @@ def test_only_the_largest_heavy_files_processes_run_at_full_priority(tmp_path):
                            "no:cacheprovider", str(suite)], capture_output=True, text=True, timeout=300, cwd=suite,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    nice = {f.stem: int(f.read_text()) for f in suite.glob("*.nice")}
-    start = os.nice(0)              # what this process (and so the suite's workers) started with
+    nice = {f.stem: f.read_text().split() for f in suite.glob("*.nice")}
+    start = [str(os.nice(0)), "None"]       # what this process (and so the suite's workers) started with
     if can_renice():
-        assert nice == {"test_a_light": YIELD_NICE, "test_b_chain": 0, "test_c_light": YIELD_NICE,
-                        "test_d_small": YIELD_NICE, "test_e_chain": 0}
+        # and Ray, started by a chain file's process, gives its workers that niceness (Ray's default: 15 more)
+        chain, other = ["0", "0"], [str(YIELD_NICE), "None"]
+        assert nice == {"test_a_light": other, "test_b_chain": chain, "test_c_light": other, "test_d_small": other,
+                        "test_e_chain": chain}
     else:
-        assert set(nice.values()) == {start}, nice
+        assert all(v == start for v in nice.values()), nice
 
 
 def test_declared_gb_reads_the_module_constant(tmp_path):
