@@ -141,9 +141,10 @@ time.sleep(30)
 
 def test_the_sampler_measures_a_rise_to_its_peak_and_little_else(monkeypatch):
     """The sampler reads the tree's RSS every tick and measures PSS only as RSS rises (or after PSS_REFRESH_S): a
-    child growing to 400 MB in four steps is measured at its peak, within a few measurements, and 2 s of a steady
-    tree add none. A sampler that measured PSS at every tick made ~25 measurements here; one that ignored the
-    rise never saw the child's memory."""
+    child growing to 400 MB in four steps is measured at its peak, within a few measurements, and 3 s of a steady
+    tree (30 ticks) add at most 2 (the worker's own memory may grow meanwhile, a step's measurement may come late
+    on a loaded machine). A sampler that measured PSS at every tick made ~25 measurements in the rise and ~30 in the
+    steady part; one that ignored the rise never saw the child's memory."""
     monkeypatch.setattr(memory_budget, "SAMPLE_S", 0.1)
     monkeypatch.setattr(memory_budget, "PSS_GAP_S", 0.3)
     monkeypatch.setattr(memory_budget, "PSS_REFRESH_S", 120.0)
@@ -160,7 +161,7 @@ def test_the_sampler_measures_a_rise_to_its_peak_and_little_else(monkeypatch):
         time.sleep(0.5)
         risen = sampler.measured - first
         grown = sampler.peak - base
-        time.sleep(2.0)                                        # steady: RSS does not rise
+        time.sleep(3.0)                                        # steady: the child's RSS does not rise
         steady = sampler.measured - first - risen
     finally:
         sampler.stop.set()
@@ -168,8 +169,8 @@ def test_the_sampler_measures_a_rise_to_its_peak_and_little_else(monkeypatch):
         child.wait()
         sampler.join(5)
     assert 0.38 <= grown <= 0.5, grown                         # 400 MiB = 0.39 GB, plus the child's interpreter
-    assert 1 <= risen <= 8, risen
-    assert steady == 0, steady
+    assert 1 <= risen <= 10, risen
+    assert steady <= 2, steady
 
 
 HEAVY_FILE = '''
