@@ -23,28 +23,38 @@ LIGHT = "import time\n\n\ndef test_quick():\n    time.sleep(0.3)\n"
 LIGHT_FILES = 16
 
 
-def _suite(folder: Path) -> Path:
-    """Two heavy files of 1 GB each (a 1.5 GB budget holds one), 2 s each, collected first, then LIGHT_FILES light
-    ones (0.3 s each: more than the heavy files' 4 s on the 2 workers)."""
+def _project(folder: Path, files: dict[str, str]) -> Path:
+    """A pytest project in `folder` with this suite's scheduling and memory plugins and `files` ({name: source})."""
     folder.mkdir()
     (folder / "pytest.ini").write_text("[pytest]\naddopts = --dist loadfile --no-loadscope-reorder\n")
     (folder / "conftest.py").write_text(CONFTEST)
-    for name in ("test_a_heavy.py", "test_b_heavy.py"):
-        (folder / name).write_text(HEAVY)
-    for i in range(LIGHT_FILES):
-        (folder / f"test_c_light_{i}.py").write_text(LIGHT)
+    for name, source in files.items():
+        (folder / name).write_text(source)
     return folder
+
+
+def _pytest_n2(suite: Path, budget_gb: float, *flags: str) -> subprocess.CompletedProcess:
+    """`pytest flags... -n 2` on `suite` under a `budget_gb` memory budget; asserts it passed."""
+    env = {**os.environ, "AJET_TEST_MEMORY_GB": str(budget_gb), "PYTHONPATH": str(ROOT),
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}          # xdist alone: the other plugins' imports take seconds
+    proc = subprocess.run([sys.executable, "-m", "pytest", *flags, "-p", "xdist.plugin", "-n", "2", "-p",
+                           "no:cacheprovider", str(suite)], capture_output=True, text=True, timeout=300, cwd=suite,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _suite(folder: Path) -> Path:
+    """Two heavy files of 1 GB each (a 1.5 GB budget holds one), 2 s each, collected first, then LIGHT_FILES light
+    ones (0.3 s each: more than the heavy files' 4 s on the 2 workers)."""
+    return _project(folder, {"test_a_heavy.py": HEAVY, "test_b_heavy.py": HEAVY,
+                             **{f"test_c_light_{i}.py": LIGHT for i in range(LIGHT_FILES)}})
 
 
 def _run(suite: Path) -> tuple[list[tuple[str, str]], dict[str, float]]:
     """Runs `suite` on 2 workers under a 1.5 GB budget: (its tests' ("start" | "pass", file) in the order pytest -v
     printed them, the seconds each heavy file waited for memory, from the summary)."""
-    env = {**os.environ, "AJET_TEST_MEMORY_GB": "1.5", "PYTHONPATH": str(ROOT),
-           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}          # xdist alone: the other plugins' imports take seconds
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "xdist.plugin", "-n", "2", "-p",
-                           "no:cacheprovider", str(suite)], capture_output=True, text=True, timeout=300, cwd=suite,
-                          env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _pytest_n2(suite, 1.5, "-v")
     events = [("start", line.split("::")[0]) if line.startswith("test_") else ("pass", line.split("::")[0].split()[-1])
               for line in proc.stdout.splitlines() if "::" in line and (line.startswith("test_") or " PASSED " in line)]
     waited = {line.split()[0]: float(line.split(" waited ")[1].split()[0]) for line in proc.stdout.splitlines()
@@ -101,18 +111,11 @@ def test_only_the_largest_heavy_files_processes_run_at_full_priority(tmp_path):
     """Where the worker may set its niceness back (root, as in CI), a process that a file of the chain (more than
     half the budget: 5 of 8 GB) starts runs at niceness 0, and one that a light file or a smaller heavy one (1 GB)
     starts at YIELD_NICE, whichever ran first on the worker; elsewhere none is changed."""
-    suite = tmp_path / "suite"
-    suite.mkdir()
-    (suite / "pytest.ini").write_text("[pytest]\naddopts = --dist loadfile --no-loadscope-reorder\n")
-    (suite / "conftest.py").write_text(CONFTEST)
-    for name, heavy in (("test_a_light", ""), ("test_b_chain", "PEAK_MEMORY_GB = 5.0"), ("test_c_light", ""),
-                        ("test_d_small", "PEAK_MEMORY_GB = 1.0"), ("test_e_chain", "PEAK_MEMORY_GB = 5.0")):
-        (suite / f"{name}.py").write_text(NICENESS.format(heavy=heavy, name=name))
-    env = {**os.environ, "AJET_TEST_MEMORY_GB": "8", "PYTHONPATH": str(ROOT), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist.plugin", "-n", "2", "-p",
-                           "no:cacheprovider", str(suite)], capture_output=True, text=True, timeout=300, cwd=suite,
-                          env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = (("test_a_light", ""), ("test_b_chain", "PEAK_MEMORY_GB = 5.0"), ("test_c_light", ""),
+             ("test_d_small", "PEAK_MEMORY_GB = 1.0"), ("test_e_chain", "PEAK_MEMORY_GB = 5.0"))
+    suite = _project(tmp_path / "suite", {f"{name}.py": NICENESS.format(heavy=heavy, name=name)
+                                          for name, heavy in files})
+    _pytest_n2(suite, 8, "-q")
     nice = {f.stem: f.read_text().split() for f in suite.glob("*.nice")}
     start = [str(os.nice(0)), "None"]       # what this process (and so the suite's workers) started with
     if can_renice():
