@@ -23,8 +23,9 @@ of the whole group: vLLM's engine core and workers with it). Its output (the wat
 `log_path`. A start that fails (the process exits, or /health does not answer 200 within `start_timeout_s`) raises
 `EngineUnavailable` with one line: what happened, the last lines of the log, and the log's path.
 
-Measured on a 2-core CPU at load 3-8 (docs/engines.md): SmolLM2-135M ready in about 100 s; about 5.2 GB resident
-over its three processes with a 2 GiB KV cache.
+Measured on the idle 2-core CPU (docs/engines.md, `benchmarks/vllm_cpu_executor.py`): SmolLM2-135M with
+`--enforce-eager` ready in 20-22 s (the compiled default: about 95 s); 3.15 GB PSS over its processes with a 1 GiB
+KV cache.
 """
 
 from __future__ import annotations
