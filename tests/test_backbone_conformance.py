@@ -24,8 +24,8 @@ from tests.backbone_conformance.shared import recorded  # noqa: F401  (the modul
 from tests.backbone_conformance.venvs import venv_python
 
 # the most this file's processes hold at once, all together (PSS, GB): the xdist workers share a memory
-# budget (tests/memory_budget.py); measured 2.46 alone on 2026-12-06
-PEAK_MEMORY_GB = 3.0
+# budget (tests/memory_budget.py); measured 2.46 alone on 2026-12-06, 3.04-3.51 in .ci/run on 2026-12-07
+PEAK_MEMORY_GB = 3.75
 
 
 def test_the_recording_is_the_same_in_every_process(recorded, tiny_model_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""What the two-node Ray tests share (tests/test_ray_two_nodes.py, tests/test_ray_two_nodes_verl.py,
+"""What the two-node Ray tests share (tests/test_ray_two_nodes.py, tests/test_backbone_main_job.py,
 tests/test_backbone_vllm.py): the workflow that records where it ran, the cluster's environment, the run's files,
 and a two-raylet cluster started from verl's venv."""
 

@@ -72,9 +72,9 @@ def _cmd(python: str, conf: Path, backbone: str, exp: Path, *extra: str) -> list
             "--steps", str(STEPS), "-q", *extra]
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_S, cwd=cwd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_S, cwd=cwd, env=env)
     print(f"{' '.join(cmd[3:])}: {time.monotonic() - t0:.0f} s")                   # shown by pytest -rP
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -143,13 +143,15 @@ def debug_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return conf, exp
 
 
-def run_and_check(backbone: str, debug_run: tuple[Path, Path], tmp_path: Path) -> tuple[str, Path]:
-    """The main job through `backbone` (verl | trinity) in its venv, uninterrupted, checked against `debug_run`
-    (`check_against_debug`); returns (the venv's python, the run's exp dir)."""
+def run_and_check(backbone: str, debug_run: tuple[Path, Path], tmp_path: Path, *extra: str,
+                  env: dict[str, str] | None = None) -> tuple[str, Path]:
+    """The main job through `backbone` (verl | trinity) in its venv, uninterrupted, with the command-line arguments
+    `extra` and the environment `env` (None: this process's), checked against `debug_run` (`check_against_debug`).
+    Returns (the venv's python, the run's exp dir)."""
     python = venv_python(backbone)
     conf, debug = debug_run
     exp = tmp_path / backbone
-    _run(_cmd(python, conf, backbone, exp), conf.parent)
+    _run(_cmd(python, conf, backbone, exp, *extra), conf.parent, env)
     check_against_debug(exp, debug)
     return python, exp
 
