@@ -10,8 +10,8 @@ each model step by busy-looping (`sched_yield`) on another core. This script sta
 requests: `--calls` seeded completions of `--max-tokens` tokens each (`ignore_eos`), `--at-once` in flight, sent
 straight to the server's /v1/completions. The variants alternate for `--rounds` rounds. Printed per run: the
 server's start (to /health 200, s), the batch's wall time (s) and tokens/s, the CPU time (user + system, s) that the
-server's processes used for the batch (/proc/<pid>/stat, summed over its process group), the group's PSS after the
-batch (GB), its process count, and the 1-minute load average; at the end the ratios (default / ajet's) of the mean
+server's processes used for the batch (summed over ajet's watchdog and its descendants), their PSS after the
+batch (GB), their count, and the 1-minute load average; at the end the ratios (default / ajet's) of the mean
 wall time and the mean CPU time.
 
 Torch's threads: OMP_NUM_THREADS as the environment gives it (unset: one per core), for both variants; vLLM's
@@ -38,22 +38,20 @@ from ajet.model import resolve_model_path  # noqa: E402
 from benchmarks.engines import process_tree_memory  # noqa: E402
 
 VARIANTS = {"ajet (in-process executor)": CPU_IN_PROCESS_EXECUTOR[1], "vLLM default (worker process)": "1"}
-HZ = os.sysconf("SC_CLK_TCK")
 
 
-def group_cpu_s(pgid: int) -> float:
-    """User + system CPU time (s) of the live processes of process group `pgid` (/proc/<pid>/stat)."""
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU time (s) of process `pid` and its live descendants (psutil), as `process_tree_memory`
+    counts memory. Raises psutil.NoSuchProcess when `pid` itself does not exist."""
+    import psutil
+
+    root = psutil.Process(pid)
     total = 0.0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for p in [root, *root.children(recursive=True)]:
         try:
-            if os.getpgid(int(d.name)) != pgid:
-                continue
-            stat = (d / "stat").read_text()
-            fields = stat[stat.rfind(")") + 2:].split()
-            total += (int(fields[11]) + int(fields[12])) / HZ
-        except (OSError, ProcessLookupError, IndexError, ValueError):
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:         # gone meanwhile
             continue
     return total
 
@@ -80,11 +78,11 @@ def run_variant(label: str, value: str, args: argparse.Namespace, folder: Path) 
     try:
         for i in range(2):
             complete(url, server.served_model_name, 10_000 + i, 4)
-        cpu0, t0 = group_cpu_s(server.pgid), time.monotonic()
+        cpu0, t0 = tree_cpu_s(server.process.pid), time.monotonic()
         with ThreadPoolExecutor(args.at_once) as pool:
             tokens = sum(pool.map(lambda i: complete(url, server.served_model_name, i, args.max_tokens),
                                   range(args.calls)))
-        wall, cpu = time.monotonic() - t0, group_cpu_s(server.pgid) - cpu0
+        wall, cpu = time.monotonic() - t0, tree_cpu_s(server.process.pid) - cpu0
         _, pss, count = process_tree_memory(server.process.pid)
     finally:
         server.stop()
