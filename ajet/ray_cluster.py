@@ -5,7 +5,7 @@ minutes, and a placement group that no node can hold stays pending forever (verl
 its groups with a plain `ray.get`). Used by the `--with-ray` episode pool (`ajet.rollout.ray`) and the verl
 backbone (`trainer.nnodes` x `trainer.n_gpus_per_node`), each check turns such a wait into one `ConfigError`
 naming what the cluster has and what to change. `start_ray` is how ajet starts Ray: `ray.init`, then the running
-command's stop handlers back in place.
+command's stop handlers back in place. `torch_threads_env` is how many torch threads a CPU rank on Ray trains with.
 
 Reference: Ray's placement groups, https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html
 """
@@ -32,6 +32,20 @@ def start_ray(ray: Any, **init_kwargs: Any) -> None:
     """
     ray.init(**init_kwargs)
     interrupt.reinstall()
+
+
+def torch_threads_env(ranks_per_node: int) -> dict[str, str]:
+    """`{"OMP_NUM_THREADS": N}` for the Ray workers that train on CPU (verl's and Trinity's FSDP ranks): N is the value
+    this process's environment sets, else this machine's cores shared by the `ranks_per_node` ranks a node holds
+    (at least 1), as torch takes one thread per core in a process of its own (`ajet --help`).
+
+    Ray sets OMP_NUM_THREADS to a worker's CPU share when its environment lacks the variable: 1 for verl's ranks,
+    which hold a share of 1, so without this a CPU rank trained on one thread whatever the machine's cores (Ray:
+    `set_omp_num_threads_if_unset`). Raises ValueError when `ranks_per_node` < 1."""
+    if ranks_per_node < 1:
+        raise ValueError(f"torch_threads_env: ranks_per_node must be >= 1, got {ranks_per_node}")
+    given = os.environ.get("OMP_NUM_THREADS")
+    return {"OMP_NUM_THREADS": given if given else str(max(1, (os.cpu_count() or 1) // ranks_per_node))}
 
 
 def init_address(address: str | None) -> str | None:

@@ -165,7 +165,7 @@ DEBUG: dict[str, Support] = {
     "model.max_model_len": HONOURED,
     "model.lora": HONOURED,
     "model.gradient_checkpointing": honoured("transformers' activation checkpointing of every decoder layer during "
-                                             "the update (the engine generates without it)"),
+                                             "the update (the engine generates without it; unset: off)"),
     "agents": honoured("one peft adapter per role, served in one batch (each row with its role's adapter), an "
                        "optimizer each"),
     "rollout.num_repeat": HONOURED,
@@ -211,8 +211,8 @@ VERL: dict[str, Support] = {
     "model.max_model_len": translated("actor_rollout_ref.rollout.max_model_len"),
     "model.lora": translated("actor_rollout_ref.model.{lora_rank,lora_alpha,target_modules} (with verl's "
                              "vLLM/SGLang rollout, or ajet's vLLM engine: the adapter alone is synced)"),
-    "model.gradient_checkpointing": refused("not wired into the verl translation; its CPU actor runs as configured "
-                                            "there"),
+    "model.gradient_checkpointing": translated("actor_rollout_ref.model.enable_gradient_checkpointing (unset: "
+                                               "verl's default, on)"),
     "agents": refused(_NO_AGENTS.format(who="verl's actor")),
     "rollout.num_repeat": translated("actor_rollout_ref.rollout.n"),
     "rollout.temperature": translated("actor_rollout_ref.rollout.temperature"),
@@ -257,8 +257,8 @@ TRINITY: dict[str, Support] = {
     "model.device": honoured("ajet's engine; Trinity's trainer uses CUDA when present"),
     "model.max_model_len": translated("model.max_model_len"),
     "model.lora": refused("LoRA is not wired into Trinity's trainer yet (it trains every parameter)"),
-    "model.gradient_checkpointing": refused("not wired into the Trinity translation (its CPU trainer always "
-                                            "checkpoints: enable_gradient_checkpointing)"),
+    "model.gradient_checkpointing": translated("trainer.trainer_config.model.enable_gradient_checkpointing (unset: "
+                                               "on)"),
     "agents": refused(_NO_AGENTS.format(who="Trinity's trainer")),
     "rollout.num_repeat": translated("algorithm.repeat_times"),
     "rollout.temperature": translated("model.temperature"),

@@ -11,6 +11,7 @@ Each venv test skips, naming the build command, when that venv is absent; in CI 
 """
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -119,14 +120,21 @@ def test_verl_update_on_cpu_equals_the_debug_backbones(recorded, tiny_model_dir,
     recorded, fails), so that the two sides' weights part only as far as AdamW makes of the two gradients
     (`adam_rel`), and after 3 updates within 3x that (see the bounds in shared.py) for every loss_agg_mode; 2 FSDP
     ranks (with an odd row count, padded) give the gradient of 1 rank; the KL term uses verl's reference worker;
-    the engine serves the actor's weights after every update (verl's weight export)."""
+    the engine serves the actor's weights after every update (verl's weight export).
+
+    Run without OMP_NUM_THREADS, as a user's run is: each actor rank trains with its share of the machine's cores
+    as torch threads (Ray alone gives each rank 1)."""
     py = venv_python("verl")
     d, samples = recorded
     assert len(samples) % 2 == 0            # so that "drop_last" makes the row count odd
-    res = run_check(py, "verl_update_check.py", {"model_dir": tiny_model_dir, "samples": d["samples"],
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = run_check(py, "verl_update_check.py", {"model_dir": tiny_model_dir, "samples": d["samples"],
                                                  "exp_dir": str(tmp_path / "exp"), "lr": main_job_lr(),
                                                  "runs": VERL_UPDATE_RUNS},
-                    tmp_path, timeout=1800)   # a bound
+                    tmp_path, timeout=1800, env=env)   # a bound
+    cores = os.cpu_count() or 1
+    assert out["actor_threads"] == {str(dp): [max(1, cores // dp)] * dp for dp in (1, 2)}
+    res = out["runs"]
     assert set(res) == {r["name"] for r in VERL_UPDATE_RUNS}
     for name, r in res.items():                                           # shown by pytest -rP
         print(f"{name}: grads {r['grad_rel']:.2e}, weights after 1 {r['weight_rel_1']:.3e} (AdamW of the gradients "
@@ -207,7 +215,8 @@ except ConfigError as exc:
 a = c.actor_rollout_ref
 print("composed", a.actor.loss_agg_mode, a.actor.loss_scale_factor, a.model.lora_rank, a.rollout.n,
       c.trainer.n_gpus_per_node, a.rollout.name, a.actor.strategy, a.actor.optim.clip_grad,
-      a.actor.fsdp_config.mixed_precision.param_dtype, a.model.override_config.attn_implementation)
+      a.actor.fsdp_config.mixed_precision.param_dtype, a.model.override_config.attn_implementation,
+      a.model.enable_gradient_checkpointing)
 """
 
 
@@ -216,10 +225,11 @@ VERL_CONFIG_CASES = [
     ("cuda", "model: {path: Qwen/Qwen2.5-0.5B-Instruct, lora: {rank: 8, alpha: 16}}\nrollout: {num_repeat: 5}\n"
      "algorithm: {kl_coef: 0.01, loss_agg_mode: seq-mean-token-sum-norm, loss_scale_factor: 512, max_grad_norm: 0.5}\n"
      "verl: {trainer: {n_gpus_per_node: 8}, actor_rollout_ref.rollout.engine_kwargs.vllm.logprobs_mode: "
-     "processed_logprobs}\n", "composed seq-mean-token-sum-norm 512.0 8 5 8 vllm fsdp 0.5 fp32 sdpa"),
+     "processed_logprobs}\n", "composed seq-mean-token-sum-norm 512.0 8 5 8 vllm fsdp 0.5 fp32 sdpa True"),
     # without CUDA: ajet's engine generates, verl's actor gets the CPU settings (FSDP2), model.dtype -> fp32
-    ("cpu", "model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {trainer: {n_gpus_per_node: 2}}\n",
-     "composed seq-mean-token-mean None 0 4 2 vllm fsdp2 1.0 fp32 sdpa"),
+    # model.gradient_checkpointing unset: verl's default (True); false reaches verl's model config
+    ("cpu", "model: {path: Qwen/Qwen2.5-0.5B-Instruct, gradient_checkpointing: false}\n"
+     "verl: {trainer: {n_gpus_per_node: 2}}\n", "composed seq-mean-token-mean None 0 4 2 vllm fsdp2 1.0 fp32 sdpa False"),
     ("cuda", "model: {path: Qwen/Qwen2.5-0.5B-Instruct}\nverl: {actor_rollout_ref.rollout.nmae: vllm}\n",
      "ConfigError: verl's config has no key `actor_rollout_ref.rollout.nmae`"),
 ]

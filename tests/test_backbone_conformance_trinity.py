@@ -222,7 +222,8 @@ except ConfigError as exc:
     sys.exit(0)
 a = c.algorithm
 print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_args), a.loss_agg_mode, a.kl_loss_fn,
-      a.optimizer.lr, c.trainer.save_interval, c.trainer.trainer_config["actor"]["fsdp_config"]["mixed_precision"])
+      a.optimizer.lr, c.trainer.save_interval, c.trainer.trainer_config["actor"]["fsdp_config"]["mixed_precision"],
+      c.trainer.trainer_config["model"]["enable_gradient_checkpointing"])
 """
 
 
@@ -230,7 +231,11 @@ print("composed", a.algorithm_type, a.policy_loss_fn, sorted(a.policy_loss_fn_ar
 TRINITY_CONFIG_CASES = [
     ("algorithm: {lr: 2.0e-5, loss_agg_mode: seq-mean-token-sum}\n",
      "composed dapo ppo ['clip_range_high', 'clip_range_low', 'clip_ratio_c', 'loss_agg_mode'] seq-mean-token-sum "
-     "none 2e-05 0 {'param_dtype': 'fp32', 'reduce_dtype': 'fp32', 'buffer_dtype': 'fp32'}"),
+     "none 2e-05 0 {'param_dtype': 'fp32', 'reduce_dtype': 'fp32', 'buffer_dtype': 'fp32'} True"),
+    # model.gradient_checkpointing unset: on (above); false reaches Trinity's trainer config
+    ("model: {gradient_checkpointing: false}\n",
+     "composed dapo ppo ['clip_range_high', 'clip_range_low', 'clip_ratio_c', 'loss_agg_mode'] seq-mean-token-mean "
+     "none 1e-06 0 {'param_dtype': 'fp32', 'reduce_dtype': 'fp32', 'buffer_dtype': 'fp32'} False"),
     ("algorithm: {kl_coef: 0.01}\ntrinity: {algorithm: {policy_loss_fn: gspo}, trainer.save_interval: 5}\n",
      "composed grpo gspo ['clip_range_high', 'clip_range_low', 'loss_agg_mode'] seq-mean-token-mean low_var_kl 1e-06 5"),
     ("trinity: {algorithm: {polciy_loss_fn: gspo}}\n", "ConfigError: `trinity.algorithm.polciy_loss_fn`"),

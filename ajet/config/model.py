@@ -70,8 +70,9 @@ class ModelConfig(_Section):
     max_model_len: int = Field(4096, gt=0, description="prompt + completion limit, tokens")
     lora: LoraConfig | None = Field(None, description="LoRA adapters on the policy (the keys below); None trains "
                                                       "every parameter")
-    gradient_checkpointing: bool = Field(
-        False, description="the update keeps only each decoder layer's input and recomputes the layer's activations "
-                           "in the backward pass (transformers' activation checkpointing): the same gradients, bit "
-                           "for bit, with a fraction of the activations held (the update's peak memory: "
-                           "docs/benchmarks.md), for one more forward of the body per update")
+    gradient_checkpointing: bool | None = Field(
+        None, description="the update keeps only each decoder layer's input and recomputes the layer's activations "
+                          "in the backward pass (transformers' activation checkpointing): the same gradients, bit "
+                          "for bit, with a fraction of the activations held (the update's peak memory: "
+                          "docs/benchmarks.md), for one more forward of the body per update; unset: each "
+                          "backbone's default (debug: off; verl's actor and Trinity's trainer: on)")

@@ -31,8 +31,6 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
         ConfigError: an ajet setting this backbone does not honour (its declaration in
             `ajet.backbones.capabilities`), or a micro-batch setting it cannot train (the message says what to change).
     """
-    from ajet.backbones.trinity.cpu import cpu_trainer_config
-
     m, r, a, t = cfg.model, cfg.rollout, cfg.algorithm, cfg.trainer
     check_supported(cfg, "trinity")     # the trinity declaration: model.lora, mini_batches, max_staleness, ...
     # micro-batches of micro_batch_tokens, each loss scaled to its share of the step (backbones/trinity/loss.py);
@@ -90,13 +88,23 @@ def trinity_dict(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_s
             "balance_batch": False,
             "save_interval": 0,                       # ajet saves (trainer.save_freq) through save_checkpoint
             "save_hf_checkpoint": "never",
-            "trainer_config": {**cpu_trainer_config(), "actor": {**cpu_trainer_config()["actor"],
-                                                                  "ppo_epochs": a.ppo_epochs}}
-            if on_cpu else {"actor": {"ppo_epochs": a.ppo_epochs}},
+            "trainer_config": _trainer_config(cfg, on_cpu),
         },
         "synchronizer": {"sync_method": "memory"},   # weights to the explorer through Trinity's Synchronizer
         "monitor": {"monitor_type": "tensorboard"},
     }
+
+
+def _trainer_config(cfg: AjetConfig, on_cpu: bool) -> dict:
+    """Trinity's `trainer.trainer_config` (verl 0.8's worker config): the CPU settings (`cpu_trainer_config`) on CPU,
+    `algorithm.ppo_epochs`, and `model.gradient_checkpointing` when set (unset: on, verl's default and the CPU's)."""
+    from ajet.backbones.trinity.cpu import cpu_trainer_config
+
+    out = cpu_trainer_config() if on_cpu else {}
+    out["actor"] = {**out.get("actor", {}), "ppo_epochs": cfg.algorithm.ppo_epochs}
+    if cfg.model.gradient_checkpointing is not None:
+        out["model"] = {**out.get("model", {}), "enable_gradient_checkpointing": cfg.model.gradient_checkpointing}
+    return out
 
 
 def trinity_config(cfg: AjetConfig, model_path: str, checkpoint_root: str, world_size: int = 1,

@@ -35,7 +35,7 @@ Trinity/verl config: see `cpu_trainer_config` (Trinity's `trainer.trainer_config
 
 from __future__ import annotations
 
-import os
+from ajet.ray_cluster import torch_threads_env
 
 
 def patch_verl_for_cpu() -> None:
@@ -134,8 +134,8 @@ def ray_init_kwargs(world_size: int) -> dict:
         "num_gpus": world_size,                    # logical slots for verl's placement groups, no CUDA behind
         "include_dashboard": False,
         "runtime_env": {"worker_process_setup_hook": WORKER_SETUP_HOOK,
-                        "env_vars": {"TOKENIZERS_PARALLELISM": "false",   # Ray's default is 1 thread per worker
-                                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))}},
+                        # each rank's share of the cores as torch threads (Ray's default: 1 thread per worker)
+                        "env_vars": {"TOKENIZERS_PARALLELISM": "false", **torch_threads_env(world_size)}},
     }
 
 
@@ -144,8 +144,9 @@ def cpu_trainer_config() -> dict:
     cannot wrap CPU parameters), fp32 compute and reduction (verl's default bf16 autocast moves the loss by
     ~4%), sdpa attention (verl's default asks for flash-attn; eager materialises a [heads, tokens, tokens] matrix per
     layer over a packed micro-batch: 10.7 GB vs 6.1 GB for 4 rows of 550 tokens), no torch.compile, and gradient
-    checkpointing (the same gradients; it recomputes each layer in the backward instead of keeping SmolLM2's 30
-    layers of activations for a 4,096-token micro-batch, which with the step's fp32 logits filled a 24 GB machine)."""
+    checkpointing unless `model.gradient_checkpointing` is false (the same gradients; it recomputes each layer in the
+    backward instead of keeping SmolLM2's 30 layers of activations for a 4,096-token micro-batch, which with the
+    step's fp32 logits filled a 24 GB machine)."""
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     return {
         "model": {"override_config": {"attn_implementation": "sdpa"}, "enable_gradient_checkpointing": True},

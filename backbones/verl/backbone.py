@@ -46,7 +46,7 @@ from ajet import progress
 from ajet.algorithm.batching import split_mini_batches
 from ajet.algorithm.guards import NONFINITE_SKIPPED, nonfinite_figure, report_nonfinite
 from ajet.backbones.ray_oom import explain_ray_oom
-from ajet.ray_cluster import check_groups, check_reachable, init_address, start_ray
+from ajet.ray_cluster import check_groups, check_reachable, init_address, start_ray, torch_threads_env
 from ajet.engines.pool import ServerPool
 from ajet.backbones.verl.config import check_keys_exist, rollout_choice, verl_overrides
 from ajet.backbones.verl.data import batch_temperature, to_data_proto
@@ -128,6 +128,8 @@ class VerlBackbone:
             from ajet.backbones.verl.cpu import worker_env
 
             runtime_env["env_vars"].update(worker_env(vllm_on_cpu))
+            if vllm_on_cpu:    # verl's actor ranks (with ajet's rollout: their worker group's env, below)
+                runtime_env["env_vars"].update(torch_threads_env(int(self.config.trainer.n_gpus_per_node)))
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             check_reachable(cfg.rollout.ray_address)    # ray.init retries an address nothing answers at for minutes
@@ -180,7 +182,8 @@ class VerlBackbone:
                                       role=role)
         from ajet.backbones.verl.cpu import worker_env
 
-        env = {} if cuda else worker_env()          # the CPU platform in every worker (cpu.py)
+        # the CPU platform in every worker (cpu.py), and each rank's share of its node's cores as torch threads
+        env = {} if cuda else {**worker_env(), **torch_threads_env(int(self.config.trainer.n_gpus_per_node))}
         self.actor_wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=worker, worker_env=env,
                                        device_name="cuda" if cuda else "cpu")
         self.actor_wg.init_model()

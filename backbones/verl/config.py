@@ -127,6 +127,8 @@ def verl_overrides(cfg: AjetConfig, cuda: bool = True) -> dict[str, Any]:
                     "reward.num_workers": 1, "data.dataloader_num_workers": 0})   # verl's servers): one, not 8 each
     if a.loss_scale_factor is not None:
         out["actor_rollout_ref.actor.loss_scale_factor"] = a.loss_scale_factor
+    if m.gradient_checkpointing is not None:       # unset: verl's default (on)
+        out["actor_rollout_ref.model.enable_gradient_checkpointing"] = m.gradient_checkpointing
     if m.lora:
         out["actor_rollout_ref.model.lora_alpha"] = m.lora.alpha
         out["actor_rollout_ref.model.target_modules"] = m.lora.target_modules

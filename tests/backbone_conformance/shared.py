@@ -98,14 +98,15 @@ def ajet_losses(d, samples, loss_scale_factor=CLIP["loss_scale_factor"]):
     return t, out, agg
 
 
-def run_check(py, script, payload, tmp_path, timeout=400):
+def run_check(py, script, payload, tmp_path, timeout=400, env=None):
     """Run the check script `script` (this folder) with the backbone venv's python `py` on `payload` (JSON, written
-    to tmp_path/in.json) and return what it wrote to tmp_path/out.json. Raises AssertionError (its output's tail)
-    when it exits non-zero; subprocess.TimeoutExpired after `timeout` seconds."""
+    to tmp_path/in.json) in the environment `env` (None: this process's) and return what it wrote to
+    tmp_path/out.json. Raises AssertionError (its output's tail) when it exits non-zero; subprocess.TimeoutExpired
+    after `timeout` seconds."""
     inp, out = tmp_path / "in.json", tmp_path / "out.json"
     inp.write_text(json.dumps(payload))
     proc = subprocess.run([py, str(CHECKS / script), str(inp), str(out)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+                          timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

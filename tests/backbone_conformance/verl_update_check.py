@@ -12,7 +12,8 @@ far its weights after update 1 are from those torch's AdamW makes of its gradien
 how far apart those two AdamW steps put the weights (`adam_rel`: the weights' expected distance after update 1) and
 what the float64 formula makes of it without the float32 weights (`adam_rel_f64`); verl's grad_norm and optimizer
 steps, and, for a run with `same_as` (another run's name), the relative L2 distance between the two runs' verl
-gradients (2 FSDP ranks against 1).
+gradients (2 FSDP ranks against 1). OUT.json: {"runs": {name: those figures}, "actor_threads": {dp: the torch threads
+of each of verl's actor ranks, as they report them}}.
 
 The runs of one (dp, kl_coef) share one verl backbone, one after the other, as a user's run would never: each
 starts from a checkpoint of the initial weights and optimizer saved before the first (verl's checkpoint manager),
@@ -71,6 +72,7 @@ def main(inp: str, out: str) -> None:
     d = json.load(open(inp))
     all_samples = [Sample(**s) for s in d["samples"]]
     res = {}
+    threads = {}
     grads_by_run = {}
     groups: dict[tuple, list[dict]] = {}            # the runs that share a verl backbone, in order
     for run in d["runs"]:
@@ -100,6 +102,8 @@ def main(inp: str, out: str) -> None:
                                                   "verl": {"trainer": {"n_gpus_per_node": dp}}})
             if verl is None:            # verl's own start-up, with this run's config
                 verl = VerlBackbone(verl_cfg)
+                threads[dp] = ray.get([w.__ray_call__.remote(lambda w: torch.get_num_threads())
+                                       for w in verl.actor_wg.workers])
                 verl.actor_wg.record_grads()
                 init = Path(d["exp_dir"]) / f"init_dp{dp}"
                 if len(runs) > 1:
@@ -139,7 +143,7 @@ def main(inp: str, out: str) -> None:
         if run.get("same_as"):
             res[run["name"]]["grad_rel_vs_same_as"] = rel(grads_by_run[run["name"]], grads_by_run[run["same_as"]])
     ray.shutdown()
-    json.dump(res, open(out, "w"))
+    json.dump({"runs": res, "actor_threads": threads}, open(out, "w"))
 
 
 if __name__ == "__main__":
