@@ -4,7 +4,8 @@ rollback to a checkpoint.
 A checkpoint holds the backbone's state (Hugging Face weights, optimizer, RNG, policy version; see
 `Backbone.save_checkpoint`) and `trainer_state.pt` (step, data position, Python and torch RNG, attempt).
 It is written into a temporary folder and renamed into place, so a `kill -9` mid-write leaves either the
-previous checkpoint or the new one, never half of one. Re-saving a step that exists moves the old folder
+previous checkpoint or the new one, never half of one; a disk that fills up mid-write leaves the same, and
+`DiskFull` (one line: where, how much is free, the checkpoint to resume from). Re-saving a step that exists moves the old folder
 aside to `.step_N.old` first; if the process dies between the two renames, `latest` (and the next `save`)
 put the old folder back, so some complete `step_N` is always found.
 
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from ajet import progress
+from ajet.errors import DiskFull, disk_free, is_disk_full
 from ajet.faults import kill_point
 
 TRAINER_STATE = "trainer_state.pt"
+NEARLY_FULL_BYTES = 64 * 2**20    # a write that failed with less than this free on its disk ran out of space (bytes)
 
 
 # the merged full weights a backbone writes beside its LoRA adapter (`adapter/`), left out by `adapter_only`
@@ -46,6 +49,8 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any], adap
             full model. Without an adapter it changes nothing.
 
     Raises:
+        DiskFull: the disk filled up while the checkpoint was written (`is_disk_full`, or under NEARLY_FULL_BYTES
+            left free); the partial folder is removed.
         OSError: the folder cannot be written.
     """
     import torch
@@ -55,13 +60,21 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any], adap
     _recover(root)
     tmp, final, old = root / f".step_{step}.tmp", root / f"step_{step}", root / f".step_{step}.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    with progress.phase(f"checkpoint step {step}"):   # the weights may take minutes to write
-        backbone.save_checkpoint(tmp)
-        if adapter_only and (tmp / "adapter" / "adapter_model.safetensors").is_file():
-            for pattern in MERGED_WEIGHTS:
-                for f in tmp.glob(pattern):
-                    f.unlink()
-        torch.save(trainer_state, tmp / TRAINER_STATE)
+    try:
+        with progress.phase(f"checkpoint step {step}"):   # the weights may take minutes to write
+            backbone.save_checkpoint(tmp)
+            if adapter_only and (tmp / "adapter" / "adapter_model.safetensors").is_file():
+                for pattern in MERGED_WEIGHTS:
+                    for f in tmp.glob(pattern):
+                        f.unlink()
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+    except Exception as exc:
+        # torch's zip writer says "file write failed" (or "unexpected pos ...") without the OS's reason: a disk left
+        # with almost nothing free says it
+        if not (is_disk_full(exc) or shutil.disk_usage(root).free < NEARLY_FULL_BYTES):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)          # the partial folder: space back, nothing half-written left
+        raise DiskFull(_disk_full_message(root, step, exc)) from exc
     kill_point("checkpoint", step)
     if final.exists():
         os.replace(final, old)
@@ -69,6 +82,17 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any], adap
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full_message(root: Path, step: int, exc: BaseException) -> str:
+    """`DiskFull`'s line: the checkpoint, its disk's free space, the error's first line, what to do."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:300]
+    before = latest(root.parent)
+    then = (f"then the same command with --resume continues from {before.name}" if before is not None else
+            "then run the same command again (no earlier checkpoint)")
+    return (f"checkpoint step_{step} did not fit in {root}: the disk is full ({disk_free(root)} once the partial "
+            f"checkpoint was removed; {type(exc).__name__}: {first}). "
+            f"Free space there or give --exp-dir on a larger disk; {then}")
 
 
 def _recover(root: Path) -> None:

@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     if name in _TRAINER_COMMANDS and (line := _needs_train_extra(name)):   # a `pip install ajet` client
         print(line, file=sys.stderr)
         return 2
-    from ajet.errors import AjetError
+    from ajet.errors import AjetError, is_disk_full
 
     if getattr(args, "quiet", False):
         import os
@@ -615,12 +615,29 @@ def main(argv: list[str] | None = None) -> int:
             elif isinstance(exc, ModuleNotFoundError) and (line := _needs_train_extra(name, exc.name)):
                 print(line, file=sys.stderr)
                 return 2
+            elif is_disk_full(exc):   # a write that did not fit (a checkpoint's own: DiskFull, above)
+                print(f"ajet: error: {_disk_full_line(args, exc)}", file=sys.stderr)
+                return 2
             else:
                 raise
     if stop.signum is not None:
         print(_stopped(argv, args, stop.signum), file=sys.stderr, flush=True)
         return stop.exit_status if status is None else status
     return status
+
+
+def _disk_full_line(args: argparse.Namespace, exc: BaseException) -> str:
+    """The one line for a write that did not fit on its disk: what failed, the experiment folder's free space, what
+    to do."""
+    from ajet.errors import disk_free
+
+    cfg = getattr(args, "loaded_config", None)
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:300]
+    where = ""
+    if cfg is not None and (exp := cfg.exp_path()).exists():
+        where = f" in {exp} ({disk_free(exp)})"
+    return (f"the disk is full{where}: {type(exc).__name__}: {first}. Free space there or give --exp-dir on a larger "
+            f"disk; a run with checkpoints continues from its last one with --resume")
 
 
 def _stopped(argv: list[str], args: argparse.Namespace, signum: int) -> str:
