@@ -5,9 +5,9 @@ A checkpoint holds the backbone's state (Hugging Face weights, optimizer, RNG, p
 `Backbone.save_checkpoint`) and `trainer_state.pt` (step, data position, Python and torch RNG, attempt).
 It is written into a temporary folder and renamed into place, so a `kill -9` mid-write leaves either the
 previous checkpoint or the new one, never half of one; a disk that fills up mid-write leaves the same, and
-`DiskFull` (one line: where, how much is free, the checkpoint to resume from). Re-saving a step that exists moves the old folder
-aside to `.step_N.old` first; if the process dies between the two renames, `latest` (and the next `save`)
-put the old folder back, so some complete `step_N` is always found.
+`DiskFull` (one line: where, how much is free, the checkpoint to resume from). Re-saving a step that exists moves
+the old folder aside to `.step_N.old` first; if the process dies between the two renames, `latest` (and the next
+`save`) put the old folder back, so some complete `step_N` is always found.
 
 `ajet gateway` writes one such checkpoint per served policy version (ajet/gateway/versions.py); with a LoRA
 adapter it leaves the merged weights out (`adapter_only`): the adapter and the optimizer state restore the policy.

@@ -636,8 +636,8 @@ def _disk_full_line(args: argparse.Namespace, exc: BaseException) -> str:
     where = ""
     if cfg is not None and (exp := cfg.exp_path()).exists():
         where = f" in {exp} ({disk_free(exp)})"
-    return (f"the disk is full{where}: {type(exc).__name__}: {first}. Free space there or give --exp-dir on a larger "
-            f"disk; a run with checkpoints continues from its last one with --resume")
+    return (f"the disk is full{where}: {type(exc).__name__}: {first}. Free space {'there' if where else 'on it'} or "
+            f"give --exp-dir on a larger disk; a run with checkpoints continues from its last one with --resume")
 
 
 def _stopped(argv: list[str], args: argparse.Namespace, signum: int) -> str:
