@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ajet import progress
-from ajet.errors import DiskFull, disk_free, is_disk_full
+from ajet.errors import DiskFull, disk_free, first_line, is_disk_full
 from ajet.faults import kill_point
 
 TRAINER_STATE = "trainer_state.pt"
@@ -86,7 +86,7 @@ def save(exp_dir: Path, step: int, backbone, trainer_state: dict[str, Any], adap
 
 def _disk_full_message(root: Path, step: int, exc: BaseException) -> str:
     """`DiskFull`'s line: the checkpoint, its disk's free space, the error's first line, what to do."""
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:300]
+    first = first_line(exc)[:300]
     before = latest(root.parent)
     then = (f"then the same command with --resume continues from {before.name}" if before is not None else
             "then run the same command again (no earlier checkpoint)")

@@ -629,10 +629,10 @@ def main(argv: list[str] | None = None) -> int:
 def _disk_full_line(args: argparse.Namespace, exc: BaseException) -> str:
     """The one line for a write that did not fit on its disk: what failed, the experiment folder's free space, what
     to do."""
-    from ajet.errors import disk_free
+    from ajet.errors import disk_free, first_line
 
     cfg = getattr(args, "loaded_config", None)
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:300]
+    first = first_line(exc)[:300]
     where = ""
     if cfg is not None and (exp := cfg.exp_path()).exists():
         where = f" in {exp} ({disk_free(exp)})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -35,20 +36,26 @@ _DISK_FULL_TEXT = ("No space left on device", "StorageFull", "Disk quota exceede
                    "database or disk is full")
 
 
-def is_disk_full(exc: BaseException) -> bool:
-    """Whether `exc` (or an exception it was raised from) says a disk is full: an OSError with errno ENOSPC or
-    EDQUOT, Ray's `OutOfDiskError` (by class name: no Ray import), or one of the messages above."""
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then the exception it was raised from (`__cause__`, else `__context__`), and so on, each once."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(c.__name__ == "OutOfDiskError" for c in type(exc).__mro__):
-            return True
-        if any(text in str(exc) for text in _DISK_FULL_TEXT):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of `exc`'s message, stripped; its class name when the message is blank."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) says a disk is full: an OSError with errno ENOSPC or
+    EDQUOT, Ray's `OutOfDiskError` (by class name: no Ray import), or one of the messages above."""
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+               or any(c.__name__ == "OutOfDiskError" for c in type(e).__mro__)
+               or any(text in str(e) for text in _DISK_FULL_TEXT) for e in exception_chain(exc))
 
 
 def disk_free(path: Path) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ajet.errors import AjetError
+from ajet.errors import AjetError, exception_chain, first_line
 
 OOM_SENTENCE = "killed due to the node running low on memory"   # the raylet's message, for tasks and actors
 
@@ -29,22 +29,19 @@ def is_ray_oom(exc: BaseException) -> bool:
     `OutOfMemoryError` (matched by class name and module, so no Ray import is needed), or any Ray error whose
     message carries the raylet's OOM sentence (an actor that died that way). torch's `OutOfMemoryError` (an
     allocation that failed inside one process) is not."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        ray_classes = [c for c in type(exc).__mro__ if c.__module__.split(".")[0] == "ray"]
+    for e in exception_chain(exc):
+        ray_classes = [c for c in type(e).__mro__ if c.__module__.split(".")[0] == "ray"]
         if any(c.__name__ == "OutOfMemoryError" for c in ray_classes):
             return True
-        if ray_classes and OOM_SENTENCE in str(exc):
+        if ray_classes and OOM_SENTENCE in str(e):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 
 def oom_message(where: str, exc: BaseException, advice: str) -> str:
     """The user's message: what was killed (`where`), Ray's own first line (up to 400 characters), what to
     change (`advice`: the backbone's own settings), and Ray's kill threshold."""
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = first_line(exc)
     if len(first) > 400:
         first = first[:400] + " ..."
     return (f"{where} was killed by Ray's memory monitor: the machine ran low on memory (Ray: {first}). "
